@@ -1,0 +1,165 @@
+"""The `recover` command line: train | coordinator | simulate | bench.
+
+Invariant: a user mistake ends in one readable line on stderr and a non-zero exit, never a
+traceback; flags map 1:1 onto `RunConfig` fields, and presets only set defaults that flags override.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+from recover.config import PRESETS, RunConfig, preset
+from recover.errors import RecoverError
+
+_TRAIN_FLAGS: list[tuple[str, str, type, str]] = [
+    # (flag, RunConfig field, type, help)
+    ("--replicas", "replicas", int, "R: replica processes (default 4)"),
+    ("--microbatches", "microbatches", int, "N: microbatches per step, the invariant's unit"),
+    ("--microbatch-size", "microbatch_size", int, "B: sequences per microbatch"),
+    ("--steps", "steps", int, "optimizer steps"),
+    ("--stop-at", "stop_at", int, "stop after this many steps (checkpointed; --resume goes on)"),
+    ("--seed", "seed", int, "run seed (data order, init, dropout)"),
+    ("--lr", "lr", float, "peak learning rate"),
+    ("--min-lr", "min_lr", float, "final learning rate of the cosine decay"),
+    ("--warmup-steps", "warmup_steps", int, "linear warmup steps"),
+    ("--weight-decay", "weight_decay", float, "AdamW weight decay"),
+    ("--grad-clip", "grad_clip", float, "global gradient-norm clip"),
+    ("--data", "data", str, "text file/folder or uint16 .bin (default: embedded Shakespeare)"),
+    ("--val-fraction", "val_fraction", float, "fraction of tokens held out for validation"),
+    ("--eval-every", "eval_every", int, "steps between validation losses"),
+    ("--ckpt-every", "ckpt_every", int, "steps between DCP checkpoints (0 = only at the end)"),
+    ("--min-replicas", "min_replicas", int, "stop (with a checkpoint) below this many replicas"),
+    ("--stale-s", "stale_s", float, "heartbeat silence that declares a replica lost"),
+    ("--reduce-timeout-s", "reduce_timeout_s", float, "backstop timeout of one reduction"),
+    ("--layout", "layout", str, "replica layout: plain (hsdp, tp, pp: see README)"),
+]
+_MODEL_FLAGS: list[tuple[str, str, type, str]] = [
+    ("--block-size", "block_size", int, "sequence length"),
+    ("--n-layer", "n_layer", int, "transformer blocks"),
+    ("--n-head", "n_head", int, "attention heads"),
+    ("--n-embd", "n_embd", int, "model width"),
+    ("--dropout", "dropout", float, "dropout probability (seeded per microbatch id)"),
+    ("--vocab-size", "vocab_size", int, "vocabulary size (bytes: 256)"),
+]
+
+
+def _train_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="run resilient pre-training on this machine",
+                       description="Start a coordinator and R replica processes and train.")
+    p.add_argument("--preset", default="debug", help=f"one of {', '.join(PRESETS)}")
+    p.add_argument("--out", help="run directory (default runs/<preset>-<time>)")
+    p.add_argument("--resume", action="store_true", help="continue from DIR's latest checkpoint")
+    p.add_argument("--fault", action="append", default=[], metavar="SPEC",
+                   help="inject a fault, e.g. kill:replica=2,step=10,phase=backward")
+    p.add_argument("--reference", action="store_true",
+                   help="also run the failure-free reference and compare trajectories")
+    for flag, _, typ, hlp in _TRAIN_FLAGS + _MODEL_FLAGS:
+        p.add_argument(flag, type=typ, default=None, help=hlp)
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    cfg = preset(args.preset)
+    for _, name, _, _ in _TRAIN_FLAGS:
+        v = getattr(args, name)
+        if v is not None:
+            setattr(cfg, name, v)
+    for _, name, _, _ in _MODEL_FLAGS:
+        v = getattr(args, name)
+        if v is not None:
+            setattr(cfg.model, name, v)
+    cfg.out = args.out or f"runs/{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    cfg.resume, cfg.faults, cfg.reference = args.resume, list(args.fault), args.reference
+    if args.data is not None and not Path(args.data).exists():
+        raise RecoverError(f"--data {args.data}: no such file or directory")
+    return cfg.validate()
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from recover.train.launch import launch
+    from recover.train.reference import max_rel_loss_diff, plot_trajectory
+
+    console = Console(stderr=True)
+    cfg = config_from_args(args)
+    res = launch(cfg, console)
+    if not res.ok:
+        print(f"recover train: {res.message}", file=sys.stderr)
+        return 1
+    _summary(console, res)
+    if cfg.reference:
+        ref_cfg = dataclasses.replace(cfg, faults=[], reference=False, resume=False,
+                                      out=str(Path(cfg.out) / "reference"))
+        ref_cfg.model = dataclasses.replace(cfg.model)
+        console.print("recover: running the failure-free reference ...", highlight=False)
+        ref = launch(ref_cfg, console, quiet=True)
+        if not ref.ok:
+            print(f"recover train: reference run failed: {ref.message}", file=sys.stderr)
+            return 1
+        png = Path(cfg.out) / "trajectory.png"
+        plot_trajectory(res.records, ref.records, png)
+        diff = max_rel_loss_diff(res.records, ref.records)
+        console.print(f"trajectory plot: {png}", highlight=False)
+        print(f"max_rel_loss_diff={diff:.3e}", flush=True)
+    return 0
+
+
+def _summary(console, res) -> None:  # type: ignore[no-untyped-def]
+    recs = res.records
+    if not recs:
+        return
+    last = recs[-1]
+    gens = last["generation"]
+    recovered = sum(len(r["recovered"]) for r in recs)
+    tokens = sum(r["tokens_per_s"] * r["step_time_s"] for r in recs)
+    val = next((r["val_loss"] for r in reversed(recs) if "val_loss" in r), float("nan"))
+    console.print(
+        f"[bold]done[/]: {len(recs)} steps in {res.wall_s:.1f}s, final loss {last['loss']:.4f}, "
+        f"val loss {val:.4f}, {tokens / max(res.wall_s, 1e-9):,.0f} tok/s overall, "
+        f"live replicas {last['live_replicas']}, membership changes {gens}, "
+        f"microbatches recovered {recovered}; outputs in {res.out}", highlight=False)
+
+
+def cmd_coordinator(argv: list[str]) -> int:
+    from recover.collectives.coordinator import main as coordinator_main
+
+    return coordinator_main(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "coordinator":
+        return cmd_coordinator(argv[1:])
+    if argv and argv[0] == "simulate":
+        from recover.sim.cli import run_cli
+
+        return run_cli(argv[1:])
+    if argv and argv[0] == "bench":
+        from recover.baselines.bench import run_cli as bench_cli
+
+        return bench_cli(argv[1:])
+    ap = argparse.ArgumentParser(prog="recover", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    _train_parser(sub)
+    sub.add_parser("coordinator", help="run the control plane for a multi-node job")
+    sub.add_parser("simulate", help="cluster-scale discrete-event simulator")
+    sub.add_parser("bench", help="recover vs checkpoint-restart vs shrink-batch, side by side")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "train":
+            return cmd_train(args)
+    except RecoverError as e:
+        print(f"recover {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("recover: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Store key layout and wire messages shared by the coordinator and its members.
+
+Invariant: generation `g`'s member list lives at `gen/{g}/members`, is written exactly once (by the
+coordinator, with compare-and-set), and is published by incrementing `gen/count` only after it is
+written; so a reader that sees `gen/count > g` can always read generation g's members.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+from torch.distributed import TCPStore
+
+GEN_COUNT = "gen/count"  # number of generations published; the newest is count - 1
+LIVENESS_ADDR = "coord/liveness"  # host:port of the coordinator's liveness socket
+COORD_ERROR = "coord/error"  # set when the coordinator gives up (e.g. nobody joined)
+
+EXIT_FENCED = 3  # a process fenced out of the newest generation exits with this code
+
+
+def members_key(g: int) -> str:
+    return f"gen/{g}/members"
+
+
+def heartbeat_key(replica: int, rank: int) -> str:
+    return f"hb/{replica}.{rank}"
+
+
+def encode_members(members: list[int]) -> bytes:
+    return json.dumps(sorted(members)).encode()
+
+
+def decode_members(raw: bytes) -> list[int]:
+    return [int(m) for m in json.loads(raw)]
+
+
+def connect_store(host: str, port: int, timeout_s: float) -> TCPStore:
+    """A client of the coordinator's TCPStore; raises ConnectionError with a readable message."""
+    try:
+        return TCPStore(host, port, is_master=False, wait_for_workers=False,
+                        timeout=datetime.timedelta(seconds=timeout_s))
+    except Exception as e:  # torch raises DistNetworkError / RuntimeError with C++ context
+        raise ConnectionError(f"cannot reach the recover coordinator at {host}:{port}: "
+                              f"{str(e).splitlines()[0]}") from None
+
+
+def store_int(store: TCPStore, key: str) -> int:
+    """Read an integer counter without blocking (add 0 creates it as 0 if missing)."""
+    return int(store.add(key, 0))
+
+
+def try_get(store: TCPStore, key: str) -> bytes | None:
+    """Non-blocking get: None when the key does not exist yet."""
+    if not store.check([key]):
+        return None
+    return store.get(key)

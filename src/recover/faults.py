@@ -1,0 +1,127 @@
+"""Fault injection at a chosen (replica, step, phase): real SIGKILL, real SIGSTOP, real slowness.
+
+Invariant: a fault fires at most once, in the process of the replica it names, exactly at the
+named point of the step protocol; nothing else about the run changes. Spec grammar (CLI
+`--fault`, repeatable):
+
+    kill:replica=R,step=S[,phase=P][,microbatch=J]     SIGKILL this replica's process
+    hang:replica=R,step=S,seconds=X[,phase=P]          SIGSTOP it; a helper sends SIGCONT after X s
+    slow:replica=R,factor=F[,step=S]                   every microbatch takes F times as long
+
+phases: forward, backward (at local microbatch J, default 0), reduce (while the collective is in
+flight), commit (after the reduce, before the agreement), optimizer (after the commit decision).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from recover.errors import ConfigError
+
+PHASES = ("forward", "backward", "reduce", "commit", "optimizer")
+KINDS = ("kill", "hang", "slow")
+
+
+@dataclass
+class Fault:
+    kind: str
+    replica: int
+    step: int = 0
+    phase: str = "forward"
+    microbatch: int = 0
+    seconds: float = 0.0
+    factor: float = 1.0
+
+    def __str__(self) -> str:
+        if self.kind == "slow":
+            return f"slow:replica={self.replica},factor={self.factor},step={self.step}"
+        extra = f",seconds={self.seconds}" if self.kind == "hang" else ""
+        return (f"{self.kind}:replica={self.replica},step={self.step},phase={self.phase},"
+                f"microbatch={self.microbatch}{extra}")
+
+
+def parse_fault(spec: str) -> Fault:
+    """Parse one `--fault` spec; ConfigError with the offending text on any mistake."""
+    kind, _, rest = spec.partition(":")
+    if kind not in KINDS:
+        raise ConfigError(f"bad --fault {spec!r}: kind must be one of {', '.join(KINDS)}")
+    fields: dict[str, str] = {}
+    for part in filter(None, rest.split(",")):
+        k, eq, v = part.partition("=")
+        if not eq:
+            raise ConfigError(f"bad --fault {spec!r}: expected key=value, got {part!r}")
+        fields[k.strip()] = v.strip()
+    allowed = {"kill": {"replica", "step", "phase", "microbatch"},
+               "hang": {"replica", "step", "phase", "microbatch", "seconds"},
+               "slow": {"replica", "factor", "step"}}[kind]
+    unknown = sorted(set(fields) - allowed)
+    if unknown:
+        raise ConfigError(f"bad --fault {spec!r}: unknown key(s) {', '.join(unknown)}")
+    try:
+        f = Fault(kind=kind, replica=int(fields["replica"]), step=int(fields.get("step", 0)),
+                  phase=fields.get("phase", "forward"),
+                  microbatch=int(fields.get("microbatch", 0)),
+                  seconds=float(fields.get("seconds", 0)), factor=float(fields.get("factor", 1)))
+    except KeyError as e:
+        raise ConfigError(f"bad --fault {spec!r}: missing {e.args[0]}=") from None
+    except ValueError as e:
+        raise ConfigError(f"bad --fault {spec!r}: {e}") from None
+    if kind in ("kill", "hang") and "step" not in fields:
+        raise ConfigError(f"bad --fault {spec!r}: missing step=")
+    if f.phase not in PHASES:
+        raise ConfigError(f"bad --fault {spec!r}: phase must be one of {', '.join(PHASES)}")
+    if kind == "hang" and f.seconds <= 0:
+        raise ConfigError(f"bad --fault {spec!r}: hang needs seconds > 0")
+    if kind == "slow" and f.factor < 1:
+        raise ConfigError(f"bad --fault {spec!r}: slow needs factor >= 1")
+    if f.replica < 0 or f.step < 0 or f.microbatch < 0:
+        raise ConfigError(f"bad --fault {spec!r}: replica, step and microbatch must be >= 0")
+    return f
+
+
+def validate_faults(specs: list[str], replicas: int, steps: int) -> list[Fault]:
+    faults = [parse_fault(s) for s in specs]
+    for f in faults:
+        if f.replica >= replicas:
+            raise ConfigError(f"--fault {f}: replica {f.replica} does not exist "
+                              f"(--replicas {replicas})")
+        if f.step >= steps:
+            raise ConfigError(f"--fault {f}: step {f.step} is past the last step ({steps - 1})")
+    return faults
+
+
+class FaultInjector:
+    """The faults of one replica; `at(phase, step, j)` is called at each protocol point."""
+
+    def __init__(self, faults: list[Fault], replica: int) -> None:
+        self.faults = [f for f in faults if f.replica == replica]
+        self.fired: set[int] = set()
+
+    def slow_factor(self, step: int) -> float:
+        return max([f.factor for f in self.faults if f.kind == "slow" and step >= f.step],
+                   default=1.0)
+
+    def at(self, phase: str, step: int, j: int = 0) -> None:
+        for idx, f in enumerate(self.faults):
+            if idx in self.fired or f.kind == "slow" or f.step != step or f.phase != phase:
+                continue
+            if phase in ("forward", "backward") and f.microbatch != j:
+                continue
+            self.fired.add(idx)
+            print(f"recover: injecting {f} (pid {os.getpid()})", file=sys.stderr, flush=True)
+            if phase == "reduce":
+                time.sleep(random.uniform(0.0, 0.003))  # land inside the collective, not before
+            if f.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif f.kind == "hang":
+                # A detached helper resumes us: a real stop, seen by peers as a hung process.
+                subprocess.Popen(["/bin/sh", "-c", f"sleep {f.seconds}; kill -CONT {os.getpid()}"],
+                                 start_new_session=True, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL)
+                os.kill(os.getpid(), signal.SIGSTOP)

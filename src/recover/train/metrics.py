@@ -1,0 +1,82 @@
+"""Metrics: one JSON line per committed step in `DIR/metrics.jsonl`, and the console progress.
+
+Invariant: `metrics.jsonl` holds exactly one line per committed step, in step order, written by
+the launcher from the step records the replicas publish in the store (`rec/{t}`, first writer
+wins), so a replica's death can never lose or duplicate a line.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from recover.collectives.keys import try_get
+
+
+class MetricsSink:
+    def __init__(self, store: Any, path: Path, start_step: int, steps: int, tokens_per_step: int,
+                 run_start: float, console: Console, quiet: bool = False) -> None:
+        self.store, self.path = store, path
+        self.next, self.steps = start_step, steps
+        self.tokens_per_step = tokens_per_step
+        self.run_start = run_start
+        self.console, self.quiet = console, quiet
+        self.records: list[dict[str, Any]] = []
+        self._last_print = 0.0
+        self._live: int | None = None
+        self._every = max(1, steps // 40)
+
+    def poll(self) -> int:
+        """Write every record that has arrived, in order; return how many were written."""
+        n = 0
+        while self.next < self.steps:
+            raw = try_get(self.store, f"rec/{self.next}")
+            if raw is None:
+                break
+            rec = json.loads(raw)
+            t_commit = rec.pop("t_commit")
+            rec["time_s"] = round(t_commit - self.run_start, 4)
+            rec["tokens"] = (rec["step"] + 1) * self.tokens_per_step
+            rec["tokens_per_s"] = round(self.tokens_per_step / max(rec["step_time_s"], 1e-9), 1)
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            self.records.append(rec)
+            self._show(rec)
+            self.next += 1
+            n += 1
+        return n
+
+    def _show(self, rec: dict[str, Any]) -> None:
+        if self.quiet:
+            return
+        changed = self._live is not None and rec["live_replicas"] != self._live
+        self._live = rec["live_replicas"]
+        if changed or rec["recovered"] or rec["step"] % self._every == 0 or "val_loss" in rec \
+                or rec["step"] == self.steps - 1:
+            val = f"  val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
+            rcv = (f"  [yellow]recovered {len(rec['recovered'])} microbatch(es) in "
+                   f"{rec['recovery_s']:.2f}s[/]" if rec["recovered"] or rec["attempts"] > 1
+                   else "")
+            live = f"[red]{rec['live_replicas']}[/]" if changed else str(rec["live_replicas"])
+            self.console.print(
+                f"step {rec['step']:>5}  loss {rec['loss']:.4f}{val}  lr {rec['lr']:.2e}  "
+                f"{rec['tokens_per_s']:>9,.0f} tok/s  live {live}  gen {rec['generation']}"
+                f"{rcv}", highlight=False)
+        self._last_print = time.monotonic()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_metrics(path: Path, keep_below_step: int) -> None:
+    """Drop lines for steps >= keep_below_step (a resumed run rewrites them)."""
+    if not path.exists():
+        return
+    keep = [r for r in read_metrics(path) if r["step"] < keep_below_step]
+    path.write_text("".join(json.dumps(r) + "\n" for r in keep))

@@ -1,0 +1,52 @@
+"""Compare a run with faults against its failure-free reference: the product's promise, measured.
+
+Invariant: the comparison is over the same steps of the same config; `max_rel_loss_diff` is the
+largest |loss - ref| / |ref| over every step both runs committed, never a subset.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: the plot is a file
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def max_rel_loss_diff(run: list[dict[str, Any]], ref: list[dict[str, Any]]) -> float:
+    ref_by_step = {r["step"]: r["loss"] for r in ref}
+    common = [(r["loss"], ref_by_step[r["step"]]) for r in run if r["step"] in ref_by_step]
+    if not common:
+        raise ValueError("the run and its reference have no step in common")
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in common)
+
+
+def plot_trajectory(run: list[dict[str, Any]], ref: list[dict[str, Any]], path: Path) -> None:
+    """Both loss curves, the fault moments, and the per-step relative difference."""
+    ref_by_step = {r["step"]: r["loss"] for r in ref}
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True,
+                                  gridspec_kw={"height_ratios": [3, 1]})
+    ax.plot([r["step"] for r in ref], [r["loss"] for r in ref], label="failure-free reference",
+            lw=3, alpha=0.5)
+    ax.plot([r["step"] for r in run], [r["loss"] for r in run], label="with faults", lw=1.2)
+    prev_live = None
+    for r in run:
+        if prev_live is not None and r["live_replicas"] < prev_live or r.get("recovered"):
+            for a in (ax, ax2):
+                a.axvline(r["step"], color="red", ls=":", lw=1)
+        prev_live = r["live_replicas"]
+    ax.set_ylabel("training loss")
+    ax.legend()
+    ax.set_title("loss trajectory: faults vs failure-free (red: replica lost / recovered)")
+    steps = [r["step"] for r in run if r["step"] in ref_by_step]
+    rel = [abs(r["loss"] - ref_by_step[r["step"]]) / max(abs(ref_by_step[r["step"]]), 1e-12)
+           for r in run if r["step"] in ref_by_step]
+    ax2.semilogy(steps, [max(x, 1e-12) for x in rel], marker=".")
+    ax2.axhline(1e-5, color="gray", ls="--", lw=1)
+    ax2.set_ylabel("rel. diff")
+    ax2.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
