@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
 import time
 from pathlib import Path
@@ -57,6 +58,10 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                    help="inject a fault, e.g. kill:replica=2,step=10,phase=backward")
     p.add_argument("--reference", action="store_true",
                    help="also run the failure-free reference and compare trajectories")
+    p.add_argument("--no-speed-aware", action="store_true",
+                   help="equal quotas instead of quotas that follow measured replica speed")
+    p.add_argument("--dump-final-params", action="store_true",
+                   help="each finishing replica saves DIR/final/replica<i>.pt (to compare them)")
     for flag, _, typ, hlp in _TRAIN_FLAGS + _MODEL_FLAGS:
         p.add_argument(flag, type=typ, default=None, help=hlp)
 
@@ -73,6 +78,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             setattr(cfg.model, name, v)
     cfg.out = args.out or f"runs/{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
     cfg.resume, cfg.faults, cfg.reference = args.resume, list(args.fault), args.reference
+    cfg.dump_final = args.dump_final_params
+    cfg.speed_aware = not args.no_speed_aware
     if args.data is not None and not Path(args.data).exists():
         raise RecoverError(f"--data {args.data}: no such file or directory")
     return cfg.validate()
@@ -130,6 +137,10 @@ def cmd_coordinator(argv: list[str]) -> int:
     return coordinator_main(argv)
 
 
+def _raise_interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "coordinator":
@@ -149,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("simulate", help="cluster-scale discrete-event simulator")
     sub.add_parser("bench", help="recover vs checkpoint-restart vs shrink-batch, side by side")
     args = ap.parse_args(argv)
+    # SIGTERM ends a run like Ctrl-C: the launcher's cleanup ends its children by PID.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         if args.cmd == "train":
             return cmd_train(args)

@@ -59,8 +59,10 @@ class RunConfig:
     out: str = "runs/recover"
     ckpt_every: int = 0  # 0 = only at the end
     resume: bool = False
+    dump_final: bool = False  # every finishing replica writes DIR/final/replica{i}.pt (debugging)
     # Fault tolerance.
     min_replicas: int = 1
+    speed_aware: bool = True  # quotas follow measured microbatch times (off: equal quotas)
     faults: list[str] = field(default_factory=list)
     reference: bool = False
     heartbeat_s: float = 0.1
@@ -101,7 +103,7 @@ class RunConfig:
         d = asdict(self)
         for k in ("replicas", "out", "resume", "faults", "reference", "ckpt_every", "min_replicas",
                   "heartbeat_s", "stale_s", "reduce_timeout_s", "join_timeout_s", "layout",
-                  "shards", "stages", "tp", "stop_at", "preset"):
+                  "shards", "stages", "tp", "stop_at", "preset", "dump_final", "speed_aware"):
             d.pop(k)
         return d
 

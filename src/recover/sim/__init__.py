@@ -1,8 +1,8 @@
 """`recover.sim`: discrete-event simulator of LLM pre-training on a GPU cluster under failures.
 
-Invariant: the three policies (`recover`, `ckpt-restart`, `shrink-batch`) are simulated from the same
-`SimParams` against the same failure sequence, and every figure the simulator reports is computed from
-stated assumptions (printed by `recover simulate`), never typed in.
+Invariant: the three policies (`recover`, `ckpt-restart`, `shrink-batch`) are simulated from the
+same `SimParams` against the same failure sequence, and every figure the simulator reports is
+computed from stated assumptions (printed by `recover simulate`), never typed in.
 
 Modules: `params` (SimParams, defaults and their sources, Young-Daly), `faults` (failure sequences,
 trace format), `engine` + `policies` (the event loops), `results` (metrics), `scenario` (the paper

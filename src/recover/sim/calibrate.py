@@ -1,11 +1,11 @@
-"""Calibration from `recover bench`: the bench.json schema, and the simulator's wall-time prediction.
+"""Calibration from `recover bench`: the bench.json schema and the wall-time prediction.
 
 Invariant: `predict_wall_times(calib)` simulates exactly the bench's run (its replicas, N, steps and
 fault schedule) with the costs the bench measured, and nothing else; it never reads the measured
 `wall_s`, so comparing the two validates the simulator (target: within 15% per system).
 
-bench.json schema (one JSON object; times in seconds, steps 0-based as in DESIGN.md section 1:
-step t consumes microbatch ids t*N .. t*N+N-1):
+bench.json schema (one JSON object; times in seconds, steps 0-based as in DESIGN.md section 1: step
+t consumes microbatch ids t*N .. t*N+N-1):
 
     {
       "schema": "recover.bench/1",     optional tag
@@ -20,9 +20,14 @@ step t consumes microbatch ids t*N .. t*N+N-1):
       "ckpt_cost_s": 0.3,              one blocking checkpoint save (ckpt-restart)
       "ckpt_every": 10,                optional: ckpt-restart's interval in steps;
                                        default Young-Daly from steps * step_time_s / faults
-      "restart_cost_s": 6.0,           ckpt-restart: fault seen -> first step again (teardown,
-                                       process start, imports, rendezvous, checkpoint load)
+      "restart_cost_s": 6.0,           ckpt-restart: fault detected -> first step again
+                                       (teardown, process start, imports, rendezvous, load)
       "detect_s": 1.0,                 kill -> survivors know (heartbeat threshold)
+      "restart_detect_s": 0.1,         optional: kill -> ckpt-restart's supervisor knows;
+                                       default detect_s
+      "step_time_by_replicas_s": {"3": 0.19, "2": 0.24},
+                                       optional: measured failure-free step time with r
+                                       replicas (N over r); default from microbatch_time_s
       "rebuild_s": 0.02,               new communicator generation (recover, shrink-batch)
       "fault_steps": [10, 25],         one replica killed during each listed step (a step may
                                        repeat: several replicas at once); [] for none
@@ -48,9 +53,19 @@ from recover.errors import ConfigError
 from recover.sim.engine import simulate
 from recover.sim.params import POLICIES, SimParams
 
-REQUIRED = ("replicas", "microbatches", "steps", "step_time_s", "allreduce_s", "ckpt_cost_s",
-            "restart_cost_s", "detect_s", "rebuild_s", "fault_steps")
-COST_KEYS = ("ckpt_cost_s", "restart_cost_s", "detect_s", "rebuild_s")
+REQUIRED = (
+    "replicas",
+    "microbatches",
+    "steps",
+    "step_time_s",
+    "allreduce_s",
+    "ckpt_cost_s",
+    "restart_cost_s",
+    "detect_s",
+    "rebuild_s",
+    "fault_steps",
+)
+COST_KEYS = ("ckpt_cost_s", "restart_cost_s", "detect_s", "rebuild_s", "restart_detect_s")
 
 
 def load_calibration(path: str) -> dict[str, Any]:
@@ -62,7 +77,9 @@ def load_calibration(path: str) -> dict[str, Any]:
     try:
         calib = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"calibration file {path} is not valid JSON: {e.msg} (line {e.lineno})")
+        raise ConfigError(
+            f"calibration file {path} is not valid JSON: {e.msg} (line {e.lineno})"
+        ) from None
     check_calibration(calib, path)
     return calib
 
@@ -80,14 +97,27 @@ def check_calibration(calib: Any, where: str = "calibration") -> None:
     missing = [k for k in REQUIRED if k not in calib]
     if missing:
         raise ConfigError(f"{where}: missing key(s) {', '.join(missing)}")
-    for key in REQUIRED + ("gpus_per_replica", "microbatch_time_s", "ckpt_every",
-                           "fault_offset_frac", "startup_s", "tokens_per_microbatch"):
+    for key in REQUIRED + (
+        "gpus_per_replica",
+        "microbatch_time_s",
+        "ckpt_every",
+        "fault_offset_frac",
+        "startup_s",
+        "tokens_per_microbatch",
+        "restart_detect_s",
+    ):
         if key in calib and key != "fault_steps":
             _nonneg(calib, key, where)
     fs = calib["fault_steps"]
-    if not isinstance(fs, list) or any(isinstance(s, bool) or not isinstance(s, int) or s < 0
-                                       for s in fs):
+    if not isinstance(fs, list) or any(
+        isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in fs
+    ):
         raise ConfigError(f"{where}: fault_steps must be a list of step numbers >= 0")
+    table = calib.get("step_time_by_replicas_s", {})
+    if not isinstance(table, dict) or any(not str(k).isdigit() for k in table):
+        raise ConfigError(f"{where}: step_time_by_replicas_s must map replica counts to seconds")
+    for k in table:
+        _nonneg(table, k, f"{where}: step_time_by_replicas_s")
     wall = calib.get("wall_s", {})
     if not isinstance(wall, dict) or any(k not in POLICIES for k in wall):
         raise ConfigError(f"{where}: wall_s must map some of {', '.join(POLICIES)} to seconds")
@@ -101,18 +131,31 @@ def calib_params(calib: dict[str, Any]) -> SimParams:
     gpr = int(calib.get("gpus_per_replica", 1))
     every = calib.get("ckpt_every")
     mb = calib.get("microbatch_time_s")
+    rd = calib.get("restart_detect_s")
+    table = {int(k): float(v) for k, v in calib.get("step_time_by_replicas_s", {}).items()}
     p = SimParams(
-        gpus=int(calib["replicas"]) * gpr, gpus_per_replica=gpr, per_gpu_mttf_h=None,
+        gpus=int(calib["replicas"]) * gpr,
+        gpus_per_replica=gpr,
+        per_gpu_mttf_h=None,
         fault_steps=list(calib["fault_steps"]),
         fault_offset_frac=float(calib.get("fault_offset_frac", 0.5)),
-        step_time_s=float(calib["step_time_s"]), microbatch_time_s=None if mb is None else float(mb),
+        step_time_s=float(calib["step_time_s"]),
+        microbatch_time_s=None if mb is None else float(mb),
         microbatches=int(calib["microbatches"]),
         tokens_per_microbatch=int(calib.get("tokens_per_microbatch", 1)),
         ckpt_interval_steps=None if every is None else int(every),
-        ckpt_cost_s=float(calib["ckpt_cost_s"]), restart_cost_s=float(calib["restart_cost_s"]),
-        detect_s=float(calib["detect_s"]), rebuild_s=float(calib["rebuild_s"]),
-        allreduce_s=float(calib["allreduce_s"]), spares=0, total_steps=int(calib["steps"]),
-        budget_h=None, startup_s=float(calib.get("startup_s", 0.0)), min_replicas=1,
+        ckpt_cost_s=float(calib["ckpt_cost_s"]),
+        restart_cost_s=float(calib["restart_cost_s"]),
+        detect_s=float(calib["detect_s"]),
+        restart_detect_s=None if rd is None else float(rd),
+        step_time_by_replicas=table or None,
+        rebuild_s=float(calib["rebuild_s"]),
+        allreduce_s=float(calib["allreduce_s"]),
+        spares=0,
+        total_steps=int(calib["steps"]),
+        budget_h=None,
+        startup_s=float(calib.get("startup_s", 0.0)),
+        min_replicas=1,
     )
     return p.validate()
 

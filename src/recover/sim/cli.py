@@ -15,20 +15,17 @@ measured costs (checkpoint, restart, detection, rebuild) are carried over.
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
-from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
 from recover.errors import ConfigError, RecoverError
 from recover.sim.calibrate import COST_KEYS, calib_params, load_calibration, validation_rows
-from recover.sim.engine import simulate
 from recover.sim.faults import build_schedule
+from recover.sim.flags import FLAGS, SCENARIO_OWNS, non_negative
 from recover.sim.params import POLICIES, SimParams
-from recover.sim.report import assumptions, fmt, plot, results_json, table
+from recover.sim.report import assumptions, fmt, table, throughput_lines, write_outputs
 from recover.sim.scenario import PAPER_GPU_HOURS, ScenarioSpec, paper_base, pooled, scenario_params
 from recover.sim.sensitivity import paper_thresholds, sensitivity_rows
 
@@ -38,73 +35,33 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-def _num(kind: type, allow_none: bool = False) -> Callable[[str], Any]:
-    def parse(s: str) -> Any:
-        if allow_none and s.lower() in ("none", "off", "auto", "young-daly"):
-            return None
-        try:
-            v = kind(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {s!r}") from None
-        if not math.isfinite(v) or v < 0:
-            raise argparse.ArgumentTypeError(f"must be a finite value >= 0, got {s!r}")
-        return v
-
-    return parse
-
-
-def _list(kind: type) -> Callable[[str], list[Any]]:
-    def parse(s: str) -> list[Any]:
-        return [_num(kind)(x) for x in s.split(",") if x.strip()]
-
-    return parse
-
-
-#: SimParams field -> (parser, help). Every field of SimParams has a flag.
-FLAGS: dict[str, tuple[Callable[[str], Any], str]] = {
-    "gpus": (_num(int), "GPUs in the job (default 512)"),
-    "gpus_per_replica": (_num(int), "GPUs per replica, the unit of failure (default 8)"),
-    "per_gpu_mttf_h": (_num(float, True), "per-GPU mean time to failure in hours, 'none' for no "
-                       "random failures (default 50,677 h: Llama 3, 419 interruptions in 54 days "
-                       "on 16,384 GPUs)"),
-    "failure_trace": (str, "CSV/JSON file of failure times in hours (format: recover.sim.faults)"),
-    "fault_times_h": (_list(float), "comma-separated failure times in hours"),
-    "fault_steps": (_list(int), "comma-separated steps during which one replica is killed"),
-    "fault_offset_frac": (_num(float), "where in a step's compute a step fault lands (0.5)"),
-    "step_time_s": (_num(float), "failure-free step time with all replicas (default 5 s)"),
-    "microbatch_time_s": (_num(float, True), "one microbatch on one replica (default derived)"),
-    "microbatches": (_num(int), "N, microbatches per step (default 256)"),
-    "tokens_per_microbatch": (_num(int), "tokens per microbatch (default 8192)"),
-    "ckpt_interval_steps": (_num(int, True), "ckpt-restart's interval, 'young-daly' (default)"),
-    "ckpt_cost_s": (_num(float), "one checkpoint save (default 60 s)"),
-    "restart_cost_s": (_num(float), "ckpt-restart's restart: launch, rendezvous, load (300 s)"),
-    "detect_s": (_num(float), "failure detection, all policies (default 1 s)"),
-    "rebuild_s": (_num(float), "new communicator generation, recover/shrink-batch (5 s)"),
-    "allreduce_s": (_num(float), "cross-replica all-reduce inside the step time (0.5 s)"),
-    "spares": (_num(int), "spare replicas allocated from the start (default 0)"),
-    "replace_delay_s": (_num(float), "loss -> spare joined, recover/shrink-batch (600 s)"),
-    "total_steps": (_num(int, True), "committed steps to reach, 'none' = until the budget"),
-    "budget_h": (_num(float, True), "wall-clock budget in hours"),
-    "min_replicas": (_num(int), "stop below this many replicas (default 1)"),
-    "startup_s": (_num(float), "one-off launch time paid by every policy (default 0)"),
-    "seed": (_num(int), "seed of the failure draws (default 0)"),
-}
-
-
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="recover simulate", argument_default=argparse.SUPPRESS,
-                 description="Discrete-event simulation of pre-training under failures: recover "
-                             "vs ckpt-restart vs shrink-batch on the same failure sequence.")
+    ap = _Parser(
+        prog="recover simulate",
+        argument_default=argparse.SUPPRESS,
+        description="Discrete-event simulation of pre-training under failures: recover "
+        "vs ckpt-restart vs shrink-batch on the same failure sequence.",
+    )
     for name, (parse, hlp) in FLAGS.items():
         ap.add_argument("--" + name.replace("_", "-"), dest=name, type=parse, help=hlp)
     ap.add_argument("--scenario", choices=["paper"], help="512 GPUs, 256 lost over the run")
-    ap.add_argument("--fault-every-min", type=_num(float), help="scenario: mean minutes between "
-                    "replica losses (default 10)")
-    ap.add_argument("--fault-schedule", choices=["random", "even"], help="scenario: seeded uniform "
-                    "times (default) or evenly spaced")
-    ap.add_argument("--lost-gpus", type=_num(int), help="scenario: GPUs lost (default 256)")
-    ap.add_argument("--seeds", type=_num(int), help="scenario: schedules pooled (default 10)")
-    ap.add_argument("--calibrate", metavar="BENCH_JSON", help="parameters measured by recover bench")
+    ap.add_argument(
+        "--fault-every-min",
+        type=non_negative(float),
+        help="scenario: mean minutes between replica losses (default 10)",
+    )
+    ap.add_argument(
+        "--fault-schedule",
+        choices=["random", "even"],
+        help="scenario: seeded uniform times (default) or evenly spaced",
+    )
+    ap.add_argument("--lost-gpus", type=non_negative(int), help="scenario: GPUs lost (default 256)")
+    ap.add_argument(
+        "--seeds", type=non_negative(int), help="scenario: schedules pooled (default 10)"
+    )
+    ap.add_argument(
+        "--calibrate", metavar="BENCH_JSON", help="parameters measured by recover bench"
+    )
     ap.add_argument("--plot", metavar="PNG", help="plot committed tokens vs GPU-hours")
     ap.add_argument("--sensitivity", action="store_true", help="vary MTTF, ckpt interval, restart")
     ap.add_argument("--out", metavar="DIR", help="write results.json (and the plot) there")
@@ -129,8 +86,17 @@ def _run(argv: list[str]) -> int:
     base = paper_base() if scenario else SimParams()
     calib = load_calibration(a["calibrate"]) if "calibrate" in a else None
     if calib is not None:
-        base = replace(base, **{k: float(calib[k]) for k in COST_KEYS}) if scenario else \
-            calib_params(calib)
+        base = (
+            replace(base, **{k: float(calib[k]) for k in COST_KEYS if k in calib})
+            if scenario
+            else calib_params(calib)
+        )
+    clash = [k for k in SCENARIO_OWNS if k in flags]
+    if scenario and clash:
+        flag = "--" + clash[0].replace("_", "-")
+        raise ConfigError(
+            f"--scenario paper schedules its own failures and run length; drop {flag}"
+        )
     base = replace(base, **flags)
     # The scenario sets the run's end itself; check everything else now, the rest in simulate().
     replace(base, budget_h=1.0 if scenario else base.budget_h).validate()
@@ -141,8 +107,10 @@ def _run(argv: list[str]) -> int:
         if key in a:
             setattr(spec, key, a[key])
     spec.schedule = a.get("fault_schedule", spec.schedule)
-    if spec.fault_every_min <= 0 or spec.seeds < 1 or not 1 <= a.get("seeds", 1) <= 1000:
-        raise ConfigError("fault-every-min must be > 0 and seeds >= 1")
+    if spec.fault_every_min <= 0:
+        raise ConfigError("fault-every-min must be > 0")
+    if not 1 <= a.get("seeds", 1) <= 1000:
+        raise ConfigError("seeds must be within 1..1000")
     if scenario and spec.lost_gpus // base.gpus_per_replica >= base.replicas:
         raise ConfigError("lost-gpus must leave at least one replica")
     seeds = spec.seeds if scenario else int(a.get("seeds", 1))
@@ -161,19 +129,25 @@ def _run(argv: list[str]) -> int:
     sched = build_schedule(p0)
     print("recover simulate: recover vs ckpt-restart vs shrink-batch on one failure sequence")
     if scenario:
-        print(f"scenario: paper (ReCoVer, arXiv 2605.11215): {p0.gpus} GPUs, {spec.lost_gpus} "
-              f"lost over the run, a loss every {fmt(spec.fault_every_min, 1)} min on average "
-              f"({spec.schedule} times); figures pooled over seeds 0..{seeds - 1}; table and plot "
-              "show seed 0")
+        print(
+            f"scenario: paper (ReCoVer, arXiv 2605.11215): {p0.gpus} GPUs, {spec.lost_gpus} "
+            f"lost over the run, a loss every {fmt(spec.fault_every_min, 1)} min on average "
+            f"({spec.schedule} times); figures pooled over seeds 0..{seeds - 1}; table and plot "
+            "show seed 0"
+        )
     print("assumptions:")
     for line in assumptions(p0, sched):
         print("  " + line)
-    print("  throughput_ratio: recover / ckpt-restart committed tokens per second from the first "
-          "replica loss to the end of the run")
-    print(f"  extra_tokens_pct_at_{gh:g}_gpu_hours: 100*(recover/ckpt-restart - 1) of committed "
-          f"(trajectory) tokens when each has consumed {gh:g} GPU-hours")
+    print(
+        "  throughput_ratio: recover / ckpt-restart committed tokens per second from the first "
+        "replica loss to the end of the run"
+    )
+    print(
+        f"  extra_tokens_pct_at_{gh:g}_gpu_hours: 100*(recover/ckpt-restart - 1) of committed "
+        f"(trajectory) tokens when each has consumed {gh:g} GPU-hours"
+    )
     print()
-    for line in table(res):
+    for line in table(res) + throughput_lines(res):
         print(line)
     if calib is not None and not scenario:
         print()
@@ -181,9 +155,12 @@ def _run(argv: list[str]) -> int:
         for name, pred, meas, err in validation_rows(calib):
             print(f"{name:<13}{pred:>13.2f}{meas:>13.2f}{100 * err:>8.1f}%")
     if seeds > 1:
-        rs = sorted(x for x, _ in pr.per_seed)
-        print(f"\nper-seed throughput_ratio: min {fmt(rs[0])}, median {fmt(rs[len(rs) // 2])}, "
-              f"max {fmt(rs[-1])}")
+        print()
+        for i, what in ((0, "throughput_ratio"), (1, f"extra_tokens_pct_at_{gh:g}_gpu_hours")):
+            v = sorted(x[i] for x in pr.per_seed)
+            print(
+                f"per-seed {what}: min {fmt(v[0])}, median {fmt(v[len(v) // 2])}, max {fmt(v[-1])}"
+            )
     if a.get("sensitivity"):
         print()
         every = spec.fault_every_min if scenario else None
@@ -192,24 +169,10 @@ def _run(argv: list[str]) -> int:
         if scenario:
             for line in paper_thresholds(build, seeds, gh, spec.fault_every_min, p0.restart_cost_s):
                 print(line)
-    _write(a, res, gh, pr.ratio, pr.extra_pct, p0)
+    out = a.get("out")
+    png = a.get("plot") or (str(Path(out) / "tokens_vs_gpu_hours.png") if out else None)
+    for line in write_outputs(res, png, out, gh, pr.ratio, pr.extra_pct, p0):
+        print(line)
     print(f"throughput_ratio={fmt(pr.ratio, 3).replace(',', '')}")
     print(f"extra_tokens_pct_at_234_gpu_hours={fmt(pr.extra_pct, 1).replace(',', '')}")
     return 0
-
-
-def _write(a: dict[str, Any], res: dict, gh: float, ratio: float, extra: float,
-           p: SimParams) -> None:
-    out = a.get("out")
-    png = a.get("plot") or (str(Path(out) / "tokens_vs_gpu_hours.png") if out else None)
-    try:
-        if png:
-            print(f"plot: {plot(res, png, gh)}")
-        if out:
-            path = Path(out) / "results.json"
-            doc = {"params": asdict(p), "throughput_ratio": ratio,
-                   "extra_tokens_pct_at_234_gpu_hours": extra, "policies": results_json(res)}
-            path.write_text(json.dumps(doc, indent=1, default=str, allow_nan=True))
-            print(f"results: {path}")
-    except OSError as e:
-        raise ConfigError(f"cannot write output: {e}") from None

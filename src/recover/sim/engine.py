@@ -1,9 +1,9 @@
 """Discrete-event core shared by the three policies: replica slots, fault delivery, accounting.
 
 Invariant: time only moves forward; every fault of the schedule with a time before the policy's
-current horizon is applied exactly once and in time order (the replica slot dies, its GPUs stop being
-charged); a policy commits a step only if no fault that hits an active replica struck before the
-step's end, or (recover) after the step has absorbed that fault. The three policies see the same
+current horizon is applied exactly once and in time order (the replica slot dies, its GPUs stop
+being charged); a policy commits a step only if no fault that hits an active replica struck before
+the step's end, or (recover) after the step has absorbed that fault. The three policies see the same
 `FaultSchedule`; `simulate()` runs each from a fresh `Job`.
 """
 
@@ -18,7 +18,7 @@ from recover.sim.results import PolicyResult
 
 
 def plan(active: list[int], n: int) -> dict[int, int]:
-    """Even quotas of `n` microbatches over the sorted active slots (the first n % r get one more)."""
+    """Even quotas of `n` microbatches over the sorted active slots (first n % r get one more)."""
     r = len(active)
     return {s: n // r + (1 if i < n % r else 0) for i, s in enumerate(sorted(active))}
 
@@ -38,15 +38,26 @@ class Job:
         self.timed = sched.timed
         self.i = 0
         self.pending_steps = list(sched.steps)
-        self.injected: list[Fault] = []  # step faults turned into timed ones (slot -1: highest active)
+        # Step faults turned into timed ones (slot -1: the highest active slot).
+        self.injected: list[Fault] = []
         self.t = p.startup_s
         self.end = p.startup_s + p.budget_s
         self.steps = 0
         self.committed = 0
         self.processed = 0
-        self.res = PolicyResult(policy, 0.0, 0, 0, 0, 0.0, p.tokens_per_microbatch, p.microbatches,
-                                gpus_per_replica=p.gpus_per_replica, n_slots=r + p.spares,
-                                min_batch_mb=p.microbatches)
+        self.res = PolicyResult(
+            policy=policy,
+            wall_s=0.0,
+            steps=0,
+            committed_mb=0,
+            processed_mb=0,
+            gpu_hours=0.0,
+            tokens_per_microbatch=p.tokens_per_microbatch,
+            microbatches=p.microbatches,
+            gpus_per_replica=p.gpus_per_replica,
+            n_slots=r + p.spares,
+            min_batch_mb=p.microbatches,
+        )
         self.record()
 
     # -- faults ---------------------------------------------------------------------------------
@@ -131,7 +142,7 @@ class Job:
         return self.p.gpus_per_replica * (self.res.n_slots * t - lost) / 3600.0
 
     def free_steps(self, st: float) -> int:
-        """Whole steps of length `st` that surely run untouched (no fault, join, step fault, end)."""
+        """Whole steps of length `st` that surely run untouched (no fault, join, or end)."""
         if self.joining:
             return 0
         f = self._next()
@@ -166,7 +177,9 @@ class Job:
 
     def too_few(self) -> bool:
         if len(self.active) < self.p.min_replicas:
-            self.res.stop_reason = f"{len(self.active)} replica(s) left (< min {self.p.min_replicas})"
+            self.res.stop_reason = (
+                f"{len(self.active)} replica(s) left (< min {self.p.min_replicas})"
+            )
             return True
         return False
 
@@ -190,8 +203,9 @@ class Job:
         return r
 
 
-def simulate(p: SimParams, policies: tuple[str, ...] = POLICIES,
-             schedule: FaultSchedule | None = None) -> dict[str, PolicyResult]:
+def simulate(
+    p: SimParams, policies: tuple[str, ...] = POLICIES, schedule: FaultSchedule | None = None
+) -> dict[str, PolicyResult]:
     """Run each policy against the same failure sequence; return their results by name."""
     from recover.sim.policies import RUNNERS
 

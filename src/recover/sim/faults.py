@@ -2,16 +2,16 @@
 
 Invariant: a `FaultSchedule` is built once per simulation and replayed unchanged for every policy,
 so the three policies face the same physical failures (a timed fault names a replica *slot*, i.e. a
-fixed group of GPUs, and a wall-clock time). A failure kills its GPU's whole replica; a slot fails at
-most once (its GPUs are released), so later failures of the same slot are dropped here.
+fixed group of GPUs, and a wall-clock time). A failure kills its GPU's whole replica; a slot fails
+at most once (its GPUs are released), so later failures of the same slot are dropped here.
 
 Slots `0 .. R-1` start active, slots `R .. R+spares-1` are spare replicas.
 
 Trace file format (`--failure-trace`), failure times in hours since the job's start:
-- CSV: one failure per line, `time_h` or `time_h,gpu`; an optional header line (`time_h,gpu`);
-  lines starting with `#` are ignored.
-- JSON: a list of numbers (`[0.5, 1.25]`), or a list of objects (`[{"time_h": 0.5, "gpu": 17}]`),
-  or either of these under a `"failures"` key.
+- CSV: one failure per line, `time_h` or `time_h,gpu`; an optional header line (`time_h,gpu`); lines
+  starting with `#` are ignored.
+- JSON: a list of numbers (`[0.5, 1.25]`), or a list of objects (`[{"time_h": 0.5, "gpu": 17}]`), or
+  either of these under a `"failures"` key.
 `gpu` is a global GPU index (`0 .. gpus + spares*gpus_per_replica - 1`, replica slot `gpu //
 gpus_per_replica`); without it the failing slot is drawn (seeded) among the slots still healthy.
 """
@@ -42,7 +42,9 @@ class FaultSchedule:
     """Timed faults (same for every policy) and/or step faults (bench runs: `fault_steps`)."""
 
     timed: list[Fault] = field(default_factory=list)
-    steps: list[int] = field(default_factory=list)  # kill the highest active slot during these steps
+    steps: list[int] = field(
+        default_factory=list
+    )  # kill the highest active slot during these steps
     source: str = "none"
     per_gpu_mttf_s: float | None = None  # exponential model: per-GPU MTTF
     mean_interval_s: float | None = None  # explicit schedules: mean time between faults
@@ -69,12 +71,15 @@ def _dedupe(faults: list[Fault]) -> list[Fault]:
 def exponential_faults(n_slots: int, gpr: int, mttf_h: float, seed: int) -> list[Fault]:
     """Each GPU lives an exponential time of mean `mttf_h` (seeded); its replica dies with it."""
     rng = random.Random(seed)
-    faults = [Fault(rng.expovariate(1.0 / (mttf_h * 3600.0)), g // gpr) for g in range(n_slots * gpr)]
+    faults = [
+        Fault(rng.expovariate(1.0 / (mttf_h * 3600.0)), g // gpr) for g in range(n_slots * gpr)
+    ]
     return _dedupe(faults)
 
 
-def assign_slots(times_s: list[float], gpus: list[int | None], gpr: int, n_slots: int,
-                 seed: int) -> list[Fault]:
+def assign_slots(
+    times_s: list[float], gpus: list[int | None], gpr: int, n_slots: int, seed: int
+) -> list[Fault]:
     """Faults from times and optional GPU ids; a missing id draws a still-healthy slot (seeded)."""
     rng = random.Random(seed)
     healthy = set(range(n_slots))
@@ -104,7 +109,7 @@ def _num(x: object, what: str) -> float:
 
 
 def load_trace(path: str) -> tuple[list[float], list[int | None]]:
-    """Read a trace file (format in the module docstring): failure times in hours, GPU ids or None."""
+    """Read a trace file (format: module docstring): failure hours, and GPU ids or None."""
     p = Path(path)
     try:
         text = p.read_text()
@@ -116,7 +121,9 @@ def load_trace(path: str) -> tuple[list[float], list[int | None]]:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"failure trace {path} is not valid JSON: {e.msg} (line {e.lineno})")
+            raise ConfigError(
+                f"failure trace {path} is not valid JSON: {e.msg} (line {e.lineno})"
+            ) from None
         if isinstance(data, dict):
             data = data.get("failures")
         if not isinstance(data, list):
@@ -147,8 +154,11 @@ def build_schedule(p: SimParams) -> FaultSchedule:
     if p.fault_steps is not None:
         steps = sorted(p.fault_steps)
         mean = (p.total_steps or 1) * p.step_time_s / max(1, len(steps))
-        return FaultSchedule(steps=steps, source=f"{len(steps)} replica kill(s) at steps {steps}",
-                             mean_interval_s=mean if steps else None)
+        return FaultSchedule(
+            steps=steps,
+            source=f"{len(steps)} replica kill(s) at steps {steps}",
+            mean_interval_s=mean if steps else None,
+        )
     if p.fault_times_h is not None or p.failure_trace is not None:
         if p.fault_times_h is not None:
             hours, gpus = list(p.fault_times_h), [None] * len(p.fault_times_h)
@@ -163,6 +173,8 @@ def build_schedule(p: SimParams) -> FaultSchedule:
     if p.per_gpu_mttf_h is None:
         return FaultSchedule(source="no failures")
     timed = exponential_faults(n_slots, p.gpus_per_replica, p.per_gpu_mttf_h, p.seed)
-    return FaultSchedule(timed=timed, per_gpu_mttf_s=p.per_gpu_mttf_h * 3600.0,
-                         source=f"exponential per-GPU lifetimes, MTTF {p.per_gpu_mttf_h:,.0f} h, "
-                                f"seed {p.seed}")
+    return FaultSchedule(
+        timed=timed,
+        per_gpu_mttf_s=p.per_gpu_mttf_h * 3600.0,
+        source=f"exponential per-GPU lifetimes, MTTF {p.per_gpu_mttf_h:,.0f} h, seed {p.seed}",
+    )

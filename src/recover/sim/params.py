@@ -1,26 +1,28 @@
 """Parameters of the cluster simulator, with the published sources of their defaults.
 
-Invariant: a `SimParams` that passed `validate()` describes a simulation that can run: the GPUs split
-into whole replicas, every time and cost is finite and non-negative, and the failure source exists.
-Every policy (`recover`, `ckpt-restart`, `shrink-batch`) is simulated from the same `SimParams` and the
-same failure sequence; only the reaction to a fault differs.
+Invariant: a `SimParams` that passed `validate()` describes a simulation that can run: the GPUs
+split into whole replicas, every time and cost is finite and non-negative, and the failure source
+exists. Every policy (`recover`, `ckpt-restart`, `shrink-batch`) is simulated from the same
+`SimParams` and the same failure sequence; only the reaction to a fault differs.
 
 Sources of the defaults (each is an assumption; `recover simulate` prints them all):
 - Failure rate: Llama 3 (Dubey et al., 2024, "The Llama 3 Herd of Models", section 3.3.4) reports
   419 unexpected interruptions in 54 days of pre-training on 16,384 H100 GPUs. Read as independent
-  per-GPU faults, that is a per-GPU MTTF of 16,384 * 54 * 24 / 419 = 50,677 h (a job MTBF of 3.1 h at
-  16,384 GPUs, 99 h at 512 GPUs).
-- Checkpoint save: a 70B-parameter model's training state (bf16 weights + fp32 master + Adam moments,
-  ~16 B/parameter, ~1.1 TB) written at ~20 GB/s aggregate to a parallel file system takes ~1 min;
-  published save costs range from tens of seconds to minutes (CheckFreq, FAST'21; Gemini, SOSP'23).
-- Restart: tearing the job down and relaunching it (scheduler, process start and imports, rendezvous and
-  NCCL init, checkpoint load, warm-up) takes minutes to tens of minutes for large jobs; FlashRecovery
-  (2025) reports 150 s on 4,800 accelerators as an optimised result. Default 300 s.
-- Detection: `recover`'s heartbeat threshold of 1.0 s (DESIGN.md section 5, no false alarms measured).
-  The same detection time is charged to every policy (generous to the baselines, whose hangs are often
-  only seen at the NCCL watchdog timeout, 10 min by default).
-- Rebuild of a communicator generation: a few seconds for NCCL at hundreds of GPUs (8-25 ms measured for
-  gloo on CPU, DESIGN.md section 5). Default 5 s.
+  per-GPU faults, that is a per-GPU MTTF of 16,384 * 54 * 24 / 419 = 50,677 h (a job MTBF of 3.1 h
+  at 16,384 GPUs, 99 h at 512 GPUs).
+- Checkpoint save: a 70B-parameter model's training state (bf16 weights + fp32 master + Adam
+  moments, ~16 B/parameter, ~1.1 TB) written at ~20 GB/s aggregate to a parallel file system takes
+  ~1 min; published save costs range from tens of seconds to minutes (CheckFreq, FAST'21; Gemini,
+  SOSP'23).
+- Restart: tearing the job down and relaunching it (scheduler, process start and imports, rendezvous
+  and NCCL init, checkpoint load, warm-up) takes minutes to tens of minutes for large jobs;
+  FlashRecovery (2025) reports 150 s on 4,800 accelerators as an optimised result. Default 300 s.
+- Detection: `recover`'s heartbeat threshold of 1.0 s (DESIGN.md section 5, no false alarms
+  measured). By default the same detection time is charged to every policy (generous to
+  ckpt-restart, whose hangs are often only seen at the NCCL watchdog timeout, 10 min by default;
+  `restart_detect_s` sets its own).
+- Rebuild of a communicator generation: a few seconds for NCCL at hundreds of GPUs (8-25 ms measured
+  for gloo on CPU, DESIGN.md section 5). Default 5 s.
 - Shape: 512 GPUs, 8 GPUs per replica (tensor parallel inside an 8-GPU node), 64 replicas, N = 256
   microbatches of one 8,192-token sequence (2.1M tokens per step), 5 s per step with all replicas of
   which 0.5 s is the cross-replica all-reduce. These set the time scale only; results depend on the
@@ -54,12 +56,16 @@ class SimParams:
     fault_offset_frac: float = 0.5  # where in the step's compute phase a step fault strikes
     step_time_s: float = 5.0  # failure-free step with all replicas (compute + all-reduce)
     microbatch_time_s: float | None = None  # None: (step_time_s - allreduce_s) / ceil(N / R)
+    # Measured failure-free step time with r replicas (N spread over r), where it is not simply
+    # ceil(N / r) microbatches (e.g. processes sharing CPU cores run faster when fewer are left).
+    step_time_by_replicas: dict[int, float] | None = None
     microbatches: int = 256  # N, constant per step for recover and ckpt-restart
     tokens_per_microbatch: int = 8192
     ckpt_interval_steps: int | None = None  # None: Young-Daly from the job's MTBF
     ckpt_cost_s: float = 60.0
     restart_cost_s: float = 300.0
     detect_s: float = 1.0
+    restart_detect_s: float | None = None  # ckpt-restart's detection; None: detect_s
     rebuild_s: float = 5.0
     allreduce_s: float = 0.5
     spares: int = 0  # spare replicas (of gpus_per_replica GPUs each), allocated from the start
@@ -81,8 +87,22 @@ class SimParams:
             return self.microbatch_time_s
         return (self.step_time_s - self.allreduce_s) / math.ceil(self.microbatches / self.replicas)
 
-    def step_time(self, max_quota: int) -> float:
-        """Step time when the busiest replica computes `max_quota` microbatches."""
+    def mb_time(self, r: int) -> float:
+        """Time of one microbatch on one replica while `r` replicas run."""
+        t = (self.step_time_by_replicas or {}).get(r)
+        if t is None:
+            return self.mb_time_s
+        return (t - self.allreduce_s) / math.ceil(self.microbatches / r)
+
+    def step_time(self, max_quota: int, r: int | None = None) -> float:
+        """Step time when the busiest of `r` replicas (default R) computes `max_quota` microbatches.
+
+        `step_time_s` with R replicas (ceil(N / R) each), or the measured time with r replicas, plus
+        or minus whole microbatches for a busier or idler busiest replica.
+        """
+        table = self.step_time_by_replicas or {}
+        if r is not None and r in table:
+            return table[r] + (max_quota - math.ceil(self.microbatches / r)) * self.mb_time(r)
         base = math.ceil(self.microbatches / self.replicas)
         return self.step_time_s + (max_quota - base) * self.mb_time_s
 
@@ -97,7 +117,9 @@ class SimParams:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 continue
             if not math.isfinite(v) or v < 0:
-                raise ConfigError(f"{f.name.replace('_', '-')} must be a finite value >= 0, got {v}")
+                raise ConfigError(
+                    f"{f.name.replace('_', '-')} must be a finite value >= 0, got {v}"
+                )
         for name in ("gpus", "gpus_per_replica", "microbatches", "tokens_per_microbatch"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 1")
@@ -121,6 +143,11 @@ class SimParams:
             raise ConfigError("fault-offset-frac must be within 0..1")
         if self.failure_trace is not None and not Path(self.failure_trace).is_file():
             raise ConfigError(f"failure trace not found: {self.failure_trace}")
+        for r, t in (self.step_time_by_replicas or {}).items():
+            if not (isinstance(r, int) and 1 <= r <= self.replicas):
+                raise ConfigError(f"step time by replicas: {r!r} is not a replica count")
+            if not (isinstance(t, (int, float)) and math.isfinite(t) and t > self.allreduce_s):
+                raise ConfigError(f"step time with {r} replicas must exceed allreduce-s, got {t!r}")
         for t in self.fault_times_h or []:
             if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
                 raise ConfigError(f"fault times must be finite hours >= 0, got {t!r}")

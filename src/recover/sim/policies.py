@@ -1,15 +1,15 @@
 """The three policies' reactions to a replica loss, as step-by-step event loops over a `Job`.
 
 Invariant (what each policy promises, and what the simulator checks):
-- recover: every step commits exactly N microbatches; a loss inside a step costs detection, a rebuild
-  and the recompute of the lost replica's quota spread over the survivors; no work is ever rolled back.
-  Later steps spread N over fewer replicas (step time grows with ceil(N / r)).
+- recover: every step commits exactly N microbatches; a loss inside a step costs detection, a
+  rebuild and the recompute of the lost replica's quota spread over the survivors; no work is ever
+  rolled back. Later steps spread N over fewer replicas (step time grows with ceil(N / r)).
 - ckpt-restart: every committed step holds N microbatches, but a loss tears the whole job down: the
-  steps since the last checkpoint are rolled back, the job pays detection + restart, and resumes on the
-  survivors (plus hot spares, if any). A checkpoint every K steps costs C (K from Young-Daly unless
-  given); a loss during a checkpoint or a restart discards it.
-- shrink-batch (torchft): the faulted step is discarded, the survivors keep their own per-replica quota,
-  so the global batch shrinks to their share (the failure-free trajectory is not preserved).
+  steps since the last checkpoint are rolled back, the job pays detection + restart, and resumes on
+  the survivors (plus hot spares, if any). A checkpoint every K steps costs C (K from Young-Daly
+  unless given); a loss during a checkpoint or a restart discards it.
+- shrink-batch (torchft): the faulted step is discarded, the survivors keep their own per-replica
+  quota, so the global batch shrinks to their share (the failure-free trajectory is not preserved).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def run_recover(job: Job) -> PolicyResult:
     while not job.done():
         job.admit()
         quotas = plan(job.active, n)
-        st = p.step_time(max(quotas.values()))
+        st = p.step_time(max(quotas.values()), len(job.active))
         if (m := job.free_steps(st)) > 0:
             job.advance(m, st, n)
             continue
@@ -41,7 +41,7 @@ def run_recover(job: Job) -> PolicyResult:
             if job.too_few():
                 job.t = f.time_s
                 return job.result()
-            redo = ceil_div(lost, len(job.active)) * p.mb_time_s
+            redo = ceil_div(lost, len(job.active)) * p.mb_time(len(job.active))
             end = max(compute_end, f.time_s + p.detect_s) + p.rebuild_s + redo + p.allreduce_s
         if job.over_budget(end):
             break
@@ -57,7 +57,7 @@ def _ckpt_interval(job: Job) -> int:
     p = job.p
     if p.ckpt_interval_steps is not None:
         return p.ckpt_interval_steps
-    st = p.step_time(max(plan(job.active, p.microbatches).values()))
+    st = p.step_time(max(plan(job.active, p.microbatches).values()), len(job.active))
     mtbf = job.sched.mtbf_s(len(job.active) * p.gpus_per_replica)
     return young_daly_steps(p.ckpt_cost_s, mtbf, st)
 
@@ -66,9 +66,10 @@ def run_ckpt_restart(job: Job) -> PolicyResult:
     """Checkpoint every K steps; on a loss, roll back to the last checkpoint and restart the job."""
     p, n = job.p, job.p.microbatches
     last = 0  # committed steps held by the last checkpoint
+    detect = p.detect_s if p.restart_detect_s is None else p.restart_detect_s
     k = _ckpt_interval(job)
     while not job.done():
-        st = p.step_time(max(plan(job.active, n).values()))
+        st = p.step_time(max(plan(job.active, n).values()), len(job.active))
         hit = None
         if (m := min(job.free_steps(st), k - (job.steps - last))) > 0:
             job.advance(m, st, n)
@@ -100,7 +101,7 @@ def run_ckpt_restart(job: Job) -> PolicyResult:
                 job.active = sorted(job.active + [job.spare_pool.pop(0)])
             if job.too_few():
                 return job.result()
-            ready = job.t + p.detect_s + p.restart_cost_s
+            ready = job.t + detect + p.restart_cost_s
             again = job.next_loss(ready)
             if again is None:
                 break
@@ -127,7 +128,7 @@ def run_shrink_batch(job: Job) -> PolicyResult:
     while not job.done():
         job.admit()
         batch = sum(quota[s] for s in job.active)
-        st = p.step_time(max(quota[s] for s in job.active))
+        st = p.step_time(max(quota[s] for s in job.active), len(job.active))
         compute_s = st - p.allreduce_s
         m, hit = job.free_steps(st), None
         if m == 0:

@@ -7,9 +7,12 @@ output can be parsed and diffed.
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 
+from recover.errors import ConfigError
 from recover.sim.faults import FaultSchedule
 from recover.sim.params import SimParams, young_daly_steps
 from recover.sim.results import PolicyResult
@@ -25,29 +28,41 @@ def fmt(x: float, nd: int = 2) -> str:
 def assumptions(p: SimParams, sched: FaultSchedule) -> list[str]:
     """Every parameter the simulation used, one per line, with its meaning."""
     r = p.replicas
+    rd = p.detect_s if p.restart_detect_s is None else p.restart_detect_s
     ck = p.ckpt_interval_steps
     if ck is None:
         mtbf = sched.mtbf_s(p.gpus)
         k = young_daly_steps(p.ckpt_cost_s, mtbf, p.step_time_s)
-        ck_txt = (f"Young-Daly K*step = sqrt(2*C*MTBF), MTBF {fmt(mtbf / 60, 1)} min "
-                  f"-> K = {k:,} steps at the start (recomputed after each restart)"
-                  if math.isfinite(mtbf) else "none (no faults expected)")
+        ck_txt = (
+            f"Young-Daly K*step = sqrt(2*C*MTBF), MTBF {fmt(mtbf / 60, 1)} min "
+            f"-> K = {k:,} steps at the start (recomputed after each restart)"
+            if math.isfinite(mtbf)
+            else "none (no faults expected)"
+        )
     else:
         ck_txt = f"every {ck} steps (given)"
-    end = [f"{p.total_steps:,} committed steps" if p.total_steps is not None else None,
-           f"{fmt(p.budget_h or 0.0, 2)} h wall-clock budget" if p.budget_h is not None else None]
+    end = [
+        f"{p.total_steps:,} committed steps" if p.total_steps is not None else None,
+        f"{fmt(p.budget_h or 0.0, 2)} h wall-clock budget" if p.budget_h is not None else None,
+    ]
     return [
         f"cluster: {p.gpus} GPUs, {p.gpus_per_replica} GPUs per replica -> {r} replicas; "
         f"spares: {p.spares} replica(s), joining {fmt(p.replace_delay_s, 0)} s after a loss "
         "(recover, shrink-batch) or at the restart (ckpt-restart)",
         f"failures: {sched.source}; a failed GPU takes its whole replica (its GPUs are released)",
-        f"step: {fmt(p.step_time_s, 3)} s with {r} replicas = {-(-p.microbatches // r)} microbatches"
-        f" x {fmt(p.mb_time_s, 4)} s + {fmt(p.allreduce_s, 3)} s all-reduce (+overhead); "
-        "with r replicas the busiest does ceil(N/r)",
+        f"step: {fmt(p.step_time_s, 3)} s with {r} replicas = {-(-p.microbatches // r)} "
+        f"microbatch(es) x {fmt(p.mb_time_s, 4)} s + {fmt(p.allreduce_s, 3)} s all-reduce; "
+        "with r replicas the busiest does ceil(N/r)"
+        + (
+            f"; measured step times by replicas {p.step_time_by_replicas}"
+            if p.step_time_by_replicas
+            else ""
+        ),
         f"batch: N = {p.microbatches} microbatches x {p.tokens_per_microbatch:,} tokens = "
         f"{p.microbatches * p.tokens_per_microbatch:,} tokens per step",
         f"end: {' or '.join(x for x in end if x)}; job stops below {p.min_replicas} replica(s)",
-        f"detection: {fmt(p.detect_s, 3)} s (all policies); startup: {fmt(p.startup_s, 1)} s once",
+        f"detection: {fmt(p.detect_s, 3)} s (recover, shrink-batch), {fmt(rd, 3)} s "
+        f"(ckpt-restart); startup: {fmt(p.startup_s, 1)} s once",
         f"recover: rebuild {fmt(p.rebuild_s, 3)} s + recompute of the lost quota on the survivors; "
         "batch stays N; no checkpoints",
         f"ckpt-restart: checkpoint cost {fmt(p.ckpt_cost_s, 1)} s, interval {ck_txt}; restart "
@@ -60,29 +75,54 @@ def assumptions(p: SimParams, sched: FaultSchedule) -> list[str]:
     ]
 
 
+def human(x: float) -> str:
+    """A count or size in short form: 912, 12.3k, 4.56M, 7.89B."""
+    for div, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.3g}{suffix}" if abs(x) < 100 * div else f"{x / div:,.0f}{suffix}"
+    return f"{x:.3g}"
+
+
+def duration(s: float) -> str:
+    """Seconds as `12.3 s`, `45.6 min` or `7.89 h`."""
+    if s < 600:
+        return f"{s:.2f} s"
+    return f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.2f} h"
+
+
 def table(results: dict[str, PolicyResult]) -> list[str]:
     """One row per policy: wall time, progress, waste, GPU-hours, effective throughput, events."""
-    head = (f"{'policy':<13}{'wall h':>9}{'steps':>10}{'tokens B':>10}{'lost B':>9}"
-            f"{'GPU-h':>10}{'tok/s':>12}{'losses':>7}{'restarts':>9}{'ckpts':>7}"
-            f"{'discard':>8}{'batch %N':>9}{'min mb':>7}")
+    head = (
+        f"{'policy':<13}{'wall':>10}{'steps':>9}{'tokens':>9}{'lost':>8}"
+        f"{'GPU-h':>9}{'tok/s':>9}{'losses':>7}{'restarts':>9}{'ckpts':>7}"
+        f"{'discard':>8}{'batch %N':>9}{'min mb':>7}"
+    )
     lines = [head, "-" * len(head)]
     for name, r in results.items():
         tok = r.tokens_per_microbatch
         lines.append(
-            f"{name:<13}{r.wall_s / 3600:>9.3f}{r.steps:>10,}{r.committed_mb * tok / 1e9:>10.3f}"
-            f"{r.lost_mb * tok / 1e9:>9.3f}{r.gpu_hours:>10,.1f}"
-            f"{r.throughput_mb_s * tok:>12,.0f}{r.replica_losses:>7}{r.restarts:>9}"
+            f"{name:<13}{duration(r.wall_s):>10}{r.steps:>9,}{human(r.committed_mb * tok):>9}"
+            f"{human(r.lost_mb * tok):>8}{human(r.gpu_hours):>9}"
+            f"{human(r.throughput_mb_s * tok):>9}{r.replica_losses:>7}{r.restarts:>9}"
             f"{r.checkpoints:>7}{r.discarded_steps:>8}{100 * r.mean_batch_frac:>9.1f}"
             f"{r.min_batch_mb:>7}"
         )
+    lines.append(
+        "(tokens: committed on the trajectory; lost: computed then rolled back or discarded; "
+        "tok/s: effective throughput)"
+    )
     for name, r in results.items():
         if not r.finished and r.stop_reason not in ("budget", ""):
             lines.append(f"note: {name} stopped: {r.stop_reason}")
     return lines
 
 
-def plot(results: dict[str, PolicyResult], path: str, mark_gpu_hours: float | None = None,
-         title: str = "") -> str:
+def plot(
+    results: dict[str, PolicyResult],
+    path: str,
+    mark_gpu_hours: float | None = None,
+    title: str = "",
+) -> str:
     """Committed tokens vs GPU-hours per policy, fault moments marked; write PNG to `path`."""
     import matplotlib
 
@@ -97,13 +137,23 @@ def plot(results: dict[str, PolicyResult], path: str, mark_gpu_hours: float | No
     first = next(iter(results.values()), None)
     if first is not None:
         for i, t in enumerate(first.fault_times_s):
-            ax.axvline(first.gpu_hours_at(t), color="red", alpha=0.25, lw=0.8,
-                       label="replica lost" if i == 0 else None)
+            ax.axvline(
+                first.gpu_hours_at(t),
+                color="red",
+                alpha=0.25,
+                lw=0.8,
+                label="replica lost" if i == 0 else None,
+            )
     if mark_gpu_hours is not None:
         ax.axvline(mark_gpu_hours, color="black", ls="--", lw=1, label=f"{mark_gpu_hours:g} GPU-h")
     ax.set_xlabel("GPU-hours consumed")
     ax.set_ylabel("committed tokens (billions)")
-    ax.set_title(title or "tokens on the failure-free trajectory vs GPU-hours")
+    ax.set_title(
+        title
+        or "committed tokens vs GPU-hours (shrink-batch: smaller batches, "
+        "trajectory not preserved)",
+        fontsize=10,
+    )
     ax.legend(loc="upper left", fontsize=8)
     ax.grid(alpha=0.3)
     out = Path(path)
@@ -119,14 +169,78 @@ def results_json(results: dict[str, PolicyResult]) -> dict[str, dict[str, object
     for name, r in results.items():
         step = max(1, len(r.series) // 2000)
         out[name] = {
-            "wall_s": r.wall_s, "steps": r.steps, "committed_microbatches": r.committed_mb,
-            "processed_microbatches": r.processed_mb, "committed_tokens": r.committed_tokens,
-            "gpu_hours": r.gpu_hours, "effective_tokens_per_s": r.throughput_mb_s *
-            r.tokens_per_microbatch, "replica_losses": r.replica_losses, "restarts": r.restarts,
-            "checkpoints": r.checkpoints, "discarded_steps": r.discarded_steps,
-            "mean_batch_frac": r.mean_batch_frac, "min_batch_microbatches": r.min_batch_mb,
-            "finished": r.finished, "stop_reason": r.stop_reason,
+            "wall_s": r.wall_s,
+            "steps": r.steps,
+            "committed_microbatches": r.committed_mb,
+            "processed_microbatches": r.processed_mb,
+            "committed_tokens": r.committed_tokens,
+            "gpu_hours": r.gpu_hours,
+            "effective_tokens_per_s": r.throughput_mb_s * r.tokens_per_microbatch,
+            "replica_losses": r.replica_losses,
+            "restarts": r.restarts,
+            "checkpoints": r.checkpoints,
+            "discarded_steps": r.discarded_steps,
+            "mean_batch_frac": r.mean_batch_frac,
+            "min_batch_microbatches": r.min_batch_mb,
+            "finished": r.finished,
+            "stop_reason": r.stop_reason,
             "fault_times_s": r.fault_times_s,
             "series_wall_s_gpu_h_committed_processed_tokens": r.series[::step] + r.series[-1:],
         }
     return out
+
+
+def write_outputs(
+    results: dict[str, PolicyResult],
+    png: str | None,
+    out_dir: str | None,
+    gpu_hours: float,
+    ratio: float,
+    extra: float,
+    p: SimParams,
+) -> list[str]:
+    """Write the plot and/or `out_dir/results.json`; return the lines saying where."""
+    lines = []
+    try:
+        if png:
+            lines.append(f"plot: {plot(results, png, gpu_hours)}")
+        if out_dir:
+            path = Path(out_dir) / "results.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            doc = {
+                "params": asdict(p),
+                "throughput_ratio": ratio,
+                "extra_tokens_pct_at_234_gpu_hours": extra,
+                "policies": results_json(results),
+            }
+            path.write_text(json.dumps(doc, indent=1, default=str, allow_nan=True))
+            lines.append(f"results: {path}")
+    except (OSError, ValueError) as e:  # unwritable path, unknown image format
+        raise ConfigError(f"cannot write output: {e}") from None
+    return lines
+
+
+def throughput_lines(results: dict[str, PolicyResult]) -> list[str]:
+    """Effective throughput of recover and ckpt-restart, whole run and after the first loss."""
+    from recover.sim.results import throughput_ratio, window_throughput
+
+    rec, ck = results.get("recover"), results.get("ckpt-restart")
+    if rec is None or ck is None:
+        return []
+    whole = rec.throughput_mb_s / ck.throughput_mb_s if ck.throughput_mb_s > 0 else math.inf
+    ta = rec.throughput_mb_s * rec.tokens_per_microbatch
+    tb = ck.throughput_mb_s * ck.tokens_per_microbatch
+    lines = [
+        f"effective throughput, whole run: recover {fmt(ta, 0)} tok/s, ckpt-restart "
+        f"{fmt(tb, 0)} tok/s (ratio {fmt(whole)})"
+    ]
+    firsts = rec.fault_times_s[:1] + ck.fault_times_s[:1]
+    if firsts:
+        t0, t1 = min(firsts), min(rec.wall_s, ck.wall_s)
+        a, b = window_throughput(rec, t0, t1), window_throughput(ck, t0, t1)
+        lines.append(
+            f"effective throughput from the first loss ({duration(t0)}) to "
+            f"{duration(t1)}: recover {fmt(a, 0)} tok/s, ckpt-restart {fmt(b, 0)} tok/s "
+            f"(ratio {fmt(throughput_ratio(rec, ck))})"
+        )
+    return lines

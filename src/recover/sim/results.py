@@ -1,18 +1,18 @@
 """What one simulated policy produced, and the comparisons between policies.
 
-Invariant: `committed_mb` counts only microbatches on the policy's final trajectory (work rolled back
-by a restart or discarded with a faulted step is not in it); `processed_mb` counts every microbatch
-computed. GPU-hours charge every allocated, healthy GPU (active, restarting or spare) from the start
-until the job ends; a failed replica's GPUs are released at the failure.
+Invariant: `committed_mb` counts only microbatches on the policy's final trajectory (work rolled
+back by a restart or discarded with a faulted step is not in it); `processed_mb` counts every
+microbatch computed. GPU-hours charge every allocated, healthy GPU (active, restarting or spare)
+from the start until the job ends; a failed replica's GPUs are released at the failure.
 
 Definitions used by `recover simulate`'s last lines:
 - effective throughput: committed microbatches (times tokens per microbatch) per wall-clock second.
-- `throughput_ratio`: recover's effective throughput over ckpt-restart's, both measured over the window
-  from the first replica loss to the end of the run ("after successive failures"): progress at the end
-  minus progress just before the first loss, over the window's length. Work that ckpt-restart had
-  done before the loss but then rolled back therefore counts against it.
-- `extra_tokens_pct_at(g)`: at the moment each policy has consumed `g` GPU-hours, the percentage more
-  trajectory tokens (committed so far) recover holds than ckpt-restart: 100 * (rec / ckpt - 1).
+- `throughput_ratio`: recover's effective throughput over ckpt-restart's, both measured over the
+  window from the first replica loss to the end of the run ("after successive failures"): progress
+  at the end minus progress just before the first loss, over the window's length. Work that
+  ckpt-restart had done before the loss but then rolled back therefore counts against it.
+- `extra_tokens_pct_at(g)`: at the moment each policy has consumed `g` GPU-hours, the percentage
+  more trajectory tokens (committed so far) recover holds than ckpt-restart: 100 * (rec / ckpt - 1).
 """
 
 from __future__ import annotations

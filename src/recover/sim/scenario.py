@@ -1,19 +1,21 @@
 """The paper scenario (512 GPUs, 256 of them lost spread over the run) and multi-seed pooling.
 
-Invariant: the scenario only *schedules* failures and sets the stated assumptions; every figure comes
-out of `engine.simulate` on that schedule. Pooled figures over seeds add up tokens and times across
-the seeds before dividing (so one seed where ckpt-restart made no progress cannot make them infinite).
+Invariant: the scenario only *schedules* failures and sets the stated assumptions; every figure
+comes out of `engine.simulate` on that schedule. Pooled figures over seeds add up each policy's
+window throughputs (and tokens at the reference GPU-hours) across the seeds before dividing, so one
+seed where ckpt-restart made no progress cannot make them infinite.
 
-Design of the scenario (ReCoVer, arXiv 2605.11215: "up to 512 GPUs ... 256 GPUs lost spread across the
-run ... 2.23x higher effective throughput after successive failures ... 74.9% more tokens at 234
+Design of the scenario (ReCoVer, arXiv 2605.11215: "up to 512 GPUs ... 256 GPUs lost spread across
+the run ... 2.23x higher effective throughput after successive failures ... 74.9% more tokens at 234
 GPU-hours"). The paper's abstract does not give the replica size, the loss times, the restart or the
 checkpoint costs; we assume:
-- 512 GPUs in replicas of 8 (tensor parallel inside one 8-GPU node): 64 replicas, 32 lost = 256 GPUs;
-  no spares, so every policy ends on 256 GPUs.
-- the losses strike at uniformly random times (seeded; a Poisson process conditioned on 32 events, the
-  model under which Young-Daly's interval is optimal, so fair to ckpt-restart) over 33 mean intervals
-  of `fault_every_min` (10 min by default: a compressed fault-injection run, ~5.5 h), or evenly spaced
-  (`schedule="even"`); the run lasts 33 intervals, and longer if needed to reach 234 GPU-hours.
+- 512 GPUs in replicas of 8 (tensor parallel inside one 8-GPU node): 64 replicas, 32 lost = 256
+  GPUs; no spares, so every policy ends on 256 GPUs.
+- the losses strike at uniformly random times (seeded; a Poisson process conditioned on 32 events,
+  the model under which Young-Daly's interval is optimal, so fair to ckpt-restart) over 33 mean
+  intervals of `fault_every_min` (10 min by default: a compressed fault-injection run, ~5.5 h), or
+  evenly spaced (`schedule="even"`); the run lasts 33 intervals, and longer if needed to reach 234
+  GPU-hours.
 - the costs of `SimParams`'s defaults (restart 300 s, checkpoint 60 s, detection 1 s, rebuild 5 s,
   step 5 s) with Young-Daly checkpointing from the injected mean interval.
 """
@@ -48,9 +50,13 @@ class ScenarioSpec:
 
 
 def paper_base() -> SimParams:
-    """The scenario's cluster and costs before losses are scheduled (SimParams defaults otherwise)."""
-    return SimParams(gpus=PAPER_GPUS, gpus_per_replica=PAPER_GPUS_PER_REPLICA, per_gpu_mttf_h=None,
-                     total_steps=None)
+    """The cluster and costs of the scenario before its losses are scheduled."""
+    return SimParams(
+        gpus=PAPER_GPUS,
+        gpus_per_replica=PAPER_GPUS_PER_REPLICA,
+        per_gpu_mttf_h=None,
+        total_steps=None,
+    )
 
 
 def scenario_params(base: SimParams, spec: ScenarioSpec, seed: int) -> SimParams:
@@ -69,13 +75,20 @@ def scenario_params(base: SimParams, spec: ScenarioSpec, seed: int) -> SimParams
     left = gpus - gpr * n
     if used < 1.1 * spec.reference_gpu_hours and left > 0:
         horizon += (1.1 * spec.reference_gpu_hours - used) / left
-    return replace(base, fault_times_h=times, failure_trace=None, per_gpu_mttf_h=None,
-                   budget_h=horizon, total_steps=None, seed=seed)
+    return replace(
+        base,
+        fault_times_h=times,
+        failure_trace=None,
+        per_gpu_mttf_h=None,
+        budget_h=horizon,
+        total_steps=None,
+        seed=seed,
+    )
 
 
 @dataclass
 class Pooled:
-    """Figures pooled over seeds, plus the first seed's full results (for the table and the plot)."""
+    """Figures pooled over seeds, plus seed 0's full results (for the table and the plot)."""
 
     ratio: float
     extra_pct: float
@@ -88,9 +101,16 @@ def _window(r: PolicyResult, t0: float, t1: float) -> float:
     return r.progress_at(t1) - r.progress_at(t0, before=True)
 
 
-def pooled(build: Callable[[int], SimParams], seeds: int, gpu_hours: float,
-           policies: tuple[str, ...] = ("recover", "ckpt-restart")) -> Pooled:
-    """Simulate `seeds` schedules; pool recover/ckpt-restart throughput and tokens at `gpu_hours`."""
+def pooled(
+    build: Callable[[int], SimParams],
+    seeds: int,
+    gpu_hours: float,
+    policies: tuple[str, ...] = ("recover", "ckpt-restart"),
+) -> Pooled:
+    """Simulate `seeds` schedules; pool recover/ckpt-restart throughput and tokens at `gpu_hours`.
+
+    Each policy's window throughputs and tokens are summed over the seeds before dividing.
+    """
     from recover.sim.results import extra_tokens_pct_at, throughput_ratio
 
     num = den = tok_a = tok_b = 0.0

@@ -44,21 +44,24 @@ def run(run_dir: Path, replica: int, host: str, port: int) -> int:
     m = cfg.model
     model = build_model(m, cfg.seed)
     opt = build_optimizer(model, cfg)
-    grad = flat_grad_buffer(model)  # p.grad are views: backward accumulates into `grad`
-    params = [p for p in model.parameters() if p.requires_grad]
     start = 0
     ckpt_root = run_dir / "ckpt"
     if cfg.resume:
         path = latest_checkpoint(ckpt_root)
         start = int(load_checkpoint(path, model, opt)["step"])
         log(replica, f"resumed from {path.name} at step {start}")
+    # After the checkpoint load (which resets .grad): p.grad become views of `grad`, so backward
+    # accumulates straight into the buffer the cross-replica reduction reads.
+    grad = flat_grad_buffer(model)
+    params = [p for p in model.parameters() if p.requires_grad]
     faults = FaultInjector(validate_faults(cfg.faults, cfg.replicas, cfg.steps), replica)
     member = Member(host, port, replica, heartbeat_s=cfg.heartbeat_s,
                     timeout_s=cfg.join_timeout_s)
     member.join()
     comm = FaultTolerantComm(member, timeout_s=cfg.reduce_timeout_s)
     engine = StepEngine(member, comm, grad, cfg.microbatches, min_replicas=cfg.min_replicas,
-                        timeout_s=cfg.reduce_timeout_s, hook=faults.at)
+                        timeout_s=cfg.reduce_timeout_s, hook=faults.at,
+                        speed_aware=cfg.speed_aware)
     evals = eval_batches(corpus.val, m.block_size, cfg.microbatch_size, cfg.seed,
                          cfg.eval_microbatches)
     step = start
@@ -121,6 +124,9 @@ def run(run_dir: Path, replica: int, host: str, port: int) -> int:
         log(replica, f"stopping: {e}; saving a checkpoint at step {step}")
         save(step)
         return EXIT_COORDINATOR_LOST
+    if cfg.dump_final:
+        (run_dir / "final").mkdir(exist_ok=True)
+        torch.save(model.state_dict(), run_dir / "final" / f"replica{replica}.pt")
     member.leave()
     return 0
 

@@ -13,7 +13,9 @@ from collections.abc import Mapping, Sequence
 
 from recover.workload.ids import step_ids
 
-SPEED_RESOLUTION = 0.1  # relative speeds are rounded to this, so timing noise does not churn plans
+# Relative speeds are rounded to this, so timing noise (easily +-10% on a shared CPU) does not
+# churn plans; a real straggler (2x slower: 0.5) still stands out.
+SPEED_RESOLUTION = 0.25
 
 
 def _weights(members: Sequence[int], speeds: Mapping[int, float] | None) -> list[float]:

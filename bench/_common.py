@@ -1,0 +1,130 @@
+"""Shared helpers of the benchmarks: processes (ended by PID), `recover train` runs, statistics.
+
+Every wait here is bounded; every process a benchmark starts is ended in a `finally` by its PID
+(and, for `recover train`, the launcher's own children by theirs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def out_dir(arg: str | None, name: str) -> Path:
+    path = Path(arg) if arg else Path(tempfile.mkdtemp(prefix=f"recover-bench-{name}-"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def children(pid: int) -> list[int]:
+    """PIDs of every live descendant of `pid` (read from /proc; empty where /proc is missing)."""
+    parent: dict[int, int] = {}
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            parent[int(d.name)] = int(fields[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def end(procs: list[subprocess.Popen], grace_s: float = 5.0, sig: int = signal.SIGTERM) -> None:
+    """End processes we started, by PID: `sig`, then SIGKILL after `grace_s`; reap them."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.send_signal(sig)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=10)
+
+
+def kill_pids(pids: list[int]) -> None:
+    """SIGKILL leftover descendants (by PID) of a process we started."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def recover_train(out: Path, preset: str, extra: list[str], timeout_s: float) -> list[dict]:
+    """Run `recover train` (a real coordinator + replica processes) and return its step records."""
+    cmd = [sys.executable, "-m", "recover.cli", "train", "--preset", preset, "--out", str(out),
+           *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    log = open(out.parent / f"{out.name}.log", "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    kids: list[int] = []
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        say(f"  ! recover train exceeded {timeout_s:.0f}s; ending it (log {log.name})")
+    finally:
+        if proc.poll() is None:
+            kids = children(proc.pid)
+            end([proc], grace_s=10.0, sig=signal.SIGINT)  # SIGINT: its finally ends workers
+        kill_pids(kids)
+        log.close()
+    if proc.returncode != 0:
+        tail = Path(log.name).read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"recover train exited {proc.returncode}: {' '.join(cmd)}\n{tail}")
+    with open(out / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def periods(records: list[dict], lo: int, hi: int) -> list[float]:
+    """Commit-to-commit intervals of steps lo..hi-1 (step s: time_s[s] - time_s[s-1]).
+
+    The interval covers the whole loop (plan, compute, reduce, agreement, optimizer, record) and
+    is what throughput sees; `step_time_s` (one replica's timer) misses the per-step bookkeeping.
+    """
+    t = {r["step"]: r["time_s"] for r in records}
+    return [t[s] - t[s - 1] for s in range(max(lo, 1), hi) if s in t and s - 1 in t]
+
+
+def field(records: list[dict], key: str, lo: int, hi: int) -> list[float]:
+    return [float(r[key]) for r in records if lo <= r["step"] < hi]
+
+
+def table(rows: list[tuple], head: tuple) -> None:
+    cols = list(zip(head, *rows))
+    width = [max(len(str(c)) for c in col) for col in cols]
+    for row in [head, *rows]:
+        say("  " + "  ".join(str(c).rjust(w) for c, w in zip(row, width)))

@@ -1,0 +1,37 @@
+"""Shared fixtures: small generated corpora (tests never depend on the corpus package)."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+WORDS = ("the of and to in is that it was for on are with as his they be at one have this from "
+         "or had by word but what some we can out other were all there when up use your how said "
+         "an each she which do their time if will way about many then them write would like so "
+         "these her long make thing see him two has look more day could go come did number sound "
+         "no most people my over know water than call first who may down side been now find").split()
+
+
+def generated_text(n_bytes: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    out, size = [], 0
+    while size < n_bytes:
+        sent = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 14))).capitalize() + ". "
+        out.append(sent)
+        size += len(sent)
+        if rng.random() < 0.1:
+            out.append("\n")
+    return "".join(out)[:n_bytes]
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """~200 KB of generated English-like text."""
+    p = tmp_path_factory.mktemp("corpus") / "text.txt"
+    p.write_text(generated_text(200_000))
+    return p

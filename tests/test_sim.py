@@ -1,0 +1,311 @@
+"""Tests of the cluster simulator (`recover.sim`): policies, accounting, faults, calibration."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from recover.errors import ConfigError
+from recover.sim import (
+    SimParams,
+    build_schedule,
+    predict_wall_times,
+    simulate,
+    young_daly_interval_s,
+    young_daly_steps,
+)
+from recover.sim.calibrate import calib_params, load_calibration
+from recover.sim.engine import Job
+from recover.sim.faults import load_trace
+
+# 4 replicas, N = 8 (2 per replica), 1 s steps of which 0.2 s all-reduce -> 0.4 s per microbatch.
+SMALL = dict(
+    gpus=4,
+    gpus_per_replica=1,
+    microbatches=8,
+    step_time_s=1.0,
+    allreduce_s=0.2,
+    detect_s=0.1,
+    rebuild_s=0.05,
+    ckpt_cost_s=0.3,
+    restart_cost_s=2.0,
+    per_gpu_mttf_h=None,
+    total_steps=10,
+)
+
+
+def calib(**over: object) -> dict:
+    base = {
+        "replicas": 4,
+        "microbatches": 8,
+        "steps": 40,
+        "step_time_s": 0.2,
+        "allreduce_s": 0.02,
+        "ckpt_cost_s": 0.3,
+        "ckpt_every": 10,
+        "restart_cost_s": 6.0,
+        "detect_s": 1.0,
+        "rebuild_s": 0.02,
+        "fault_steps": [],
+        "startup_s": 4.5,
+    }
+    base.update(over)
+    return base
+
+
+def test_young_daly_formula() -> None:
+    assert young_daly_interval_s(60.0, 3600.0) == pytest.approx(math.sqrt(2 * 60 * 3600))
+    assert young_daly_steps(60.0, 3600.0, 5.0) == round(math.sqrt(2 * 60 * 3600) / 5)
+    assert young_daly_steps(60.0, 0.01, 5.0) == 1  # never below one step
+    assert young_daly_steps(60.0, math.inf, 5.0) > 10**8  # no faults: never checkpoint
+
+
+def test_deterministic_with_seed() -> None:
+    p = SimParams(per_gpu_mttf_h=300.0, total_steps=3000, seed=7)
+    a, b = simulate(p), simulate(SimParams(per_gpu_mttf_h=300.0, total_steps=3000, seed=7))
+    for name in a:
+        assert a[name].series == b[name].series
+        assert a[name].wall_s == b[name].wall_s
+    c = simulate(SimParams(per_gpu_mttf_h=300.0, total_steps=3000, seed=8))
+    assert c["recover"].fault_times_s != a["recover"].fault_times_s
+
+
+def test_no_failures_equal_except_checkpoints() -> None:
+    p = SimParams(per_gpu_mttf_h=None, total_steps=1000, ckpt_interval_steps=100)
+    res = simulate(p)
+    assert res["recover"].wall_s == pytest.approx(1000 * p.step_time_s)
+    assert res["shrink-batch"].wall_s == pytest.approx(1000 * p.step_time_s)
+    assert res["ckpt-restart"].wall_s == pytest.approx(1000 * p.step_time_s + 10 * p.ckpt_cost_s)
+    for r in res.values():
+        assert r.committed_mb == r.processed_mb == 1000 * p.microbatches
+        assert r.finished
+
+
+def test_exact_costs_of_one_fault() -> None:
+    """One replica of 4 killed mid-compute of step 0 (t = 0.4 s): each policy's documented cost."""
+    res = simulate(SimParams(**SMALL, fault_steps=[0], ckpt_interval_steps=5))
+    # recover: max(compute end 0.8, 0.4 + detect) + rebuild + ceil(2/3) * 0.4 + all-reduce, then
+    # 9 steps with ceil(8/3) = 3 microbatches on the busiest replica (1.4 s).
+    assert res["recover"].wall_s == pytest.approx(0.8 + 0.05 + 0.4 + 0.2 + 9 * 1.4)
+    assert res["recover"].committed_mb == 80
+    # ckpt-restart: fault at 0.4, restart until 0.4 + 0.1 + 2.0, 10 steps of 1.4 s, 2 checkpoints.
+    assert res["ckpt-restart"].wall_s == pytest.approx(2.5 + 10 * 1.4 + 2 * 0.3)
+    assert res["ckpt-restart"].restarts == 1
+    # shrink-batch: step discarded, resume at max(0.8, 0.5) + rebuild, 10 steps of 1 s with 6 mb.
+    assert res["shrink-batch"].wall_s == pytest.approx(0.85 + 10 * 1.0)
+    assert res["shrink-batch"].committed_mb == 60
+    assert res["shrink-batch"].discarded_steps == 1
+
+
+def test_measured_step_times_and_restart_detection() -> None:
+    """Measured step time with 3 replicas (1.2 s) replaces ceil(8/3) x 0.4 s; ckpt-restart's own
+    detection time replaces detect_s in its restart."""
+    res = simulate(
+        SimParams(
+            **SMALL,
+            fault_steps=[0],
+            ckpt_interval_steps=5,
+            step_time_by_replicas={3: 1.2},
+            restart_detect_s=0.5,
+        )
+    )
+    redo = (1.2 - 0.2) / 3  # one microbatch with 3 replicas running
+    assert res["recover"].wall_s == pytest.approx(0.8 + 0.05 + redo + 0.2 + 9 * 1.2)
+    assert res["ckpt-restart"].wall_s == pytest.approx(0.4 + 0.5 + 2.0 + 10 * 1.2 + 2 * 0.3)
+    # shrink-batch: 3 survivors of quota 2 run at the 3-replica microbatch time.
+    assert res["shrink-batch"].wall_s == pytest.approx(0.85 + 10 * (1.2 - redo))
+
+
+def test_recover_never_loses_work() -> None:
+    res = simulate(SimParams(per_gpu_mttf_h=200.0, total_steps=5000, seed=3))["recover"]
+    assert res.replica_losses > 0
+    assert res.committed_mb == res.steps * res.microbatches == 5000 * 256
+    committed = [row[2] for row in res.series]
+    assert committed == sorted(committed)
+    assert res.processed_mb >= res.committed_mb  # recomputed lost quotas only
+    assert res.mean_batch_frac == 1.0
+
+
+def test_ckpt_restart_loses_work_on_faults() -> None:
+    res = simulate(SimParams(per_gpu_mttf_h=200.0, total_steps=5000, seed=3))["ckpt-restart"]
+    assert res.restarts > 0 and res.checkpoints > 0
+    assert res.processed_mb > res.committed_mb == res.steps * res.microbatches
+    committed = [row[2] for row in res.series]
+    assert any(b < a for a, b in zip(committed, committed[1:], strict=False))  # a rollback
+
+
+def test_shrink_batch_batch_shrinks() -> None:
+    res = simulate(SimParams(per_gpu_mttf_h=200.0, total_steps=5000, seed=3))["shrink-batch"]
+    assert res.replica_losses > 0
+    assert 1 <= res.discarded_steps <= res.replica_losses
+    assert res.min_batch_mb < res.microbatches
+    assert res.mean_batch_frac < 1.0
+    assert res.committed_mb < res.steps * res.microbatches
+
+
+def test_same_failures_same_gpu_hours() -> None:
+    p = SimParams(fault_times_h=[0.5, 1.0, 1.7], total_steps=None, budget_h=3.0)
+    res = simulate(p)
+    for r in res.values():
+        assert r.fault_times_s == [1800.0, 3600.0, 1.7 * 3600]
+        assert r.gpu_hours == pytest.approx(512 * 3 - 8 * (2.5 + 2.0 + 1.3))
+
+
+def test_bulk_advance_matches_stepwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = SimParams(
+        per_gpu_mttf_h=300.0,
+        total_steps=None,
+        budget_h=20.0,
+        spares=4,
+        replace_delay_s=300.0,
+        seed=2,
+    )
+    fast = simulate(p)
+    monkeypatch.setattr(Job, "free_steps", lambda self, st: 0)
+    slow = simulate(p)
+    for name in fast:
+        a, b = fast[name], slow[name]
+        assert (a.steps, a.committed_mb, a.restarts, a.checkpoints) == (
+            b.steps,
+            b.committed_mb,
+            b.restarts,
+            b.checkpoints,
+        )
+        assert a.wall_s == pytest.approx(b.wall_s)
+
+
+def test_spares_restore_speed() -> None:
+    kw = dict(fault_times_h=[0.1, 0.2], total_steps=3000)
+    bare = simulate(SimParams(**kw))["recover"]
+    spared = simulate(SimParams(**kw, spares=2, replace_delay_s=60.0))["recover"]
+    assert spared.wall_s < bare.wall_s
+    assert spared.replica_losses == bare.replica_losses == 2
+
+
+def test_exponential_failures_rate() -> None:
+    p = SimParams(per_gpu_mttf_h=100.0, seed=1)
+    sched = build_schedule(p)
+    within = [f for f in sched.timed if f.time_s < 10 * 3600]
+    expected = 64 * (1 - math.exp(-8 * 10 / 100))  # slots with a GPU failing in 10 h
+    assert 0.6 * expected < len(within) < 1.4 * expected
+    assert len({f.slot for f in sched.timed}) == len(sched.timed)  # a slot dies once
+
+
+def test_trace_formats(tmp_path) -> None:
+    csv_path = tmp_path / "t.csv"
+    csv_path.write_text("# failures\ntime_h,gpu\n0.5,17\n1.5\n")
+    assert load_trace(str(csv_path)) == ([0.5, 1.5], [17, None])
+    js = tmp_path / "t.json"
+    js.write_text(json.dumps({"failures": [{"time_h": 2, "gpu": 9}, {"time_h": 1}]}))
+    assert load_trace(str(js)) == ([2.0, 1.0], [9, None])
+    js.write_text("[0.25, 0.75]")
+    sched = build_schedule(SimParams(failure_trace=str(js), total_steps=100))
+    assert [f.time_s for f in sched.timed] == [900.0, 2700.0]
+    sched = build_schedule(SimParams(failure_trace=str(csv_path), total_steps=100))
+    assert sched.timed[0].slot == 17 // 8
+    for bad in ("[1, -2]", '{"failures": 3}', '[{"gpu": 1}]', "[1,"):
+        js.write_text(bad)
+        with pytest.raises(ConfigError):
+            load_trace(str(js))
+    with pytest.raises(ConfigError):
+        SimParams(failure_trace=str(tmp_path / "missing.csv")).validate()
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(gpus=10, gpus_per_replica=4),
+        dict(step_time_s=-1.0),
+        dict(allreduce_s=9.0),
+        dict(total_steps=None, budget_h=None),
+        dict(min_replicas=100),
+        dict(per_gpu_mttf_h=0.0),
+    ],
+)
+def test_invalid_params(kw: dict) -> None:
+    with pytest.raises(ConfigError):
+        SimParams(**kw).validate()
+
+
+def test_predict_wall_times_zero_faults() -> None:
+    pred = predict_wall_times(calib())
+    assert pred["recover"] == pytest.approx(4.5 + 40 * 0.2)
+    assert pred["shrink-batch"] == pytest.approx(4.5 + 40 * 0.2)
+    assert pred["ckpt-restart"] == pytest.approx(4.5 + 40 * 0.2 + 4 * 0.3)
+
+
+def test_predict_wall_times_with_faults() -> None:
+    pred = predict_wall_times(calib(fault_steps=[12, 30]))
+    base = 4.5 + 40 * 0.2
+    assert base < pred["recover"] < pred["ckpt-restart"]
+    # ckpt-restart pays two restarts and redoes steps 10 and 11 (its checkpoints: steps 10, 20, 30).
+    assert pred["ckpt-restart"] >= base + 2 * (6.0 + 1.0) + 2 * 0.2
+    assert base < pred["shrink-batch"] < pred["ckpt-restart"]
+
+
+def test_calibration_optional_keys() -> None:
+    p = calib_params(calib(step_time_by_replicas_s={"3": 0.25}, restart_detect_s=0.1))
+    assert p.step_time_by_replicas == {3: 0.25}
+    assert p.restart_detect_s == 0.1
+    pred = predict_wall_times(calib(fault_steps=[5], step_time_by_replicas_s={"3": 0.25}))
+    assert pred["recover"] > 4.5 + 5 * 0.2 + 35 * 0.25
+
+
+def test_calibration_errors(tmp_path) -> None:
+    with pytest.raises(ConfigError):
+        calib_params({k: v for k, v in calib().items() if k != "steps"})
+    with pytest.raises(ConfigError):
+        calib_params(calib(restart_cost_s=-1))
+    with pytest.raises(ConfigError):
+        calib_params(calib(fault_steps=[1.5]))
+    with pytest.raises(ConfigError):
+        calib_params(calib(wall_s={"nonsense": 1.0}))
+    with pytest.raises(ConfigError):
+        calib_params(calib(step_time_by_replicas_s={"three": 0.2}))
+    with pytest.raises(ConfigError):
+        calib_params(calib(step_time_by_replicas_s={"9": 0.2}))  # more than the 4 replicas
+    bad = tmp_path / "bench.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError):
+        load_calibration(str(bad))
+    with pytest.raises(ConfigError):
+        load_calibration(str(tmp_path / "absent.json"))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    replicas=st.integers(2, 12),
+    per=st.integers(1, 5),
+    faults=st.lists(st.floats(0.0, 2.0), max_size=6),
+    spares=st.integers(0, 2),
+    ckpt=st.integers(1, 50),
+)
+def test_invariants_hold(replicas: int, per: int, faults: list, spares: int, ckpt: int) -> None:
+    p = SimParams(
+        gpus=replicas * 2,
+        gpus_per_replica=2,
+        microbatches=replicas * per + 1,
+        step_time_s=2.0,
+        allreduce_s=0.1,
+        fault_times_h=sorted(faults),
+        spares=spares,
+        replace_delay_s=120.0,
+        ckpt_interval_steps=ckpt,
+        total_steps=None,
+        budget_h=2.5,
+    )
+    res = simulate(p)
+    for name, r in res.items():
+        committed = [row[2] for row in r.series]
+        if name != "ckpt-restart":
+            assert committed == sorted(committed)
+        if name != "shrink-batch":
+            assert r.committed_mb == r.steps * p.microbatches
+        assert r.committed_mb <= r.processed_mb
+        assert r.gpu_hours <= (p.gpus + spares * 2) * r.wall_s / 3600 + 1e-9
+        if name != "shrink-batch":  # its survivors may hold smaller quotas than the busiest
+            assert r.wall_s >= r.steps * p.step_time_s - 1e-6

@@ -1,0 +1,73 @@
+"""The foundation of the invariant: a step's gradient is a function of its N ids, not of R.
+
+Real multi-process runs of `recover train` (coordinator + replica processes, gloo).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from _run import BASE, Run, bitwise_equal, max_rel, recover_train, rel_l2
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="session")
+def ref4(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """The failure-free R=4, N=8 run that other tests compare against."""
+    run = recover_train(tmp_path_factory.mktemp("ref4") / "run", *BASE, "--replicas", "4",
+                        "--dump-final-params", data=corpus)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+def test_reference_run_outputs(ref4: Run) -> None:
+    recs = ref4.metrics()
+    assert [r["step"] for r in recs] == list(range(14))
+    for r in recs:
+        assert r["microbatches"] == 8 and r["live_replicas"] == 4 and r["generation"] == 0
+        assert sum(r["quotas"].values()) == 8
+        for k in ("loss", "lr", "grad_norm", "quotas", "step_time_s", "time_s"):
+            assert k in r
+    assert recs[-1]["loss"] < recs[0]["loss"] - 0.5, "the loss must fall"
+    assert "val_loss" in recs[-1]
+    assert (ref4.out / "config.json").exists() and (ref4.out / "ckpt" / "latest").exists()
+    finals = ref4.finals()
+    assert sorted(finals) == [0, 1, 2, 3]
+    assert all(bitwise_equal(finals[0], f) for f in finals.values()), "replicas diverged"
+
+
+@pytest.mark.parametrize("replicas", [2, 1])
+def test_same_trajectory_for_any_replica_count(ref4: Run, corpus: Path, tmp_path: Path,
+                                               replicas: int) -> None:
+    run = recover_train(tmp_path / "run", *BASE, "--replicas", str(replicas),
+                        "--dump-final-params", data=corpus)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert all(r["microbatches"] == 8 for r in run.metrics())
+    assert max_rel(run.losses(), ref4.losses()) < 1e-5
+    assert rel_l2(run.final(0), ref4.final(0)) < 1e-4
+
+
+def test_uneven_quotas_match_single_replica(corpus: Path, tmp_path: Path) -> None:
+    args = [*BASE, "--steps", "8", "--microbatches", "10", "--dump-final-params"]
+    one = recover_train(tmp_path / "r1", *args, "--replicas", "1", data=corpus)
+    four = recover_train(tmp_path / "r4", *args, "--replicas", "4", data=corpus)
+    assert one.returncode == 0 and four.returncode == 0, four.stderr[-3000:]
+    assert sorted(four.metrics()[0]["quotas"].values()) == [2, 2, 3, 3]
+    assert all(r["microbatches"] == 10 for r in four.metrics())
+    assert max_rel(four.losses(), one.losses()) < 1e-5
+    assert rel_l2(four.final(0), one.final(0)) < 1e-4
+
+
+def test_resume_matches_uninterrupted(ref4: Run, corpus: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    first = recover_train(out, *BASE, "--replicas", "4", "--stop-at", "7", data=corpus)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert len(first.metrics()) == 7
+    second = recover_train(out, *BASE, "--replicas", "4", "--resume", "--dump-final-params",
+                           data=corpus)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert [r["step"] for r in second.metrics()] == list(range(14))
+    assert max_rel(second.losses(), ref4.losses()) < 1e-6
+    assert rel_l2(second.final(0), ref4.final(0)) < 1e-4
