@@ -28,9 +28,18 @@ import sys
 import time
 from pathlib import Path
 
-from _common import (BENCH_DIR, cores, end, field, median, out_dir, periods, recover_train, say,
-                     table)
-
+from _common import (
+    BENCH_DIR,
+    cores,
+    end,
+    field,
+    median,
+    out_dir,
+    periods,
+    recover_train,
+    say,
+    table,
+)
 from recover.config import preset
 from recover.train.launch import prepare_run
 

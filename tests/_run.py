@@ -56,7 +56,8 @@ def recover_train(out: Path, *args: str, data: Path | None = None, timeout: floa
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate(timeout=30)
-        raise AssertionError(f"recover train timed out after {timeout}s:\n{stderr[-3000:]}")
+        msg = f"recover train timed out after {timeout}s:\n{stderr[-3000:]}"
+        raise AssertionError(msg) from None
     finally:
         try:  # anything the run left behind in its session (e.g. a stopped replica)
             os.killpg(proc.pid, signal.SIGKILL)
@@ -77,4 +78,4 @@ def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> boo
 
 def max_rel(xs: list[float], ys: list[float]) -> float:
     assert len(xs) == len(ys), (len(xs), len(ys))
-    return max(abs(x - y) / abs(y) for x, y in zip(xs, ys))
+    return max(abs(x - y) / abs(y) for x, y in zip(xs, ys, strict=True))

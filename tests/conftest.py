@@ -10,11 +10,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-WORDS = ("the of and to in is that it was for on are with as his they be at one have this from "
-         "or had by word but what some we can out other were all there when up use your how said "
-         "an each she which do their time if will way about many then them write would like so "
-         "these her long make thing see him two has look more day could go come did number sound "
-         "no most people my over know water than call first who may down side been now find").split()
+WORDS = (
+    "the of and to in is that it was for on are with as his they be at one have this from or had "
+    "by word but what some we can out other were all there when up use your how said an each she "
+    "which do their time if will way about many then them write would like so these her long make "
+    "thing see him two has look more day could go come did number sound no most people my over "
+    "know water than call first who may down side been now find"
+).split()
 
 
 def generated_text(n_bytes: int, seed: int = 0) -> str:

@@ -1,4 +1,4 @@
-"""In-step recovery under real faults: SIGKILL / SIGSTOP / slowness at a chosen (replica, step, phase).
+"""In-step recovery under real faults: SIGKILL, SIGSTOP, slowness at a (replica, step, phase).
 
 Each run is compared with the failure-free reference: every step's loss within relative 1e-5,
 final parameters within relative L2 1e-4 (DESIGN §1), survivors bitwise equal to each other, and
@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from _run import BASE, Run, bitwise_equal, max_rel, recover_train, rel_l2
 
 pytestmark = pytest.mark.timeout(300)

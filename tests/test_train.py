@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from _run import BASE, Run, bitwise_equal, max_rel, recover_train, rel_l2
 
 pytestmark = pytest.mark.timeout(300)

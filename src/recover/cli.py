@@ -58,6 +58,10 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                    help="inject a fault, e.g. kill:replica=2,step=10,phase=backward")
     p.add_argument("--reference", action="store_true",
                    help="also run the failure-free reference and compare trajectories")
+    p.add_argument("--external-workers", action="store_true",
+                   help="start no replicas here: serve the coordinator on --port and wait for "
+                        "replicas launched elsewhere (torchrun), writing metrics")
+    p.add_argument("--port", type=int, default=0, help="coordinator store port (0 = any)")
     p.add_argument("--no-speed-aware", action="store_true",
                    help="equal quotas instead of quotas that follow measured replica speed")
     p.add_argument("--dump-final-params", action="store_true",
@@ -93,7 +97,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     console = Console(stderr=True)
     cfg = config_from_args(args)
-    res = launch(cfg, console)
+    if args.external_workers and not args.port:
+        raise RecoverError("--external-workers needs a fixed --port for the replicas to reach")
+    res = launch(cfg, console, external_workers=args.external_workers, port=args.port)
     if not res.ok:
         print(f"recover train: {res.message}", file=sys.stderr)
         return 1
@@ -122,12 +128,13 @@ def _summary(console, res) -> None:  # type: ignore[no-untyped-def]
     last = recs[-1]
     gens = last["generation"]
     recovered = sum(len(r["recovered"]) for r in recs)
-    tokens = sum(r["tokens_per_s"] * r["step_time_s"] for r in recs)
+    tokens = recs[-1]["tokens"] - (recs[0]["tokens"] - recs[0]["tokens"] // (recs[0]["step"] + 1))
+    train_s = sum(r["step_time_s"] for r in recs)
     val = next((r["val_loss"] for r in reversed(recs) if "val_loss" in r), float("nan"))
     console.print(
-        f"[bold]done[/]: {len(recs)} steps in {res.wall_s:.1f}s, final loss {last['loss']:.4f}, "
-        f"val loss {val:.4f}, {tokens / max(res.wall_s, 1e-9):,.0f} tok/s overall, "
-        f"live replicas {last['live_replicas']}, membership changes {gens}, "
+        f"[bold]done[/]: {len(recs)} steps, final loss {last['loss']:.4f}, val loss {val:.4f}, "
+        f"{tokens / max(train_s, 1e-9):,.0f} tok/s while training ({res.wall_s:.1f}s wall incl. "
+        f"startup), live replicas {last['live_replicas']}, membership changes {gens}, "
         f"microbatches recovered {recovered}; outputs in {res.out}", highlight=False)
 
 

@@ -118,7 +118,8 @@ class RunConfig:
         need(self.replicas <= self.microbatches,
              f"--replicas ({self.replicas}) cannot exceed --microbatches ({self.microbatches}): "
              "every replica needs at least one microbatch per step")
-        need(self.microbatch_size >= 1, f"--microbatch-size must be >= 1 (got {self.microbatch_size})")
+        need(self.microbatch_size >= 1,
+             f"--microbatch-size must be >= 1 (got {self.microbatch_size})")
         need(self.steps >= 1, f"--steps must be >= 1 (got {self.steps})")
         need(0 <= self.stop_at <= self.steps, f"--stop-at must be in [0, steps={self.steps}]")
         need(self.lr > 0, f"--lr must be > 0 (got {self.lr})")

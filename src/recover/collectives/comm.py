@@ -174,5 +174,6 @@ class FaultTolerantComm:
 
     def _reap(self) -> None:
         now = time.monotonic()
+        keep = 3 * self.timeout_s
         self._holding = [h for h in self._holding
-                         if not (h.fut is None or h.fut.done()) and now - h.since < 3 * self.timeout_s]
+                         if not (h.fut is None or h.fut.done()) and now - h.since < keep]

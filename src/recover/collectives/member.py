@@ -54,7 +54,8 @@ class Member:
         lport = int(addr.rsplit(":", 1)[1])
         self._sock = socket.create_connection((self.host, lport), timeout=timeout_s)
         self._sock.settimeout(None)
-        self._sock.sendall(f"hello {self.replica} {self.rank} {self.nranks} {os.getpid()}\n".encode())
+        hello = f"hello {self.replica} {self.rank} {self.nranks} {os.getpid()}\n"
+        self._sock.sendall(hello.encode())
         self._hb_store = self.store.clone()
         self._rd_store = self.store.clone()
         for target, name in ((self._heartbeat_loop, "recover-heartbeat"),

@@ -78,13 +78,13 @@ def prepare_run(cfg: RunConfig) -> tuple[RunConfig, int]:
     return cfg, start
 
 
-def _start_coordinator(cfg: RunConfig, out: Path) -> tuple[subprocess.Popen, int]:
+def _start_coordinator(cfg: RunConfig, out: Path, port: int = 0) -> tuple[subprocess.Popen, int]:
     port_file = out / "coordinator.port"
     port_file.unlink(missing_ok=True)
     log = open(out / "logs" / "coordinator.log", "ab")
     proc = subprocess.Popen(
         [sys.executable, "-m", "recover.collectives.coordinator", "--replicas", str(cfg.replicas),
-         "--port", "0", "--port-file", str(port_file), "--stale-s", str(cfg.stale_s),
+         "--port", str(port), "--port-file", str(port_file), "--stale-s", str(cfg.stale_s),
          "--join-timeout-s", str(cfg.join_timeout_s), "--log", str(out / "coordinator.jsonl")],
         stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
@@ -94,6 +94,14 @@ def _start_coordinator(cfg: RunConfig, out: Path) -> tuple[subprocess.Popen, int
             raise RecoverError(f"the coordinator did not start; see {out / 'logs'}/coordinator.log")
         time.sleep(0.05)
     return proc, int(port_file.read_text())
+
+
+def _all_gone(store: Any, workers: dict[int, subprocess.Popen], external: bool) -> bool:
+    """Every replica has exited (local children) or left the membership (external ones)."""
+    if not external:
+        return all(p.poll() is not None for p in workers.values())
+    count = int(store.add("gen/count", 0))
+    return count > 0 and store.get(f"gen/{count - 1}/members") == b"[]"
 
 
 def _end(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
@@ -110,20 +118,26 @@ def _end(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
             p.wait(timeout=10)
 
 
-def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False) -> RunResult:
-    """Run training to the end (or until it cannot go on) and return what happened."""
+def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
+           external_workers: bool = False, port: int = 0) -> RunResult:
+    """Run training to the end (or until it cannot go on) and return what happened.
+
+    With `external_workers`, no replica is started here: they are launched elsewhere (one
+    `torchrun` per replica, pointed at this host's `port`), and this process is the control plane
+    and the metrics sink.
+    """
     console = console or Console(stderr=True)
     cfg, start = prepare_run(cfg)
     out = Path(cfg.out)
     metrics = out / "metrics.jsonl"
     truncate_metrics(metrics, start)
     t_start = time.time()
-    coord, port = _start_coordinator(cfg, out)
+    coord, port = _start_coordinator(cfg, out, port)
     workers: dict[int, subprocess.Popen] = {}
     try:
         store = connect_store("127.0.0.1", port, 30.0)
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        for r in range(cfg.replicas):
+        for r in range(0 if external_workers else cfg.replicas):
             log = open(out / "logs" / f"replica{r}.log", "ab")
             workers[r] = subprocess.Popen(
                 [sys.executable, "-m", "recover.train.worker", "--run-dir", str(out),
@@ -143,7 +157,7 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False) 
             if sink.poll():
                 last_progress = time.monotonic()
                 continue
-            if all(p.poll() is not None for p in workers.values()):
+            if _all_gone(store, workers, external_workers):
                 sink.poll()
                 break
             stopped = try_get(store, "run/stopped")

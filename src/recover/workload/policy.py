@@ -54,7 +54,7 @@ def quotas(n: int, members: Sequence[int], speeds: Mapping[int, float] | None = 
             j = max(range(len(q)), key=lambda k: (q[k], -members[k]))
             q[j] -= 1
             q[i] += 1
-    return dict(zip(members, q))
+    return dict(zip(members, q, strict=True))
 
 
 def _split(ids: Sequence[int], quota: Mapping[int, int]) -> dict[int, list[int]]:
