@@ -100,3 +100,47 @@ def test_straggler_gets_smaller_quota(ref: Run, corpus: Path, tmp_path: Path) ->
     assert all(r["live_replicas"] == 4 for r in recs), "a straggler must not be fenced"
     late = recs[-4:]
     assert all(r["quotas"]["1"] < max(r["quotas"].values()) for r in late), late
+
+
+def test_below_min_replicas_stops_with_checkpoint(corpus: Path, tmp_path: Path) -> None:
+    args = [*BASE, "--replicas", "4", "--min-replicas", "3", "--no-speed-aware",
+            "--fault", "kill:replica=1,step=3,phase=backward",
+            "--fault", "kill:replica=2,step=6,phase=backward"]
+    run = recover_train(tmp_path / "run", *args, data=corpus)
+    assert run.returncode == 1
+    assert "--min-replicas 3" in run.stderr and "checkpoint at step 6" in run.stderr
+    assert "Traceback" not in run.stderr
+    assert [r["step"] for r in run.metrics()] == list(range(6))
+    assert (tmp_path / "run" / "ckpt" / "step_00000006").is_dir()
+
+
+def test_coordinator_death_checkpoints_and_stops(corpus: Path, tmp_path: Path) -> None:
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "recover", "train", "--out", str(out), *BASE,
+           "--steps", "400", "--replicas", "2", "--data", str(corpus)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").exists() or \
+                len((out / "metrics.jsonl").read_text().splitlines()) < 3:
+            assert time.monotonic() < deadline and proc.poll() is None, "run did not start"
+            time.sleep(0.1)
+        coord_pid = json.loads((out / "coordinator.jsonl").read_text().splitlines()[0])["pid"]
+        os.kill(coord_pid, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 1
+    assert "coordinator died" in stderr and "Traceback" not in stderr
+    assert any((out / "ckpt").glob("step_*")), "the leader must checkpoint the committed state"

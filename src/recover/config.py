@@ -63,6 +63,9 @@ class RunConfig:
     # Fault tolerance.
     min_replicas: int = 1
     speed_aware: bool = True  # quotas follow measured microbatch times (off: equal quotas)
+    # Reaction to a lost replica: "recover" (in-step recovery, batch stays N) or "shrink-batch"
+    # (baseline, recover.baselines.shrink: the faulted step is discarded, the batch shrinks).
+    policy: str = "recover"
     faults: list[str] = field(default_factory=list)
     reference: bool = False
     heartbeat_s: float = 0.1
@@ -142,10 +145,13 @@ class RunConfig:
              f"{', '.join(LAYOUTS)}")
         need(self.shards >= 1 and self.stages >= 1 and self.tp >= 1,
              "--shards, --stages and --tp must be >= 1")
+        need(self.policy in POLICIES, f"unknown --policy {self.policy!r}; choose from "
+             f"{', '.join(POLICIES)}")
         return self
 
 
 LAYOUTS = ("plain", "hsdp", "tp", "pp", "tp,pp")
+POLICIES = ("recover", "shrink-batch")  # reactions to a lost replica (see `policy`)
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Seconds on a laptop CPU: the preset the tests and the quick start use.

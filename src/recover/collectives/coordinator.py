@@ -78,7 +78,8 @@ class Coordinator:
         self.client.set(keys.LIVENESS_ADDR, f"{socket.gethostname()}:{lport}")
         self.client.set("coord/liveness_port", str(lport))
         self.started = time.monotonic()
-        self._log({"event": "start", "port": self.store.port, "liveness_port": lport,
+        self._log({"event": "start", "pid": os.getpid(), "port": self.store.port,
+                   "liveness_port": lport,
                    "expected": self.expected})
         return int(self.store.port)
 

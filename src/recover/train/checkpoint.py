@@ -227,6 +227,16 @@ def _check_shapes(path: Path, md: Metadata, model: nn.Module) -> None:
                                   f"{got} in the checkpoint, {tuple(t.shape)} in the model")
 
 
+def verify_checkpoint(path: Path) -> dict[str, Any]:
+    """Check a checkpoint's meta and every file's sha256 without loading it; return its meta."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    meta = _read_meta(path)
+    _verify_files(path, meta)
+    return meta
+
+
 def load_checkpoint(path: Path, model: nn.Module,
                     optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Restore model, optimizer and RNG states from `path`; return its meta (`step`, `extra`, ...).

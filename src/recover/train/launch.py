@@ -7,11 +7,11 @@ bounded. User mistakes are caught here, before any process starts, as one-line R
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +24,7 @@ from recover.collectives.keys import try_get
 from recover.config import RunConfig
 from recover.errors import CheckpointError, ConfigError, RecoverError
 from recover.faults import validate_faults
-from recover.train.checkpoint import latest_checkpoint
+from recover.train.checkpoint import latest_checkpoint, verify_checkpoint
 from recover.train.data import prepare_data
 from recover.train.metrics import MetricsSink, truncate_metrics
 
@@ -40,6 +40,11 @@ class RunResult:
     message: str = ""
     exit_codes: dict[int, int | None] = field(default_factory=dict)
     wall_s: float = 0.0
+    # With abort_on_loss (the ckpt-restart baseline): the replicas whose abnormal exit made the
+    # launcher end the job, and when it saw that (time.time()); t_start is the base of `time_s`.
+    aborted: list[int] = field(default_factory=list)
+    t_abort: float = 0.0
+    t_start: float = 0.0
 
 
 def prepare_run(cfg: RunConfig) -> tuple[RunConfig, int]:
@@ -61,7 +66,7 @@ def prepare_run(cfg: RunConfig) -> tuple[RunConfig, int]:
             raise ConfigError(f"--resume: settings differ from the saved run in {out}: "
                               f"{', '.join(diff)} (a resumed run must keep its trajectory; "
                               "--steps is the LR schedule's horizon)")
-        start = int(json.loads((ckpt / "meta.json").read_text())["step"])
+        start = int(verify_checkpoint(ckpt)["step"])  # a corrupt one is refused here
         if start >= cfg.steps:
             raise ConfigError(f"--resume: the run in {out} already completed all {start} steps")
     elif (out / "metrics.jsonl").exists() or (out / "ckpt").exists():
@@ -119,12 +124,16 @@ def _end(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
 
 
 def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
-           external_workers: bool = False, port: int = 0) -> RunResult:
+           external_workers: bool = False, port: int = 0,
+           abort_on_loss: bool = False) -> RunResult:
     """Run training to the end (or until it cannot go on) and return what happened.
 
     With `external_workers`, no replica is started here: they are launched elsewhere (one
     `torchrun` per replica, pointed at this host's `port`), and this process is the control plane
     and the metrics sink.
+
+    With `abort_on_loss` (the checkpoint-restart baseline, not `recover train`), the first abnormal
+    replica exit ends every replica by PID, as torchrun's agent does; see `RunResult.aborted`.
     """
     console = console or Console(stderr=True)
     cfg, start = prepare_run(cfg)
@@ -143,6 +152,7 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
                 [sys.executable, "-m", "recover.train.worker", "--run-dir", str(out),
                  "--replica", str(r), "--coordinator", f"127.0.0.1:{port}"],
                 stdout=log, stderr=subprocess.STDOUT, env=env)
+        watch = _AbortWatch(workers) if abort_on_loss else None
         end = cfg.stop_at or cfg.steps
         tokens = cfg.microbatches * cfg.microbatch_size * cfg.model.block_size
         sink = MetricsSink(store, metrics, start, end, tokens, t_start, console, quiet)
@@ -151,32 +161,25 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
                           f"x {cfg.microbatch_size} x {cfg.model.block_size} tokens, steps "
                           f"{start}..{end - 1}, out {out}", highlight=False)
         stall_limit = cfg.join_timeout_s + cfg.reduce_timeout_s + 60
-        last_progress = time.monotonic()
-        message = ""
-        while sink.next < end:
-            if sink.poll():
-                last_progress = time.monotonic()
-                continue
-            if _all_gone(store, workers, external_workers):
-                sink.poll()
-                break
-            stopped = try_get(store, "run/stopped")
-            if stopped is not None and all(p.poll() is not None for p in workers.values()):
-                message = stopped.decode()
-                break
-            if time.monotonic() - last_progress > stall_limit:
-                message = f"no step committed for {stall_limit:.0f}s"
-                break
-            time.sleep(0.02)
+        try:
+            message = _supervise(store, sink, end, workers, external_workers, stall_limit)
+        except Exception as e:  # the store is gone: the coordinator process died
+            if coord.poll() is None:
+                raise
+            message = (f"the coordinator died (exit code {coord.returncode}) at step {sink.next}:"
+                       f" {str(e).splitlines()[0][:120]}; replicas checkpoint and stop")
+        if watch is not None:
+            watch.stop()
         # Let survivors write the final checkpoint and leave; hung or fenced ones are ended.
         hang_s = max([float(s.split("seconds=")[1].split(",")[0]) for s in cfg.faults
                       if "seconds=" in s] or [0.0])
         deadline = time.monotonic() + 30 + hang_s
         while time.monotonic() < deadline and any(p.poll() is None for p in workers.values()):
             time.sleep(0.05)
-        stopped = try_get(store, "run/stopped")
-        if stopped is not None:
-            message = stopped.decode()
+        if coord.poll() is None:
+            stopped = try_get(store, "run/stopped")
+            if stopped is not None:
+                message = stopped.decode()
     finally:
         _end(list(workers.values()))
         _end([coord])
@@ -186,4 +189,53 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
         message = (f"training stopped at step {sink.next}: replica exits "
                    f"{ {r: EXIT_MEANING.get(c, c) for r, c in codes.items()} }; "
                    f"see {out / 'logs'}")
-    return RunResult(ok, out, sink.records, message, codes, time.time() - t_start)
+    aborted = watch.lost if watch is not None else []
+    if aborted:
+        message = (f"replica(s) {aborted} exited abnormally at step {sink.next}; the job was torn "
+                   "down (abort_on_loss)")
+    return RunResult(ok, out, sink.records, message, codes, time.time() - t_start, aborted,
+                     watch.t if watch is not None else 0.0, t_start)
+
+
+class _AbortWatch:
+    """abort_on_loss: once a replica exits abnormally, end every replica by PID (torchrun-style)."""
+
+    def __init__(self, workers: dict[int, subprocess.Popen], poll_s: float = 0.005) -> None:
+        self.workers, self.poll_s = workers, poll_s
+        self.lost: list[int] = []
+        self.t = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="recover-abort", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            bad = [r for r, p in self.workers.items() if p.poll() not in (None, 0)]
+            if bad:
+                self.t, self.lost = time.time(), bad
+                _end(list(self.workers.values()))
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
+def _supervise(store: Any, sink: MetricsSink, end: int, workers: dict[int, subprocess.Popen],
+               external: bool, stall_limit: float) -> str:
+    """Write records as they arrive until the last step, or until the run cannot go on."""
+    last_progress = time.monotonic()
+    while sink.next < end:
+        if sink.poll():
+            last_progress = time.monotonic()
+            continue
+        if _all_gone(store, workers, external):
+            sink.poll()
+            return ""
+        stopped = try_get(store, "run/stopped")
+        if stopped is not None and all(p.poll() is not None for p in workers.values()):
+            return stopped.decode()
+        if time.monotonic() - last_progress > stall_limit:
+            return f"no step committed for {stall_limit:.0f}s"
+        time.sleep(0.02)
+    return ""

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.distributed import DistError
 
 from recover.collectives import CoordinatorLost, FaultTolerantComm, Member
 from recover.config import RunConfig
@@ -59,12 +60,14 @@ def run(run_dir: Path, replica: int, host: str, port: int) -> int:
                     timeout_s=cfg.join_timeout_s)
     member.join()
     comm = FaultTolerantComm(member, timeout_s=cfg.reduce_timeout_s)
-    engine = StepEngine(member, comm, grad, cfg.microbatches, min_replicas=cfg.min_replicas,
-                        timeout_s=cfg.reduce_timeout_s, hook=faults.at,
-                        speed_aware=cfg.speed_aware)
+    engine = _engine_class(cfg.policy)(member, comm, grad, cfg.microbatches,
+                                       min_replicas=cfg.min_replicas,
+                                       timeout_s=cfg.reduce_timeout_s, hook=faults.at,
+                                       speed_aware=cfg.speed_aware)
     evals = eval_batches(corpus.val, m.block_size, cfg.microbatch_size, cfg.seed,
                          cfg.eval_microbatches)
     step = start
+    busy = [0.0, 0]  # this step's compute seconds and microbatches (all attempts)
 
     def compute(mb_id: int, j: int) -> float:
         """Forward + backward of one microbatch, accumulating grad(loss)/N into `grad`."""
@@ -79,6 +82,8 @@ def run(run_dir: Path, replica: int, host: str, port: int) -> int:
         slow = faults.slow_factor(step)
         if slow > 1:
             time.sleep((slow - 1) * (time.perf_counter() - t0))
+        busy[0] += time.perf_counter() - t0
+        busy[1] += 1
         return float(loss.detach())
 
     def save(at_step: int) -> None:
@@ -94,6 +99,7 @@ def run(run_dir: Path, replica: int, host: str, port: int) -> int:
             set_lr(opt, lr)
             model.train()
             grad.zero_()
+            busy[:] = [0.0, 0]
             res = engine.run(step, compute)  # COMPUTE -> REDUCE -> agreed COMMIT
             faults.at("optimizer", step, 0)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
@@ -103,7 +109,8 @@ def run(run_dir: Path, replica: int, host: str, port: int) -> int:
                    "quotas": {str(k): v for k, v in res.quotas.items()},
                    "generation": res.generation, "recovered": res.recovered,
                    "recovery_s": round(res.recovery_s, 4), "attempts": res.attempts,
-                   "step_time_s": round(time.time() - t0, 4), "t_commit": time.time()}
+                   "step_time_s": round(time.time() - t0, 4), "t_commit": time.time(),
+                   "mb_time_s": round(busy[0] / max(1, busy[1]), 5)}
             last = step == end - 1
             if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last:
                 rec["val_loss"] = evaluate(model, evals)
@@ -120,15 +127,26 @@ def run(run_dir: Path, replica: int, host: str, port: int) -> int:
             member.store.set("run/stopped", f"{e}; checkpoint at step {step}")
         member.leave()
         return EXIT_BELOW_MIN
-    except CoordinatorLost as e:
-        log(replica, f"stopping: {e}; saving a checkpoint at step {step}")
-        save(step)
+    except (CoordinatorLost, DistError) as e:  # the store went away with the coordinator
+        log(replica, f"stopping: the coordinator is unreachable ({str(e).splitlines()[0]})")
+        if min(member.members()) == replica:  # the last known leader keeps the committed state
+            log(replica, f"saving a checkpoint at step {step}")
+            save(step)
         return EXIT_COORDINATOR_LOST
     if cfg.dump_final:
         (run_dir / "final").mkdir(exist_ok=True)
         torch.save(model.state_dict(), run_dir / "final" / f"replica{replica}.pt")
     member.leave()
     return 0
+
+
+def _engine_class(policy: str) -> type[StepEngine]:
+    """`recover`: in-step recovery; `shrink-batch`: the torchft baseline (batch shrinks)."""
+    if policy == "shrink-batch":
+        from recover.baselines.shrink import ShrinkEngine
+
+        return ShrinkEngine
+    return StepEngine
 
 
 @torch.no_grad()
