@@ -75,6 +75,15 @@ def end(procs: list[subprocess.Popen], grace_s: float = 5.0, sig: int = signal.S
             p.wait(timeout=10)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (all its threads), from /proc; 0 if gone."""
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def kill_pids(pids: list[int]) -> None:
     """SIGKILL leftover descendants (by PID) of a process we started."""
     for pid in pids:
@@ -124,7 +133,7 @@ def field(records: list[dict], key: str, lo: int, hi: int) -> list[float]:
 
 
 def table(rows: list[tuple], head: tuple) -> None:
-    cols = list(zip(head, *rows))
+    cols = list(zip(head, *rows, strict=True))
     width = [max(len(str(c)) for c in col) for col in cols]
     for row in [head, *rows]:
-        say("  " + "  ".join(str(c).rjust(w) for c, w in zip(row, width)))
+        say("  " + "  ".join(str(c).rjust(w) for c, w in zip(row, width, strict=True)))

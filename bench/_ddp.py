@@ -55,7 +55,7 @@ def main() -> int:
     ddp = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_mb)
     params = [p for p in model.parameters() if p.requires_grad]
     rec: dict[str, list[float]] = {"end": [], "step_s": [], "accum_s": [], "last_s": [],
-                                   "opt_s": []}
+                                   "opt_s": [], "cpu": []}
     dist.barrier()
     for step in range(cfg.steps):
         t0 = time.perf_counter()
@@ -78,6 +78,7 @@ def main() -> int:
         opt.step()
         t2 = time.perf_counter()
         rec["end"].append(time.time())
+        rec["cpu"].append(time.process_time())  # this process's CPU seconds, all threads
         rec["step_s"].append(t2 - t0)
         rec["accum_s"].append(t_last - t0)
         rec["last_s"].append(t1 - t_last)

@@ -21,7 +21,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
 
-from _common import BENCH_DIR, end, say
+from _common import BENCH_DIR, cpu_seconds, end, say
 
 STORE_OPS = {"get", "set", "check", "add", "compare_set", "wait", "multi_get", "multi_set",
              "delete_key"}
@@ -99,6 +99,7 @@ def install(prof: Prof) -> None:
         prof.cur = defaultdict(float)
         prof.steps.append(prof.cur)
         prof.cur["t_start"] = time.time()
+        prof.cur["cpu_start"] = time.process_time()  # all threads: heartbeat, gloo, ...
         prof.stack = ["run"]
         with prof.phase("run"):
             res = run(self, t, timed_compute)
@@ -108,14 +109,18 @@ def install(prof: Prof) -> None:
     step.StepEngine.run = run_wrapper
 
 
-def profiled_run(cfg, timeout_s: float) -> list[list[dict]]:
-    """Run cfg (a RunConfig) with profiled workers; return each replica's per-step records."""
+def profiled_run(cfg, timeout_s: float) -> tuple[list[list[dict]], list[tuple[float, float]]]:
+    """Run cfg (a RunConfig) with profiled workers.
+
+    Returns (each replica's per-step records, [(time, coordinator CPU seconds)] samples).
+    """
     from recover.train.launch import prepare_run
 
     cfg, _ = prepare_run(cfg)
     out = Path(cfg.out)
     port_file = out / "coordinator.port"
     procs: list[subprocess.Popen] = []
+    samples: list[tuple[float, float]] = []
     env = dict(os.environ, OMP_NUM_THREADS="1")
     try:
         coord = subprocess.Popen(
@@ -139,16 +144,23 @@ def profiled_run(cfg, timeout_s: float) -> list[list[dict]]:
                 stdout=log, stderr=subprocess.STDOUT, env=env))
             procs.append(workers[-1])
         deadline = time.monotonic() + timeout_s
-        for w in workers:
-            w.wait(timeout=max(1.0, deadline - time.monotonic()))
+        while any(w.poll() is None for w in workers):  # sample the coordinator's CPU clock
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"profiled run exceeded {timeout_s:.0f}s; see {out}/logs")
+            samples.append((time.time(), cpu_seconds(coord.pid)))
+            time.sleep(0.2)
         if any(w.returncode != 0 for w in workers):
             raise RuntimeError(f"profiled workers exited {[w.returncode for w in workers]}; "
                                f"see {out / 'logs'}")
     finally:
         end(procs[1:])
         end(procs[:1])
-    return [json.loads((out / "prof" / f"replica{r}.json").read_text())
+    reps = [json.loads((out / "prof" / f"replica{r}.json").read_text())
             for r in range(cfg.replicas)]
+    for steps in reps:
+        for a, b in zip(steps, steps[1:], strict=False):
+            a["cpu"] = b["cpu_start"] - a["cpu_start"]
+    return reps, samples
 
 
 def worker_main() -> int:

@@ -80,8 +80,11 @@ def profile(cfg, root: Path, lo: int, hi: int, timeout_s: float, ddp: list[dict]
     cfg.model = dataclasses.replace(cfg.model)
     say(f"\nprofile: one instrumented recover run ({cfg.out}); per replica-step, steps {lo}.."
         f"{hi - 2} (the last step's tail holds the final eval/checkpoint)")
-    reps = profiled_run(cfg, timeout_s)
+    reps, coord = profiled_run(cfg, timeout_s)
     samples = [s for steps in reps for s in steps[lo:hi - 1]]
+    t_lo, t_hi = reps[0][lo]["t_start"], reps[0][hi - 2]["t_end"]
+    window = [c for t, c in coord if t_lo <= t <= t_hi]
+    coord_cpu = (window[-1] - window[0]) / (hi - 2 - lo) if len(window) > 1 else float("nan")
 
     def stat(key: str, f=median) -> float:
         return f([s.get(key, 0.0) for s in samples])
@@ -116,6 +119,11 @@ def profile(cfg, root: Path, lo: int, hi: int, timeout_s: float, ddp: list[dict]
     table(rows, ("phase", "median ms", "mean ms", "store rtt/step", "store ms/step"))
     say(f"  store round-trips per replica-step: {stat('rtt', mean):.1f} "
         f"({stat('store_s', mean) * 1e3:.2f} ms/step of blocking store calls)")
+    ddp_cpu = [c[s] - c[s - 1] for c in (r["cpu"] for r in ddp) for s in range(max(lo, 1), hi)]
+    say(f"  CPU seconds per step (process clocks, all threads; robust to other load): recover "
+        f"{stat('cpu') * 1e3:.1f} ms per replica + coordinator {coord_cpu * 1e3:.1f} ms; DDP "
+        f"{median(ddp_cpu) * 1e3:.1f} ms per rank -> CPU ratio "
+        f"{(stat('cpu') + coord_cpu / len(reps)) / median(ddp_cpu):.3f} (coordinator shared out)")
     d = [x for r in ddp for x in r["step_s"][lo:hi]]
     say(f"  DDP for comparison (last run, all ranks): step {median(d) * 1e3:.2f} ms = "
         f"no_sync microbatches {median([x for r in ddp for x in r['accum_s'][lo:hi]]) * 1e3:.2f}"

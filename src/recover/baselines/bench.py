@@ -1,0 +1,119 @@
+"""`recover bench`: recover vs ckpt-restart vs shrink-batch, one command, one fault schedule.
+
+Invariant: every system runs the same model, data, seed, N and fault schedule, one after another on
+this machine, with the real trainer (real processes, real SIGKILLs); only the reaction to a fault
+differs. The failure-free reference runs first (the trajectory every deviation is measured
+against, and the step time Young-Daly needs). Outputs: DIR/bench.md, DIR/bench.png, DIR/bench.json
+(the `recover.sim.calibrate` schema); the last line on stdout is `effective_throughput_ratio=<x>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from recover.baselines.ckpt_restart import run_ckpt_restart, young_daly_k
+from recover.baselines.measure import calibration, step_period, summarize
+from recover.baselines.report import plot, write_md
+from recover.baselines.runs import measure_ckpt_cost, run_once
+from recover.baselines.schedule import bench_schedule, describe
+from recover.config import preset
+from recover.errors import RecoverError
+from recover.sim.calibrate import validation_rows
+
+QUICK = {"replicas": 4, "steps": 20}  # ~2-4 min on 2 cores
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="recover bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="output folder (default runs/bench-<time>)")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"a small run: {QUICK['replicas']} replicas, {QUICK['steps']} steps")
+    ap.add_argument("--preset", default="debug")
+    ap.add_argument("--replicas", type=int, help="R at the start (default 8)")
+    ap.add_argument("--steps", type=int, help="steps (default: the preset's)")
+    ap.add_argument("--kills", type=int, help="replicas killed one by one (default R // 2)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
+    ap.add_argument("--data", help="training data (default: the embedded corpus)")
+    ap.add_argument("--budget-s", type=float,
+                    help="wall-clock budget for 'tokens in budget' (default: reference wall time)")
+    ap.add_argument("--target-step", type=int, help="S for 'time to step S' (default 3/4 of steps)")
+    return ap
+
+
+def run_cli(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _bench(args, argv)
+    except RecoverError as e:
+        print(f"recover bench: {e}", file=sys.stderr)
+        return 1
+
+
+def _say(msg: str) -> None:
+    print(f"bench: {msg}", file=sys.stderr, flush=True)
+
+
+def _bench(args: argparse.Namespace, argv: list[str]) -> int:
+    base = preset(args.preset)
+    base.replicas = args.replicas or (QUICK["replicas"] if args.quick else 8)
+    base.steps = args.steps or (QUICK["steps"] if args.quick else base.steps)
+    base.data = args.data
+    base.validate()
+    out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    if any((out / s).exists() for s in ("reference", "recover", "ckpt-restart", "shrink-batch")):
+        raise RecoverError(f"{out} already holds a bench; choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    faults = bench_schedule(base.replicas, base.steps, args.seed, args.kills)
+    print(f"fault schedule (seed {args.seed}): {describe(faults)}", flush=True)
+    t_bench = time.time()
+    c_pre = measure_ckpt_cost(base)
+    _say(f"checkpoint cost (one DCP save, measured in-process): {c_pre:.3f}s")
+    _say("running the failure-free reference ...")
+    ref = run_once("reference", base, out / "reference", [])
+    step_s = step_period(ref)
+    k = young_daly_k(c_pre, step_s, base.steps, len(faults))
+    runs = {}
+    _say("running recover ...")
+    runs["recover"] = run_once("recover", base, out / "recover", faults)
+    _say(f"running ckpt-restart (checkpoint every {k} steps) ...")
+    runs["ckpt-restart"] = run_ckpt_restart(base, out / "ckpt-restart", faults, k)
+    _say("running shrink-batch ...")
+    runs["shrink-batch"] = run_once("shrink-batch", base, out / "shrink-batch", faults,
+                                    policy="shrink-batch")
+    budget = args.budget_s or ref.wall_s
+    target = min(base.steps, args.target_step or max(1, (3 * base.steps) // 4))
+    rows = [summarize(r, ref, budget, target) for r in (*runs.values(), ref)]
+    calib = calibration(runs, ref, faults, c_pre)
+    (out / "bench.json").write_text(json.dumps(calib, indent=2) + "\n")
+    validation = validation_rows(calib)
+    ratio = rows[0]["effective_throughput"] / rows[1]["effective_throughput"]
+    restarts = [f"{i + 1}: at step {x['at_step']} -> checkpoint {x['from_checkpoint']} on "
+                f"{x['replicas']} replicas: detected in {x['detect_s']:.3f}s, relaunch to first "
+                f"step committed {x['first_commit_s']:.1f}s, {x['redone_steps']} step(s) redone, "
+                f"back where it was {x['total_s']:.1f}s after the fault"
+                for i, x in enumerate(runs["ckpt-restart"].extra["restarts"])]
+    info = {"command": "recover bench " + " ".join(argv), "replicas": base.replicas,
+            "microbatches": base.microbatches, "microbatch_size": base.microbatch_size,
+            "block_size": base.model.block_size, "steps": base.steps, "preset": args.preset,
+            "seed": args.seed, "cores": os.cpu_count(), "schedule": describe(faults),
+            "ckpt_every": k, "ckpt_cost_pre_s": c_pre, "ckpt_cost_s": calib["ckpt_cost_s"],
+            "mtbf_s": base.steps * step_s / max(1, len(faults)), "step_time_s": step_s,
+            "kills": len(faults), "budget_s": budget, "target_step": target,
+            "restart_lines": restarts, "ratio": ratio}
+    write_md(out / "bench.md", rows, info, validation)
+    plot(out / "bench.png", [*runs.values(), ref])
+    for r in rows:
+        print(f"{r['system']:>13}: wall {r['wall_s']:6.1f}s  steps {r['steps']}  eff. throughput "
+              f"{r['effective_throughput']:6.2f} mb/s  lost mb {r['lost_microbatches']}  "
+              f"max rel dev {r['max_rel_dev']:.1e}", flush=True)
+    for name, pred, meas, err in validation:
+        print(f"simulator {name:>13}: predicted {pred:6.1f}s  measured {meas:6.1f}s  "
+              f"error {100 * err:5.1f}%", flush=True)
+    _say(f"done in {time.time() - t_bench:.0f}s; {out / 'bench.md'}, {out / 'bench.png'}")
+    print(f"effective_throughput_ratio={ratio:.3f}", flush=True)
+    return 0

@@ -1,0 +1,90 @@
+"""The checkpoint-and-restart baseline: the real trainer, torn down and relaunched on every fault.
+
+Invariant: the job checkpoints (DCP) every K steps, K from the Young-Daly rule with the measured
+checkpoint cost and the schedule's mean time between faults (the baseline at its best); when any
+replica dies the launcher ends the whole job (`launch(..., abort_on_loss=True)`, as torchrun's
+agent does) and it is relaunched `--resume` from the latest checkpoint (or from scratch if there is
+none yet) with the survivors, renumbered 0..r-1; N stays constant, so its trajectory is the
+failure-free one. A fault fires once: a replayed step does not kill again. The final metrics.jsonl
+holds one line per committed step; work redone after a rollback is counted as lost.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from recover.baselines.runs import Attempt, SystemRun, config_for
+from recover.baselines.schedule import remap
+from recover.config import RunConfig
+from recover.errors import RecoverError
+from recover.faults import Fault
+from recover.sim.params import young_daly_steps
+from recover.train.checkpoint import latest_checkpoint
+from recover.train.launch import launch
+from recover.train.metrics import read_metrics
+
+
+def young_daly_k(ckpt_cost_s: float, step_time_s: float, steps: int, kills: int) -> int:
+    """Checkpoint interval in steps: K * step = sqrt(2 * C * MTBF), MTBF = run time / faults."""
+    mtbf = steps * step_time_s / kills if kills else math.inf
+    return max(1, min(steps, young_daly_steps(ckpt_cost_s, mtbf, step_time_s)))
+
+
+def run_ckpt_restart(base: RunConfig, out: Path, faults: list[Fault], k: int) -> SystemRun:
+    """Run to the last step through every fault of `faults`; one launch per fault plus one."""
+    alive = list(range(base.replicas))
+    pending = list(faults)
+    run = SystemRun("ckpt-restart", config_for(base, out, ckpt_every=k))
+    run.extra["ckpt_every"] = k
+    resume, start = False, 0
+    for _ in range(len(faults) + 1):
+        cfg = config_for(base, out, replicas=len(alive), faults=[str(f) for f in
+                                                                 remap(pending, alive)],
+                         ckpt_every=k, resume=resume, min_replicas=1, policy="recover")
+        t = time.time()
+        res = launch(cfg, quiet=True, abort_on_loss=True)
+        run.attempts.append(Attempt(list(alive), start, t, res))
+        if res.ok:
+            run.records = read_metrics(out / "metrics.jsonl")
+            run.extra["restarts"] = restart_costs(run)
+            return run
+        if not res.aborted:
+            raise RecoverError(f"bench: ckpt-restart failed: {res.message}")
+        dead = {alive[r] for r in res.aborted}
+        alive = [a for a in alive if a not in dead]
+        pending = [f for f in pending if f.replica not in dead]  # a fired fault does not re-fire
+        if not alive:
+            raise RecoverError("bench: ckpt-restart lost every replica")
+        ckpt = latest_checkpoint(out / "ckpt")
+        resume = ckpt is not None
+        if not resume:  # no checkpoint yet: the relaunch starts from step 0, as a fresh job
+            (out / "metrics.jsonl").unlink(missing_ok=True)
+            shutil.rmtree(out / "ckpt", ignore_errors=True)
+        start = int(ckpt.name.split("_")[1]) if ckpt is not None else 0
+    raise RecoverError(f"bench: ckpt-restart aborted more often than the {len(faults)} faults")
+
+
+def restart_costs(run: SystemRun) -> list[dict[str, Any]]:
+    """Per restart: detection, relaunch (-> first step again), redone steps and their time."""
+    out = []
+    losses = run.loss_times()
+    for i in range(1, len(run.attempts)):
+        prev, cur = run.attempts[i - 1], run.attempts[i]
+        times = cur.commit_times()
+        reached = prev.start_step + len(prev.result.records)  # steps committed before the fault
+        redone = max(0, reached - cur.start_step)
+        t_fault = run.t0 + losses[i - 1] if i - 1 < len(losses) else prev.result.t_abort
+        first = times[0][1] if times else math.nan
+        back = next((t for s, t in times if s + 1 >= reached), math.nan)
+        out.append({
+            "at_step": reached, "from_checkpoint": cur.start_step, "replicas": len(cur.replicas),
+            "detect_s": prev.result.t_abort - t_fault,
+            "first_commit_s": first - prev.result.t_abort,  # teardown .. first step committed
+            "redone_steps": redone, "caught_up_s": back - t_fault if redone else 0.0,
+            "total_s": back - t_fault if redone else first - t_fault,
+        })
+    return out

@@ -1,0 +1,86 @@
+"""bench.md (the table) and bench.png (committed steps over wall time, with the fault moments).
+
+Invariant: everything written here is read from the measured runs and the calibration; nothing is
+recomputed differently for the report, and every figure names its unit.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from recover.baselines.runs import SystemRun  # noqa: E402
+
+COLORS = {"recover": "tab:green", "ckpt-restart": "tab:red", "shrink-batch": "tab:orange",
+          "reference": "tab:gray"}
+
+
+def _f(x: float, fmt: str) -> str:
+    return "n/a" if isinstance(x, float) and math.isnan(x) else format(x, fmt)
+
+
+def write_md(path: Path, rows: list[dict[str, Any]], info: dict[str, Any],
+             validation: list[tuple[str, float, float, float]]) -> None:
+    lines = [
+        "# recover bench", "",
+        f"Command: `{info['command']}`", "",
+        f"Setup: R={info['replicas']} replicas, N={info['microbatches']} microbatches x "
+        f"{info['microbatch_size']} x {info['block_size']} tokens, {info['steps']} steps, "
+        f"preset {info['preset']}, seed {info['seed']}, {info['cores']} CPU cores.", "",
+        f"Fault schedule (same for every system): {info['schedule']}.", "",
+        f"ckpt-restart: checkpoint every K={info['ckpt_every']} steps (Young-Daly: checkpoint "
+        f"cost {info['ckpt_cost_pre_s']:.3f} s measured before the runs, MTBF "
+        f"{info['mtbf_s']:.2f} s = {info['steps']} steps x {info['step_time_s']:.3f} s / "
+        f"{info['kills']} faults); in-run checkpoint cost {info['ckpt_cost_s']:.3f} s.", "",
+        f"Budget for tokens: {info['budget_s']:.1f} s (the failure-free reference's wall time); "
+        f"time to step S={info['target_step']}.", "",
+        "| system | wall s | steps | min batch | eff. throughput mb/s | lost mb | tokens in budget "
+        "| time to S s | final loss | max rel. dev. | launches |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['system']} | {r['wall_s']:.1f} | {r['steps']} | {r['min_batch']} | "
+            f"{r['effective_throughput']:.2f} | {r['lost_microbatches']} | "
+            f"{r['tokens_in_budget']:,} | {_f(r['time_to_step_s'], '.1f')} | "
+            f"{r['final_loss']:.4f} | {r['max_rel_dev']:.2e} | {r['launches']} |")
+    lines += ["", "Effective throughput: microbatches of the final trajectory's committed steps "
+              "per second of wall time (first launch -> last commit). ckpt-restart's rolled-back "
+              "work (\"lost mb\") does not count; shrink-batch counts the microbatches it "
+              "processed, with its deviation from the failure-free trajectory next to it.", ""]
+    lines += ["ckpt-restart restarts (a restart costs teardown, process start, imports, "
+              "rendezvous, checkpoint load, then the redone steps):", ""]
+    lines += [f"- restart {x}" for x in info["restart_lines"]]
+    lines += ["", f"**effective_throughput_ratio (recover / ckpt-restart) = "
+              f"{info['ratio']:.3f}**", "", "## Simulator validation", "",
+              "`recover.sim.calibrate.predict_wall_times(bench.json)`, fed with the costs measured "
+              "above (not with the wall times):", "",
+              "| system | predicted s | measured s | error |", "|---|---|---|---|"]
+    for name, pred, meas, err in validation:
+        lines.append(f"| {name} | {pred:.1f} | {meas:.1f} | {100 * err:.1f}% |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(path: Path, runs: list[SystemRun]) -> None:
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for run in runs:
+        pts = run.progress()
+        c = COLORS.get(run.name)
+        ax.step([t for t, _ in pts], [s for _, s in pts], where="post", label=run.name, color=c,
+                lw=2 if run.name != "reference" else 1, alpha=0.9)
+        for i, t in enumerate(run.loss_times()):
+            ax.axvline(t, color=c, ls=":", lw=1, label=f"{run.name}: replica lost" if not i
+                       else None)
+    ax.set_xlabel("wall time since launch (s)")
+    ax.set_ylabel("committed steps")
+    ax.set_title("progress under the same fault schedule (dotted: replica lost)")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
