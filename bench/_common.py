@@ -84,6 +84,33 @@ def cpu_seconds(pid: int) -> float:
         return 0.0
 
 
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    state = Path(f"/proc/{pid}/stat")
+    try:  # a zombie (exited, not yet reaped) counts as gone
+        return state.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def end_pids(pids: list[int], grace_s: float = 5.0) -> None:
+    """End processes that are not our children (forked by a helper), by PID."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace_s
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    kill_pids([p for p in pids if alive(p)])
+
+
 def kill_pids(pids: list[int]) -> None:
     """SIGKILL leftover descendants (by PID) of a process we started."""
     for pid in pids:
@@ -93,18 +120,75 @@ def kill_pids(pids: list[int]) -> None:
             pass
 
 
-def recover_train(out: Path, preset: str, extra: list[str], timeout_s: float) -> list[dict]:
-    """Run `recover train` (a real coordinator + replica processes) and return its step records."""
+class Sampler:
+    """Samples, every `every_s`, how many steps a run has committed and each process's CPU clock.
+
+    CPU seconds per step (processes' own clocks) are robust to other load on the machine, unlike
+    wall time: they measure the work done, not the share of the cores the run was given.
+    """
+
+    def __init__(self, root_pid: int, metrics: Path, every_s: float = 0.05) -> None:
+        self.root, self.metrics, self.every_s = root_pid, metrics, every_s
+        self.kinds: dict[int, str] = {root_pid: "launcher"}
+        self.samples: list[tuple[float, int, dict[int, float]]] = []
+        self._offset, self._lines, self._scan = 0, 0, 0.0
+
+    def sample(self) -> None:
+        now = time.monotonic()
+        if now - self._scan > 1.0:  # new processes: scanning /proc is the costly part
+            self._scan = now
+            for pid in children(self.root):
+                if pid not in self.kinds:
+                    try:
+                        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+                    except OSError:
+                        continue
+                    self.kinds[pid] = ("worker" if b"recover.train.worker" in cmd else
+                                       "coordinator" if b"coordinator" in cmd else "other")
+        try:
+            with open(self.metrics, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+            self._offset += len(chunk)
+            self._lines += chunk.count(b"\n")
+        except OSError:
+            pass
+        cpu = {pid: cpu_seconds(pid) for pid in self.kinds}
+        self.samples.append((time.time(), self._lines, {p: c for p, c in cpu.items() if c}))
+
+    def per_step(self, lo: int, hi: int, kinds: tuple[str, ...] = ("worker", "coordinator")
+                 ) -> tuple[float, int]:
+        """(CPU seconds per step of `kinds` from the commit of step lo-1 to that of hi-1, steps)."""
+        a = next((x for x in self.samples if x[1] >= lo), None)
+        b = next((x for x in self.samples if x[1] >= hi), None)
+        if a is None or b is None or b[1] <= a[1]:
+            return float("nan"), 0
+        last: dict[int, float] = {}
+        for _, _, cpu in self.samples[:self.samples.index(b) + 1]:
+            last.update(cpu)  # a process that died in the window keeps its last clock
+        total = sum(last.get(p, c) - c for p, c in a[2].items() if self.kinds[p] in kinds)
+        total += sum(c for p, c in b[2].items() if p not in a[2] and self.kinds[p] in kinds)
+        return total / (b[1] - a[1]), b[1] - a[1]
+
+
+def recover_train(out: Path, preset: str, extra: list[str], timeout_s: float
+                  ) -> tuple[list[dict], Sampler]:
+    """Run `recover train` (a real coordinator + replica processes): its step records, CPU."""
     cmd = [sys.executable, "-m", "recover.cli", "train", "--preset", preset, "--out", str(out),
            *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     log = open(out.parent / f"{out.name}.log", "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    sampler = Sampler(proc.pid, out / "metrics.jsonl")
     kids: list[int] = []
     try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        say(f"  ! recover train exceeded {timeout_s:.0f}s; ending it (log {log.name})")
+        deadline = time.monotonic() + timeout_s
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                say(f"  ! recover train exceeded {timeout_s:.0f}s; ending it (log {log.name})")
+                break
+            sampler.sample()
+            time.sleep(sampler.every_s)
     finally:
         if proc.poll() is None:
             kids = children(proc.pid)
@@ -115,7 +199,14 @@ def recover_train(out: Path, preset: str, extra: list[str], timeout_s: float) ->
         tail = Path(log.name).read_text(errors="replace")[-2000:]
         raise RuntimeError(f"recover train exited {proc.returncode}: {' '.join(cmd)}\n{tail}")
     with open(out / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [json.loads(line) for line in f if line.strip()], sampler
+
+
+def loadavg() -> float:
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return float("nan")
 
 
 def periods(records: list[dict], lo: int, hi: int) -> list[float]:

@@ -1,17 +1,19 @@
-"""Where a failure-free recover step spends its time (used by `bench/overhead.py --profile`).
+"""Where a failure-free recover step spends its time, next to DDP (for `bench/overhead.py`).
 
 Runs the unmodified `recover.train.worker` in R processes against a real coordinator, after
 wrapping (in each worker process only, never in the library's files) the step engine's phases,
 the communicator's reduce and the worker's store client, which counts round-trips per phase.
 Phases nest: run > {compute, chain, reduce > allreduce, decide, speed}; "loop" is the worker's
-code outside `engine.run` (lr, zero, clip, optimizer step, step record into the store).
+code outside `engine.run` (lr, zero, clip, optimizer step, step record into the store). With
+--ddp-block K, every K recover steps each process runs K plain-DDP steps (`_ddp.DDPTrainer`).
 
-    python bench/_profile.py --run-dir D --replica r --coordinator host:port   (one worker)
+    python bench/_profile.py --run-dir D --replica r --coordinator host:port [--ddp-block K]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import subprocess
@@ -21,7 +23,10 @@ from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
 
-from _common import BENCH_DIR, cpu_seconds, end, say
+import torch.distributed as dist
+
+from _common import BENCH_DIR, cpu_seconds, end
+from _ddp import DDPTrainer
 
 STORE_OPS = {"get", "set", "check", "add", "compare_set", "wait", "multi_get", "multi_set",
              "delete_key"}
@@ -36,12 +41,22 @@ class Prof:
     @contextmanager
     def phase(self, name: str):
         self.stack.append(name)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
             self.cur[name] += time.perf_counter() - t
+            self.cur[f"cpu:{name}"] += time.thread_time() - c  # this (main) thread's CPU
             self.stack.pop()
+
+    def close_step(self) -> None:
+        """End the current step: its tail after engine.run (optimizer, record) and CPU clocks."""
+        c = self.cur
+        c["loop"] = time.time() - c["t_end"]
+        c["cpu"] = time.process_time() - c["cpu_start"]
+        c["cpu:main"] = time.thread_time() - c["main_start"]
+        c["cpu:loop"] = c["cpu:main"] - c["cpu:run"]
+        c["cpu:background"] = c["cpu"] - c["cpu:main"]
 
     def store_op(self, dt: float) -> None:
         self.cur[f"rtt:{self.stack[-1]}"] += 1
@@ -68,7 +83,43 @@ class CountingStore:
         return call
 
 
-def install(prof: Prof) -> None:
+class Interleave:
+    """Runs blocks of plain-DDP steps (`bench/_ddp.py`) in this process between recover's steps.
+
+    Every replica enters a block before the same recover step, so DDP's collectives line up; its
+    process group rendezvouses through the coordinator's store (prefix `bench-ddp`). Recover's
+    background threads and the coordinator keep running during DDP's blocks (a small bias in
+    DDP's disfavour, see the report).
+    """
+
+    def __init__(self, run_dir: Path, replica: int, coordinator: str, block: int,
+                 bucket_mb: float) -> None:
+        self.args = (run_dir, replica, coordinator, bucket_mb)
+        self.block, self.trainer, self.next_step = block, None, 0
+        self.first: list[int] = []  # indices of the first DDP step of each block
+
+    def due(self, step: int) -> bool:
+        return self.block > 0 and step > 0 and step % self.block == 0
+
+    def run_block(self) -> None:
+        if self.trainer is None:
+            run_dir, replica, coordinator, bucket_mb = self.args
+            host, port = coordinator.rsplit(":", 1)
+            cfg = json.loads((run_dir / "config.json").read_text())
+            store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=120))
+            dist.init_process_group("gloo", store=dist.PrefixStore("bench-ddp", store),
+                                    rank=replica, world_size=cfg["replicas"],
+                                    timeout=datetime.timedelta(seconds=120))
+            self.trainer = DDPTrainer(run_dir, replica, cfg["replicas"], bucket_mb)
+            dist.barrier()
+        self.first.append(len(self.trainer.rec["end"]))
+        for _ in range(self.block):
+            self.trainer.step(self.next_step)
+            self.next_step += 1
+
+
+def install(prof: Prof, inter: Interleave | None = None) -> None:
     import recover.collectives.comm as comm
     import recover.collectives.keys as keys
     import recover.recovery.step as step
@@ -77,7 +128,10 @@ def install(prof: Prof) -> None:
     keys.connect_store = lambda *a, **k: CountingStore(connect(*a, **k), prof)
 
     def timed(cls, meth: str, name: str) -> None:
-        orig = getattr(cls, meth)
+        orig = getattr(cls, meth, None)
+        if orig is None:
+            print(f"bench profile: {cls.__name__}.{meth} is gone; not timed", file=sys.stderr)
+            return
 
         def wrapper(self, *a, **k):
             with prof.phase(name):
@@ -95,11 +149,16 @@ def install(prof: Prof) -> None:
             with prof.phase("compute"):
                 return compute(i, j)
         if prof.steps:
-            prof.cur["loop"] = time.time() - prof.cur["t_end"]  # previous step's tail
+            prof.close_step()
+        first = False
+        if inter is not None and inter.due(t):
+            inter.run_block()
+            first = True
         prof.cur = defaultdict(float)
         prof.steps.append(prof.cur)
-        prof.cur["t_start"] = time.time()
-        prof.cur["cpu_start"] = time.process_time()  # all threads: heartbeat, gloo, ...
+        prof.cur.update(first=float(first), t_start=time.time(),
+                        cpu_start=time.process_time(),  # all threads: heartbeat, gloo, ...
+                        main_start=time.thread_time())  # the training thread alone
         prof.stack = ["run"]
         with prof.phase("run"):
             res = run(self, t, timed_compute)
@@ -109,10 +168,12 @@ def install(prof: Prof) -> None:
     step.StepEngine.run = run_wrapper
 
 
-def profiled_run(cfg, timeout_s: float) -> tuple[list[list[dict]], list[tuple[float, float]]]:
-    """Run cfg (a RunConfig) with profiled workers.
+def profiled_run(cfg, timeout_s: float, ddp_block: int = 0, bucket_mb: float = 25.0
+                 ) -> tuple[list[dict], list[tuple[float, float]]]:
+    """Run cfg (a RunConfig) with profiled workers (and DDP blocks if ddp_block > 0).
 
-    Returns (each replica's per-step records, [(time, coordinator CPU seconds)] samples).
+    Returns (per replica {"recover": [step records], "ddp": DDP records or None},
+    [(time, coordinator CPU seconds)] samples).
     """
     from recover.train.launch import prepare_run
 
@@ -140,7 +201,8 @@ def profiled_run(cfg, timeout_s: float) -> tuple[list[list[dict]], list[tuple[fl
             log = open(out / "logs" / f"replica{r}.log", "ab")
             workers.append(subprocess.Popen(
                 [sys.executable, str(BENCH_DIR / "_profile.py"), "--run-dir", str(out),
-                 "--replica", str(r), "--coordinator", f"127.0.0.1:{port}"],
+                 "--replica", str(r), "--coordinator", f"127.0.0.1:{port}", "--ddp-block",
+                 str(ddp_block), "--bucket-mb", str(bucket_mb)],
                 stdout=log, stderr=subprocess.STDOUT, env=env))
             procs.append(workers[-1])
         deadline = time.monotonic() + timeout_s
@@ -155,30 +217,33 @@ def profiled_run(cfg, timeout_s: float) -> tuple[list[list[dict]], list[tuple[fl
     finally:
         end(procs[1:])
         end(procs[:1])
-    reps = [json.loads((out / "prof" / f"replica{r}.json").read_text())
-            for r in range(cfg.replicas)]
-    for steps in reps:
-        for a, b in zip(steps, steps[1:], strict=False):
-            a["cpu"] = b["cpu_start"] - a["cpu_start"]
-    return reps, samples
+    return ([json.loads((out / "prof" / f"replica{r}.json").read_text())
+             for r in range(cfg.replicas)], samples)
 
 
 def worker_main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--replica", type=int, required=True)
-    args, _ = ap.parse_known_args()
+    ap.add_argument("--coordinator", required=True)
+    ap.add_argument("--ddp-block", type=int, default=0, help="DDP steps per block (0: none)")
+    ap.add_argument("--bucket-mb", type=float, default=25.0)
+    args = ap.parse_args()
     prof = Prof()
-    install(prof)
+    run_dir = Path(args.run_dir)
+    inter = (Interleave(run_dir, args.replica, args.coordinator, args.ddp_block, args.bucket_mb)
+             if args.ddp_block else None)
+    install(prof, inter)
     from recover.train import worker
 
-    code = worker.main(sys.argv[1:])
-    if prof.cur.get("t_end"):
-        prof.cur["loop"] = time.time() - prof.cur["t_end"]  # includes the final eval/ckpt
-    d = Path(args.run_dir) / "prof"
+    code = worker.main(["--run-dir", args.run_dir, "--replica", str(args.replica),
+                        "--coordinator", args.coordinator])
+    d = run_dir / "prof"
     d.mkdir(exist_ok=True)
-    (d / f"replica{args.replica}.json").write_text(json.dumps(prof.steps))
-    say(f"profile written to {d}")
+    ddp = ({**inter.trainer.rec, "first": inter.first}
+           if inter is not None and inter.trainer is not None else None)
+    (d / f"replica{args.replica}.json").write_text(json.dumps({"recover": prof.steps,
+                                                              "ddp": ddp}))
     return code
 
 

@@ -44,6 +44,9 @@ def check_against(run: Run, ref: Run, survivors: list[int]) -> list[dict]:
     assert all(sum(r["quotas"].values()) == N for r in recs)
     assert max_rel(run.losses(), ref.losses()) < 1e-5
     finals = run.finals()
+    missing = sorted(set(survivors) - set(finals))
+    assert not missing, "\n".join(f"replica {r}:\n{run.log(r)[-3000:]}" for r in missing) + \
+        (run.out / "coordinator.jsonl").read_text()[-3000:]
     assert sorted(finals) == survivors
     first = finals[survivors[0]]
     assert all(bitwise_equal(first, finals[s]) for s in survivors), "survivors diverged"

@@ -72,3 +72,42 @@ def test_resume_matches_uninterrupted(ref4: Run, corpus: Path, tmp_path: Path) -
     assert [r["step"] for r in second.metrics()] == list(range(14))
     assert max_rel(second.losses(), ref4.losses()) < 1e-6
     assert rel_l2(second.final(0), ref4.final(0)) < 1e-4
+
+
+def test_torchrun_workers_match(ref4: Run, corpus: Path, tmp_path: Path) -> None:
+    """One `torchrun` per replica against `recover train --external-workers`: same trajectory."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:  # a free port for the coordinator's store
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "run"
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "recover", "train", "--out", str(out), *BASE, "--replicas", "2",
+         "--data", str(corpus), "--external-workers", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    replicas = []
+    try:
+        for r in range(2):
+            replicas.append(subprocess.Popen(
+                [torchrun, "--standalone", "--nproc-per-node", "1", "--max-restarts", "0",
+                 "-m", "recover.train.worker", "--run-dir", str(out),
+                 "--replica", str(r), "--coordinator", f"127.0.0.1:{port}"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+        _, err = server.communicate(timeout=240)
+        assert server.returncode == 0, err[-3000:]
+        for p in replicas:
+            assert p.wait(timeout=60) == 0
+    finally:
+        for p in [server, *replicas]:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    run = Run(0, "", "", out)
+    assert max_rel(run.losses(), ref4.losses()) < 1e-5

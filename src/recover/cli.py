@@ -36,7 +36,11 @@ _TRAIN_FLAGS: list[tuple[str, str, type, str]] = [
     ("--min-replicas", "min_replicas", int, "stop (with a checkpoint) below this many replicas"),
     ("--stale-s", "stale_s", float, "heartbeat silence that declares a replica lost"),
     ("--reduce-timeout-s", "reduce_timeout_s", float, "backstop timeout of one reduction"),
-    ("--layout", "layout", str, "replica layout: plain (hsdp, tp, pp: see README)"),
+    ("--layout", "layout", str, "replica layout: plain, hsdp, tp, pp or tp,pp (see README)"),
+    ("--shards", "shards", int, "hsdp: FSDP2 shard ranks per replica"),
+    ("--tp", "tp", int, "tp, tp,pp: tensor-parallel ranks per replica (per stage)"),
+    ("--stages", "stages", int, "pp, tp,pp: pipeline stages per replica"),
+    ("--policy", "policy", str, "reaction to a lost replica: recover, or shrink-batch (baseline)"),
 ]
 _MODEL_FLAGS: list[tuple[str, str, type, str]] = [
     ("--block-size", "block_size", int, "sequence length"),

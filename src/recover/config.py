@@ -147,7 +147,39 @@ class RunConfig:
              "--shards, --stages and --tp must be >= 1")
         need(self.policy in POLICIES, f"unknown --policy {self.policy!r}; choose from "
              f"{', '.join(POLICIES)}")
+        need(self.policy == "recover" or self.layout == "plain",
+             f"--policy {self.policy} supports --layout plain only")
+        self._validate_layout(need)
         return self
+
+    def ranks_per_replica(self) -> int:
+        """Processes per replica: 1 (plain), shards (hsdp), tp, stages, or tp x stages."""
+        return {"plain": 1, "hsdp": self.shards, "tp": self.tp, "pp": self.stages,
+                "tp,pp": self.tp * self.stages}[self.layout]
+
+    def _validate_layout(self, need: Any) -> None:
+        """A multi-rank replica layout (recover.parallel) that can run this model and batch."""
+        m, lay = self.model, self.layout
+        uses = {"shards": lay == "hsdp", "tp": lay in ("tp", "tp,pp"),
+                "stages": lay in ("pp", "tp,pp")}
+        for name, used in uses.items():
+            need(used or getattr(self, name) == 1,
+                 f"--{name} {getattr(self, name)} needs a --layout that uses it "
+                 f"({'hsdp' if name == 'shards' else 'tp, pp or tp,pp'}; got {lay})")
+        need(self.microbatch_size % self.shards == 0,
+             f"--microbatch-size ({self.microbatch_size}) must be divisible by --shards "
+             f"({self.shards}): each shard rank takes an equal block of every microbatch")
+        need(m.n_head % self.tp == 0,
+             f"n_head ({m.n_head}) must be divisible by --tp ({self.tp}): TP splits heads")
+        need(self.stages <= m.n_layer,
+             f"--stages ({self.stages}) cannot exceed the number of layers ({m.n_layer})")
+        need(self.microbatch_size % self.stages == 0,
+             f"--microbatch-size ({self.microbatch_size}) must be divisible by --stages "
+             f"({self.stages}): each microbatch is split into that many pipeline chunks")
+        if lay != "plain":
+            need(not self.resume and self.ckpt_every == 0 and self.stop_at == 0,
+                 f"--layout {lay}: checkpoints (--ckpt-every, --stop-at, --resume) are "
+                 "implemented for the plain layout only")
 
 
 LAYOUTS = ("plain", "hsdp", "tp", "pp", "tp,pp")

@@ -4,9 +4,11 @@ Invariant: a fault fires at most once, in the process of the replica it names, e
 named point of the step protocol; nothing else about the run changes. Spec grammar (CLI
 `--fault`, repeatable):
 
-    kill:replica=R,step=S[,phase=P][,microbatch=J]     SIGKILL this replica's process
-    hang:replica=R,step=S,seconds=X[,phase=P]          SIGSTOP it; a helper sends SIGCONT after X s
-    slow:replica=R,factor=F[,step=S]                   every microbatch takes F times as long
+    kill:replica=R,step=S[,phase=P][,microbatch=J][,rank=K]  SIGKILL this replica's process
+    hang:replica=R,step=S,seconds=X[,phase=P][,rank=K]       SIGSTOP it; SIGCONT after X s
+    slow:replica=R,factor=F[,step=S][,rank=K]                every microbatch takes F times as long
+
+`rank=K` picks one rank of a multi-rank replica (hsdp/tp/pp layouts); default: its last rank.
 
 phases: forward, backward (at local microbatch J, default 0), reduce (while the collective is in
 flight), commit (after the reduce, before the agreement), optimizer (after the commit decision).
@@ -37,13 +39,18 @@ class Fault:
     microbatch: int = 0
     seconds: float = 0.0
     factor: float = 1.0
+    rank: int | None = None  # rank within a multi-rank replica; None = its last rank
 
     def __str__(self) -> str:
+        at = "" if self.rank is None else f",rank={self.rank}"
         if self.kind == "slow":
-            return f"slow:replica={self.replica},factor={self.factor},step={self.step}"
+            return f"slow:replica={self.replica},factor={self.factor},step={self.step}{at}"
         extra = f",seconds={self.seconds}" if self.kind == "hang" else ""
         return (f"{self.kind}:replica={self.replica},step={self.step},phase={self.phase},"
-                f"microbatch={self.microbatch}{extra}")
+                f"microbatch={self.microbatch}{extra}{at}")
+
+    def target_rank(self, nranks: int) -> int:
+        return nranks - 1 if self.rank is None else self.rank
 
 
 def parse_fault(spec: str) -> Fault:
@@ -57,9 +64,9 @@ def parse_fault(spec: str) -> Fault:
         if not eq:
             raise ConfigError(f"bad --fault {spec!r}: expected key=value, got {part!r}")
         fields[k.strip()] = v.strip()
-    allowed = {"kill": {"replica", "step", "phase", "microbatch"},
-               "hang": {"replica", "step", "phase", "microbatch", "seconds"},
-               "slow": {"replica", "factor", "step"}}[kind]
+    allowed = {"kill": {"replica", "step", "phase", "microbatch", "rank"},
+               "hang": {"replica", "step", "phase", "microbatch", "seconds", "rank"},
+               "slow": {"replica", "factor", "step", "rank"}}[kind]
     unknown = sorted(set(fields) - allowed)
     if unknown:
         raise ConfigError(f"bad --fault {spec!r}: unknown key(s) {', '.join(unknown)}")
@@ -67,7 +74,8 @@ def parse_fault(spec: str) -> Fault:
         f = Fault(kind=kind, replica=int(fields["replica"]), step=int(fields.get("step", 0)),
                   phase=fields.get("phase", "forward"),
                   microbatch=int(fields.get("microbatch", 0)),
-                  seconds=float(fields.get("seconds", 0)), factor=float(fields.get("factor", 1)))
+                  seconds=float(fields.get("seconds", 0)), factor=float(fields.get("factor", 1)),
+                  rank=int(fields["rank"]) if "rank" in fields else None)
     except KeyError as e:
         raise ConfigError(f"bad --fault {spec!r}: missing {e.args[0]}=") from None
     except ValueError as e:
@@ -80,14 +88,17 @@ def parse_fault(spec: str) -> Fault:
         raise ConfigError(f"bad --fault {spec!r}: hang needs seconds > 0")
     if kind == "slow" and f.factor < 1:
         raise ConfigError(f"bad --fault {spec!r}: slow needs factor >= 1")
-    if f.replica < 0 or f.step < 0 or f.microbatch < 0:
-        raise ConfigError(f"bad --fault {spec!r}: replica, step and microbatch must be >= 0")
+    if f.replica < 0 or f.step < 0 or f.microbatch < 0 or (f.rank is not None and f.rank < 0):
+        raise ConfigError(f"bad --fault {spec!r}: replica, step, microbatch and rank must be >= 0")
     return f
 
 
-def validate_faults(specs: list[str], replicas: int, steps: int) -> list[Fault]:
+def validate_faults(specs: list[str], replicas: int, steps: int, nranks: int = 1) -> list[Fault]:
     faults = [parse_fault(s) for s in specs]
     for f in faults:
+        if f.rank is not None and f.rank >= nranks:
+            raise ConfigError(f"--fault {f}: rank {f.rank} does not exist (each replica has "
+                              f"{nranks} rank(s))")
         if f.replica >= replicas:
             raise ConfigError(f"--fault {f}: replica {f.replica} does not exist "
                               f"(--replicas {replicas})")
@@ -97,10 +108,11 @@ def validate_faults(specs: list[str], replicas: int, steps: int) -> list[Fault]:
 
 
 class FaultInjector:
-    """The faults of one replica; `at(phase, step, j)` is called at each protocol point."""
+    """The faults of one rank of one replica; `at(phase, step, j)` is called at each protocol
+    point."""
 
-    def __init__(self, faults: list[Fault], replica: int) -> None:
-        self.faults = [f for f in faults if f.replica == replica]
+    def __init__(self, faults: list[Fault], replica: int, rank: int = 0, nranks: int = 1) -> None:
+        self.faults = [f for f in faults if f.replica == replica and f.target_rank(nranks) == rank]
         self.fired: set[int] = set()
 
     def slow_factor(self, step: int) -> float:

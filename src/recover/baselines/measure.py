@@ -32,10 +32,12 @@ def summarize(run: SystemRun, ref: SystemRun, budget_s: float, target_step: int)
     last = run.records[-1]
     t_s = commit.get(target_step - 1)
     return {
-        "system": run.name, "wall_s": wall, "steps": len(run.records),
+        "system": run.name, "wall_s": wall, "startup_s": run.startup_s,
+        "steps": len(run.records),
         "microbatches": counted, "lost_microbatches": lost,
         "min_batch": min(r["microbatches"] for r in run.records),
         "effective_throughput": counted / wall,
+        "effective_throughput_incl_startup": counted / (wall + run.startup_s),
         "tokens_in_budget": in_budget * tok_mb,
         "time_to_step_s": (t_s - run.t0) if t_s is not None else math.nan,
         "final_loss": last["loss"], "final_val_loss": last.get("val_loss", math.nan),
@@ -65,6 +67,20 @@ def _periods(run: SystemRun, live: int | None = None) -> list[float]:
     return out
 
 
+def _residuals(runs: list[SystemRun]) -> list[float]:
+    """Per clean step: commit-to-commit seconds minus the busiest quota x the microbatch time."""
+    out = []
+    for run in runs:
+        for a in run.attempts:
+            recs = a.result.records
+            for p, r in zip(recs, recs[1:], strict=False):
+                if r["attempts"] == 1 and not r["recovered"] and r["live_replicas"] == p[
+                        "live_replicas"]:
+                    out.append(r["time_s"] - p["time_s"] - max(r["quotas"].values()) * r[
+                        "mb_time_s"])
+    return out
+
+
 def _after_ckpt(run: SystemRun, k: int, typical: dict[int, float]) -> list[float]:
     """Extra seconds of the step that follows each checkpoint save (ckpt-restart)."""
     out = []
@@ -77,8 +93,8 @@ def _after_ckpt(run: SystemRun, k: int, typical: dict[int, float]) -> list[float
 
 
 def step_period(run: SystemRun) -> float:
-    """Mean seconds per clean step (commit to commit) of a run."""
-    return statistics.mean(_periods(run))
+    """Mean seconds per clean step (commit to commit) of a run with all its replicas."""
+    return statistics.mean(_periods(run, run.cfg.replicas))
 
 
 _PHASE_OFFSET = {"forward": 0.0, "reduce": 1.0, "commit": 1.0, "optimizer": 1.0}
@@ -90,12 +106,16 @@ def calibration(runs: dict[str, SystemRun], ref: SystemRun, faults: list[Fault],
     cfg = ref.cfg
     n, r0 = cfg.microbatches, cfg.replicas
     rec, ckr = runs["recover"], runs["ckpt-restart"]
-    step = step_period(ref)
+    # Clean steps with all R replicas, pooled over every run (they all compute N/R each then);
+    # with r < R, recover's and ckpt-restart's steps (both spread N over r, as the simulator does).
+    step = statistics.mean(p for s in (ref, *runs.values()) for p in _periods(s, r0))
     mb = statistics.mean(x["mb_time_s"] for x in ref.records[1:])
-    allreduce = min(max(0.0, step - math.ceil(n / r0) * mb), 0.9 * step)
+    # What a step costs beyond its busiest replica's compute (reduce, agreement, optimizer, record):
+    # the median residual over every clean step of every run.
+    allreduce = min(max(0.0, statistics.median(_residuals([ref, *runs.values()]))), 0.9 * step)
     table = {r0: step}
     for r in range(1, r0):
-        p = _periods(rec, r) or _periods(ckr, r)
+        p = [*_periods(rec, r), *_periods(ckr, r)]
         if p:
             table[r] = max(statistics.mean(p), allreduce * 1.01)
     k = ckr.extra["ckpt_every"]
@@ -103,8 +123,6 @@ def calibration(runs: dict[str, SystemRun], ref: SystemRun, faults: list[Fault],
     ckpt_cost = statistics.mean(in_run) if in_run else ckpt_cost_pre_s
     restarts = ckr.extra["restarts"]
     restart = [x["first_commit_s"] - table.get(x["replicas"], step) for x in restarts]
-    starts = [min(a.commit_times())[1] - a.t_call - step
-              for s in (*runs.values(), ref) for a in s.attempts[:1]]
     alive, offsets = r0, []
     for f in faults:
         q = math.ceil(n / alive)
@@ -117,13 +135,14 @@ def calibration(runs: dict[str, SystemRun], ref: SystemRun, faults: list[Fault],
         "ckpt_cost_s": max(0.0, ckpt_cost), "ckpt_cost_premeasured_s": ckpt_cost_pre_s,
         "ckpt_every": k,
         "restart_cost_s": max(0.0, statistics.mean(restart)) if restart else 0.0,
-        "restart_detect_s": (statistics.mean(x["detect_s"] for x in restarts) if restarts
-                             else 0.0),
+        "restart_detect_s": (max(0.0, statistics.mean(x["detect_s"] for x in restarts))
+                             if restarts else 0.0),
         "detect_s": _detect_s(Path(rec.cfg.out) / "coordinator.jsonl"),
         "rebuild_s": _rebuild_s(rec, table, allreduce, n),
         "fault_steps": [f.step for f in faults],
         "fault_offset_frac": statistics.mean(offsets) if offsets else 0.5,
-        "startup_s": max(0.0, statistics.mean(starts)),
+        "startup_s": 0.0,  # wall_s starts at the first step; the one-off launch is apart:
+        "startup_measured_s": {s.name: s.startup_s for s in (*runs.values(), ref)},
         "tokens_per_microbatch": cfg.microbatch_size * cfg.model.block_size,
         "wall_s": {name: s.wall_s for name, s in runs.items()},
     }

@@ -1,9 +1,11 @@
 """One system's bench run, as measured: launches, committed records, progress over wall time.
 
-Invariant: every time here is wall-clock `time.time()` of this machine, and a system's clock starts
-when the bench starts its first launch (before data preparation, process start and imports), so
-every system pays its own startup; `records` is the system's final metrics.jsonl (one line per
-committed step), and `progress` is what was committed at each moment, rollbacks included.
+Invariant: every time here is wall-clock `time.time()` of this machine. A system's one-off launch
+(`startup_s`: data preparation, process start, imports, rendezvous, up to its first step) is kept
+apart from its training wall time (`wall_s`: the first step's start -> the last step's commit),
+which includes everything a fault costs, ckpt-restart's relaunches included. `records` is the
+system's final metrics.jsonl (one line per committed step); `progress` is what was committed at
+each moment since the first step, rollbacks included.
 """
 
 from __future__ import annotations
@@ -53,8 +55,19 @@ class SystemRun:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def t0(self) -> float:
+    def t_call(self) -> float:
         return self.attempts[0].t_call
+
+    @property
+    def t0(self) -> float:
+        """When the job's first step started (its publisher's clock, after its own startup)."""
+        first = self.attempts[0].result
+        rec = first.records[0]
+        return first.t_start + rec["time_s"] - rec["step_time_s"]
+
+    @property
+    def startup_s(self) -> float:
+        return self.t0 - self.t_call
 
     def commit_abs(self) -> dict[int, float]:
         """Absolute commit time of each step of the final trajectory (its last commit)."""
@@ -65,12 +78,12 @@ class SystemRun:
 
     @property
     def wall_s(self) -> float:
-        """Start of the first launch -> commit of the last step."""
+        """The first step's start -> the last step's commit."""
         return max(self.commit_abs().values()) - self.t0
 
     def progress(self) -> list[tuple[float, int]]:
         """(seconds since t0, committed steps) after every commit and every rollback."""
-        pts = [(0.0, 0)]
+        pts = [(-self.startup_s, 0), (0.0, 0)]
         for i, a in enumerate(self.attempts):
             if i > 0:  # the relaunch starts from its checkpoint: later work is rolled back
                 pts.append((self.attempts[i - 1].result.t_abort - self.t0, a.start_step))
@@ -143,3 +156,28 @@ def measure_ckpt_cost(base: RunConfig, repeats: int = 3) -> float:
         return statistics.median(times[1:])  # the first save pays one-off imports
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def dump_runs(path: Path, runs: list[SystemRun]) -> None:
+    """Every launch's raw timings and records (DIR/bench_runs.json), to recompute figures."""
+    data = [{"name": s.name, "config": json.loads(s.cfg.to_json()), "extra": s.extra,
+             "records": s.records,
+             "attempts": [{"replicas": a.replicas, "start_step": a.start_step, "t_call": a.t_call,
+                           "t_start": a.result.t_start, "t_abort": a.result.t_abort,
+                           "aborted": a.result.aborted, "records": a.result.records}
+                          for a in s.attempts]} for s in runs]
+    path.write_text(json.dumps(data) + "\n")
+
+
+def load_runs(path: Path) -> dict[str, SystemRun]:
+    """The inverse of `dump_runs`."""
+    out = {}
+    for d in json.loads(path.read_text()):
+        run = SystemRun(d["name"], RunConfig.from_dict(d["config"]), records=d["records"],
+                        extra=d["extra"])
+        for a in d["attempts"]:
+            res = RunResult(ok=not a["aborted"], out=Path(run.cfg.out), records=a["records"],
+                            aborted=a["aborted"], t_abort=a["t_abort"], t_start=a["t_start"])
+            run.attempts.append(Attempt(a["replicas"], a["start_step"], a["t_call"], res))
+        out[run.name] = run
+    return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -26,6 +27,11 @@ from recover.workload import id_checksum, plan
 
 class ShrinkEngine(StepEngine):
     """`StepEngine` with torchft's reaction to a loss: discard the step, shrink the batch."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.grad is None or getattr(self, "positions", 1) != 1:
+            raise ValueError("the shrink-batch baseline supports the plain layout only")
 
     def shares(self, step: int) -> dict[int, list[int]]:
         """Every replica's own ids of `step` under the original R-way equal split."""

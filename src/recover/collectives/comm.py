@@ -8,7 +8,9 @@ never waits on a communicator past the moment a newer generation is known.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +21,21 @@ from torch.distributed import PrefixStore, ProcessGroupGloo
 
 from recover.collectives import keys
 from recover.collectives.member import Member
+
+
+def _new_group(backend: str, store: PrefixStore, rank: int, size: int, timeout_s: float) -> object:
+    """A communicator built directly on the store: no default group, one per generation."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        return ProcessGroupGloo(store, rank, size, timeout)
+    # NCCL (untested on the CPU machines this project runs CI on): its watchdog must not kill
+    # the process when a peer dies; recover detects, abandons and rebuilds instead.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+    from torch.distributed import ProcessGroupNCCL
+
+    opts = ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return ProcessGroupNCCL(store, rank, size, opts)
 
 
 class ReplicaFault(RuntimeError):
@@ -43,7 +60,10 @@ class FaultTolerantComm:
     """The cross-replica communicator of one position (a shard index, a (tp, pp) rank, or 0)."""
 
     def __init__(self, member: Member, position: int = 0, timeout_s: float = 60.0,
-                 poll_s: float = 0.002) -> None:
+                 poll_s: float = 0.002, backend: str = "gloo") -> None:
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"unknown backend {backend!r}")
+        self.backend = backend
         self.member, self.position = member, position
         self.timeout_s, self.poll_s = timeout_s, poll_s
         self._pg: object | None = None
@@ -57,6 +77,9 @@ class FaultTolerantComm:
         """Sum `tensor` over the members of `generation` (default: the newest known)."""
         g = self.member.generation() if generation is None else generation
         members = self.member.members(g)
+        if self.member.fenced or self.member.replica not in members:
+            raise ReplicaFault(g, [self.member.replica],
+                               f"replica {self.member.replica} is fenced (not in generation {g})")
         out = tensor.detach().clone()
         if len(members) == 1:
             self._superseded(g)
@@ -85,6 +108,8 @@ class FaultTolerantComm:
             self._drop()
             self.member.report_fail(g)
             raise ReplicaFault(g, self._lost_since(g), str(e).splitlines()[0][:200]) from None
+        if self.member.fenced:  # resumed after being fenced: its result must not be used
+            raise ReplicaFault(g, [self.member.replica], "fenced while reducing")
         self._reap()
         return out
 
@@ -126,8 +151,7 @@ class FaultTolerantComm:
 
         def build() -> None:
             try:
-                box["pg"] = ProcessGroupGloo(store, rank, size,
-                                             datetime.timedelta(seconds=self.timeout_s))
+                box["pg"] = _new_group(self.backend, store, rank, size, self.timeout_s)
             except Exception as e:
                 box["err"] = e
 
@@ -139,6 +163,7 @@ class FaultTolerantComm:
             if th.is_alive() and self.member.generation() != g:
                 raise ReplicaFault(g, self._lost_since(g), "superseded while building")
             if time.monotonic() > deadline:
+                self.member.report_fail(g)  # ask for a rebuild rather than wait for nobody
                 raise ReplicaFault(g, [], "communicator build timed out")
         if "err" in box:
             self.member.report_fail(g)
@@ -158,12 +183,18 @@ class FaultTolerantComm:
             self._superseded(g)
             self.member.check()
             if time.monotonic() > deadline:
+                self.member.report_fail(g)
                 raise ReplicaFault(g, [], "barrier timed out")
             time.sleep(self.poll_s)
 
     def _abandon(self, pg: object, fut: torch.futures.Future, buf: torch.Tensor) -> None:
         # A peer may be hung with its sockets open: gloo may still write into `buf`, so keep
         # the group, the future and the buffer alive until the op ends; never shut it down.
+        if self.backend == "nccl":
+            # Unlike gloo, aborting an NCCL communicator ends the operations in flight
+            # (ncclCommAbort), after which the buffer is no longer written.
+            with contextlib.suppress(Exception):
+                pg.abort()  # type: ignore[attr-defined]
         self._holding.append(_Held(pg, fut, buf))
         if self._pg is pg:
             self._pg, self._pg_gen = None, -1

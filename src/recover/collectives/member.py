@@ -43,6 +43,7 @@ class Member:
         self._callbacks: list[Callable[[int, list[int]], None]] = []
         self._stop = threading.Event()
         self.coordinator_lost = False
+        self.fenced = False  # set (for good) once a generation without this replica is seen
         self.store = keys.connect_store(host, port, timeout_s)
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -79,6 +80,10 @@ class Member:
         self._stop.set()
         try:
             self._sock.sendall(b"bye\n")
+            # shutdown() sends the FIN at once; a bare close() would not while the reader thread
+            # is blocked in recv() on this socket, and the coordinator would see the rank go
+            # silent (heartbeat stale, 1 s later) instead of leaving cleanly.
+            self._sock.shutdown(socket.SHUT_RDWR)
             self._sock.close()
         except OSError:
             pass
@@ -148,15 +153,20 @@ class Member:
             known = self._gen
         for g in range(known + 1, count):
             members = keys.decode_members(store.get(keys.members_key(g)))
+            fenced = self.replica not in members
+            if fenced:
+                # Fence before the generation becomes visible: no thread of this process may
+                # ever act in (or even see) a generation without its replica.
+                self.fenced = True
+                self._on_fenced(f"replica {self.replica} (pid {os.getpid()}) is not a member of "
+                                f"generation {g} (members {members}): fenced, exiting")
             with self._changed:
                 if g in self._members:  # the other background thread got here first
                     continue
                 self._members[g] = members
                 self._gen = max(self._gen, g)
                 self._changed.notify_all()
-            if self.replica not in members:
-                self._on_fenced(f"replica {self.replica} (pid {os.getpid()}) is not a member of "
-                                f"generation {g} (members {members}): fenced, exiting")
+            if fenced:  # a custom on_fenced returned: comm refuses to reduce from now on
                 return
             for cb in self._callbacks:
                 cb(g, members)

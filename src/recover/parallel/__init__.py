@@ -1,5 +1,29 @@
-"""Replica layouts: how a replica's internal parallelism exposes its local gradient to layer 2."""
+"""Replica layouts: how a replica's internal parallelism exposes its local gradient to layer 2.
+
+A replica is plain (one process), an FSDP2 shard group (`hsdp`), a tensor-parallel group (`tp`), a
+pipeline (`pp`), or both (`tp,pp`). Public API: `Replica` (join, `step`, `clip_grad_norm_`,
+`leave`) for any layout; `ShardedGrads` (local gradient shards of DTensor/stage parameters);
+`flat_grad_buffer` (plain); `init_replica_group`, `replica_mesh`, `ranks_per_replica`. The layout
+helpers for the reference GPT are in `recover.parallel.hsdp`, `.tp` and `.pp`.
+
+Names are imported lazily: the plain layout never pays for importing DTensor and FSDP2 (seconds).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from recover.parallel.plain import flat_grad_buffer
 
-__all__ = ["flat_grad_buffer"]
+_LAZY = {"Replica": "replica", "ShardedGrads": "grads", "LAYOUTS": "mesh",
+         "init_replica_group": "mesh", "ranks_per_replica": "mesh", "replica_mesh": "mesh"}
+
+__all__ = ["LAYOUTS", "Replica", "ShardedGrads", "flat_grad_buffer", "init_replica_group",
+           "ranks_per_replica", "replica_mesh"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"recover.parallel.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'recover.parallel' has no attribute {name!r}")

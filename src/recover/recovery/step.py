@@ -11,6 +11,12 @@ Invariants:
 - An attempt commits only by a decision written once to the store (`.../decision`), made when every
   surviving member reported that its reduce returned a verified result (trailer: count = N, id
   checksum, step). Survivors of a split outcome therefore never diverge: all apply, or all redo.
+- A replica may be a group of ranks (FSDP2 shards, TP x PP ranks): each rank runs this engine
+  with its own cross-replica communicator, at its `position`. All ranks of a replica read the same
+  chain, so they compute the same ids in the same order (their intra-replica collectives line up);
+  outcomes are per (replica, position), and an attempt commits only when every position of every
+  surviving replica holds a verified result. A rank whose chain moves past a generation it did not
+  reduce in marks that attempt failed at once, so its siblings never wait on it for a decision.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -30,6 +37,32 @@ TRAILER = 4  # count, id checksum, step mark, loss sum
 MAX_ATTEMPTS = 32
 
 Hook = Callable[[str, int, int], None]  # (phase, step, local microbatch index)
+
+
+@runtime_checkable
+class GradAccess(Protocol):
+    """How the engine reads and writes one rank's local gradient (the layout decides how)."""
+
+    def local(self) -> torch.Tensor:
+        """The kept local gradient as one flat tensor (a view or a fresh copy; never modified)."""
+        ...
+
+    def assign(self, reduced: torch.Tensor) -> None:
+        """Make the parameters' gradients equal to `reduced` (flat, same layout as `local()`)."""
+        ...
+
+
+class FlatGrad:
+    """The plain layout: every `.grad` is a view into one flat buffer (zero-copy both ways)."""
+
+    def __init__(self, flat: torch.Tensor) -> None:
+        self.flat = flat
+
+    def local(self) -> torch.Tensor:
+        return self.flat
+
+    def assign(self, reduced: torch.Tensor) -> None:
+        self.flat.copy_(reduced)
 
 
 class BelowMinReplicas(RuntimeError):
@@ -55,12 +88,25 @@ class StepResult:
 
 
 class StepEngine:
-    """Runs one replica's side of each step; `grad` is its flat local gradient buffer."""
+    """Runs one rank's side of each step of its replica.
 
-    def __init__(self, member: Member, comm: FaultTolerantComm, grad: torch.Tensor, n: int, *,
-                 min_replicas: int = 1, timeout_s: float = 60.0, hook: Hook | None = None,
-                 speed_aware: bool = True) -> None:
-        self.member, self.comm, self.grad, self.n = member, comm, grad, n
+    `grad` is the rank's local gradient: a flat buffer that every `.grad` views (plain layout), or
+    a `GradAccess` (sharded layouts). `positions` is the number of ranks per replica; this rank
+    reduces at `comm.position`.
+    """
+
+    def __init__(self, member: Member, comm: FaultTolerantComm, grad: torch.Tensor | GradAccess,
+                 n: int, *, min_replicas: int = 1, timeout_s: float = 60.0,
+                 hook: Hook | None = None, speed_aware: bool = True, positions: int = 1) -> None:
+        self.member, self.comm, self.n = member, comm, n
+        if isinstance(grad, torch.Tensor):
+            self.grad: torch.Tensor | None = grad
+            self.grads: GradAccess = FlatGrad(grad)
+        else:
+            self.grad, self.grads = None, grad
+        self.positions, self.position = positions, comm.position
+        if not 0 <= self.position < positions:
+            raise ValueError(f"position {self.position} is not in [0, {positions})")
         self.min_replicas, self.timeout_s = min_replicas, timeout_s
         self.hook = hook or (lambda phase, step, j: None)
         self.speed_aware = speed_aware
@@ -70,13 +116,14 @@ class StepEngine:
 
     # -- the step --------------------------------------------------------------------------
     def run(self, step: int, compute: Callable[[int, int], float]) -> StepResult:
-        """Compute, reduce and agree on step `step`; on return `grad` holds the reduced sum.
+        """Compute, reduce and agree on step `step`; on return the gradient holds the reduced sum.
 
-        `compute(id, j)` accumulates microbatch `id`'s gradient into `grad` and returns its loss;
-        `j` counts this replica's microbatches within the step (for fault injection).
+        `compute(id, j)` accumulates microbatch `id`'s gradient into the local gradient and returns
+        its loss; `j` counts this replica's microbatches within the step (for fault injection).
         """
         chain: list[dict] = []
         held: list[int] = []
+        settled: set[int] = set()  # generations this rank reported an outcome in (multi-rank)
         loss_sum, t_fault, compute_s = 0.0, None, 0.0
         for attempt in range(1, MAX_ATTEMPTS + 1):
             g = self.member.generation()
@@ -85,6 +132,8 @@ class StepEngine:
                 raise BelowMinReplicas(f"{len(members)} live replica(s) {members} < "
                                        f"--min-replicas {self.min_replicas}")
             chain = self._sync_chain(step, chain, g, members)
+            if self.positions > 1:
+                self._mark_skipped(step, chain, settled)
             todo = [i for e in chain for i in e["assign"].get(str(self.me), []) if i not in held]
             t0 = time.monotonic()
             for i in todo:
@@ -101,9 +150,11 @@ class StepEngine:
                 continue  # extend the chain to the newest generation before reducing
             out, ok = self._reduce(step, entry_gen, held, loss_sum)
             self.hook("commit", step, len(held))
-            self.store.set(self._key(step, entry_gen, f"out/{self.me}"), b"ok" if ok else b"fail")
+            settled.add(entry_gen)
+            self.store.set(self._key(step, entry_gen, self._out(self.me, self.position)),
+                           b"ok" if ok else b"fail")
             if self._decide(step, entry_gen) == b"commit":
-                self.grad.copy_(out[:-TRAILER])
+                self.grads.assign(out[:-TRAILER])
                 self._record_speed(compute_s, len(held))
                 owners = self._owners(chain)
                 quotas = {m: sum(1 for o in owners.values() if o == m)
@@ -121,9 +172,10 @@ class StepEngine:
     # -- reduce and verify -------------------------------------------------------------------
     def _reduce(self, step: int, g: int, held: list[int], loss_sum: float
                 ) -> tuple[torch.Tensor, bool]:
+        local = self.grads.local()
         trailer = torch.tensor([len(held), id_checksum(held), step % 4096 + 1, loss_sum],
-                               dtype=self.grad.dtype)
-        buf = torch.cat([self.grad, trailer])
+                               dtype=local.dtype)
+        buf = torch.cat([local, trailer])
         try:
             out = self.comm.reduce(buf, g, on_issued=lambda: self.hook("reduce", step, len(held)))
         except ReplicaFault:
@@ -141,10 +193,30 @@ class StepEngine:
     def _key(step: int, g: int, leaf: str) -> str:
         return f"step/{step}/g{g}/{leaf}"
 
+    def _out(self, replica: int, position: int) -> str:
+        """Outcome key leaf of one rank: `out/{replica}`, or `out/{replica}.{position}`."""
+        return f"out/{replica}" if self.positions == 1 else f"out/{replica}.{position}"
+
+    def _mark_skipped(self, step: int, chain: list[dict], settled: set[int]) -> None:
+        """Report 'fail' in every generation of the chain this rank moved past without reducing.
+
+        Another position of the same generation may have completed its reduce; without this its
+        ranks would wait for our outcome, while we wait for them inside an intra-replica
+        collective of the next chain entry's microbatches.
+        """
+        for e in chain[:-1]:
+            g = int(e["gen"])
+            if g < int(chain[-1]["gen"]) and g not in settled:
+                settled.add(g)
+                self.store.compare_set(self._key(step, g, self._out(self.me, self.position)), "",
+                                       b"fail")
+
     def _decide(self, step: int, g: int) -> bytes:
-        """Commit iff every surviving member of g holds a verified result; decided once."""
+        """Commit iff every position of every surviving member of g holds a verified result;
+        decided once."""
         dkey = self._key(step, g, "decision")
         members = self.member.members(g)
+        ranks = [(m, p) for m in members for p in range(self.positions)]
         deadline = time.monotonic() + self.timeout_s
         while True:
             decided = try_get(self.store, dkey)
@@ -152,12 +224,12 @@ class StepEngine:
                 return decided
             newest = self.member.generation()
             live = set(self.member.members(newest))
-            outs = {m: try_get(self.store, self._key(step, g, f"out/{m}")) for m in members}
+            outs = {r: try_get(self.store, self._key(step, g, self._out(*r))) for r in ranks}
             proposal = None
-            if any(outs[m] == b"fail" for m in members if m in live):
+            if any(outs[r] == b"fail" for r in ranks if r[0] in live):
                 proposal = b"redo"
             elif all(v == b"ok" for v in outs.values()) or (
-                    newest != g and all(outs[m] == b"ok" for m in members if m in live)):
+                    newest != g and all(outs[r] == b"ok" for r in ranks if r[0] in live)):
                 # A member that died after the reduce completed everywhere does not block the
                 # commit: a verified trailer proves its part is inside the sum.
                 proposal = b"commit"
@@ -201,7 +273,7 @@ class StepEngine:
 
     # -- speeds ------------------------------------------------------------------------------
     def _record_speed(self, compute_s: float, count: int) -> None:
-        if count == 0 or compute_s <= 0:
+        if count == 0 or compute_s <= 0 or self.position != 0:  # one speed per replica
             return
         t = compute_s / count
         self.mb_time = t if self.mb_time is None else 0.7 * self.mb_time + 0.3 * t

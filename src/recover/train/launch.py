@@ -7,6 +7,7 @@ bounded. User mistakes are caught here, before any process starts, as one-line R
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -38,19 +39,22 @@ class RunResult:
     out: Path
     records: list[dict[str, Any]] = field(default_factory=list)
     message: str = ""
-    exit_codes: dict[int, int | None] = field(default_factory=dict)
+    exit_codes: dict[int, int | None] = field(default_factory=dict)  # rank 0 of each replica
     wall_s: float = 0.0
     # With abort_on_loss (the ckpt-restart baseline): the replicas whose abnormal exit made the
     # launcher end the job, and when it saw that (time.time()); t_start is the base of `time_s`.
     aborted: list[int] = field(default_factory=list)
     t_abort: float = 0.0
     t_start: float = 0.0
+    # Every process of every replica, "replica.rank" -> exit code (multi-rank layouts: the killed
+    # rank -9, its fenced siblings 3).
+    rank_exit_codes: dict[str, int | None] = field(default_factory=dict)
 
 
 def prepare_run(cfg: RunConfig) -> tuple[RunConfig, int]:
     """Validate, lay out DIR, prepare data, write config.json; return (cfg, first step)."""
     cfg.validate()
-    validate_faults(cfg.faults, cfg.replicas, cfg.steps)
+    validate_faults(cfg.faults, cfg.replicas, cfg.steps, cfg.ranks_per_replica())
     out = Path(cfg.out)
     start = 0
     if cfg.resume:
@@ -142,16 +146,21 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
     truncate_metrics(metrics, start)
     t_start = time.time()
     coord, port = _start_coordinator(cfg, out, port)
-    workers: dict[int, subprocess.Popen] = {}
+    workers: dict[int, subprocess.Popen] = {}  # rank 0 of each replica
+    procs: dict[tuple[int, int], subprocess.Popen] = {}  # every (replica, rank)
     try:
         store = connect_store("127.0.0.1", port, 30.0)
         env = dict(os.environ, OMP_NUM_THREADS="1")
         for r in range(0 if external_workers else cfg.replicas):
-            log = open(out / "logs" / f"replica{r}.log", "ab")
-            workers[r] = subprocess.Popen(
-                [sys.executable, "-m", "recover.train.worker", "--run-dir", str(out),
-                 "--replica", str(r), "--coordinator", f"127.0.0.1:{port}"],
-                stdout=log, stderr=subprocess.STDOUT, env=env)
+            for k in range(cfg.ranks_per_replica()):  # a multi-rank replica: one process per rank
+                name = f"replica{r}.log" if k == 0 else f"replica{r}.rank{k}.log"
+                log = open(out / "logs" / name, "ab")
+                procs[(r, k)] = subprocess.Popen(
+                    [sys.executable, "-m", "recover.train.worker", "--run-dir", str(out),
+                     "--replica", str(r), "--rank", str(k), "--coordinator", f"127.0.0.1:{port}"],
+                    stdout=log, stderr=subprocess.STDOUT, env=env)
+            workers[r] = procs[(r, 0)]
+        everyone = dict(enumerate(procs.values()))
         watch = _AbortWatch(workers) if abort_on_loss else None
         end = cfg.stop_at or cfg.steps
         tokens = cfg.microbatches * cfg.microbatch_size * cfg.model.block_size
@@ -162,7 +171,7 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
                           f"{start}..{end - 1}, out {out}", highlight=False)
         stall_limit = cfg.join_timeout_s + cfg.reduce_timeout_s + 60
         try:
-            message = _supervise(store, sink, end, workers, external_workers, stall_limit)
+            message = _supervise(store, sink, end, everyone, external_workers, stall_limit)
         except Exception as e:  # the store is gone: the coordinator process died
             if coord.poll() is None:
                 raise
@@ -174,27 +183,31 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
         hang_s = max([float(s.split("seconds=")[1].split(",")[0]) for s in cfg.faults
                       if "seconds=" in s] or [0.0])
         deadline = time.monotonic() + 30 + hang_s
-        while time.monotonic() < deadline and any(p.poll() is None for p in workers.values()):
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs.values()):
             time.sleep(0.05)
         if coord.poll() is None:
             stopped = try_get(store, "run/stopped")
             if stopped is not None:
                 message = stopped.decode()
     finally:
-        _end(list(workers.values()))
+        _end(list(procs.values()))
         _end([coord])
     codes = {r: p.returncode for r, p in workers.items()}
+    rank_codes = {f"{r}.{k}": p.returncode for (r, k), p in procs.items()}
+    if procs:  # who exited how: a fenced rank (3) left on its own, before the launcher's cleanup
+        (out / "exit_codes.json").write_text(json.dumps(rank_codes) + "\n")
     ok = sink.next >= end
     if not ok and not message:
+        shown = codes if cfg.ranks_per_replica() == 1 else rank_codes
         message = (f"training stopped at step {sink.next}: replica exits "
-                   f"{ {r: EXIT_MEANING.get(c, c) for r, c in codes.items()} }; "
+                   f"{ {r: EXIT_MEANING.get(c, c) for r, c in shown.items()} }; "
                    f"see {out / 'logs'}")
     aborted = watch.lost if watch is not None else []
     if aborted:
         message = (f"replica(s) {aborted} exited abnormally at step {sink.next}; the job was torn "
                    "down (abort_on_loss)")
     return RunResult(ok, out, sink.records, message, codes, time.time() - t_start, aborted,
-                     watch.t if watch is not None else 0.0, t_start)
+                     watch.t if watch is not None else 0.0, t_start, rank_codes)
 
 
 class _AbortWatch:

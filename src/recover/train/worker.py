@@ -162,12 +162,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--replica", type=int, default=int(os.environ.get("RECOVER_REPLICA", -1)))
     ap.add_argument("--coordinator", default=os.environ.get("RECOVER_COORDINATOR"))
+    ap.add_argument("--rank", type=int, default=int(os.environ.get("RANK", 0)),
+                    help="rank within a multi-rank replica (torchrun: RANK, one torchrun per "
+                         "replica)")
     args = ap.parse_args(argv)
     if args.replica < 0 or not args.coordinator:
         print("recover worker: need --replica/RECOVER_REPLICA and --coordinator/"
               "RECOVER_COORDINATOR", file=sys.stderr)
         return 2
     host, port = args.coordinator.rsplit(":", 1)
+    if RunConfig.load(Path(args.run_dir) / "config.json").layout != "plain":
+        from recover.train.multirank import run as run_ranks  # hsdp, tp, pp, tp,pp
+
+        return run_ranks(Path(args.run_dir), args.replica, args.rank, host, int(port))
     return run(Path(args.run_dir), args.replica, host, int(port))
 
 

@@ -1,0 +1,233 @@
+"""`Replica`: the public handle a training loop uses, for any replica layout.
+
+Invariant: a replica is the group of ranks in one default process group (one `torchrun` per
+replica; `mesh` names its internal dimensions "shard" (FSDP2), "tp" and "pp"). Every rank joins the
+coordinator as (replica, rank) and reduces its own local gradient with its own fault-tolerant
+communicator at position = its rank, so the cross-replica reduction runs per shard/stage position
+and all positions move through the same generations. After `step()` returns, every rank holds
+exactly the gradient the same layout would hold without recover: (1/N) x the sum over the step's N
+microbatch ids, whoever computed them. The step's loss is the sum over the replica's ranks of each
+rank's loss times its weight (1/shards x 1/tp, and 0 except on the last pipeline stage), so it is
+the mean microbatch loss whatever the layout. If any intra-replica operation fails (a sibling
+rank died) the rank reports its replica lost and waits to be fenced (exit code 3); the survivors
+recover the step.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+
+from recover.collectives import FaultTolerantComm, Member
+from recover.parallel.grads import ShardedGrads, local_tensor
+from recover.parallel.plain import flat_grad_buffer
+from recover.recovery import StepEngine, StepResult
+
+Hook = Callable[[str, int, int], None]
+
+
+def _coord(mesh: DeviceMesh | None, dim: str) -> tuple[int, int]:
+    """(this rank's coordinate, size) along a named mesh dimension; (0, 1) if absent."""
+    if mesh is None or dim not in (mesh.mesh_dim_names or ()):
+        return 0, 1
+    return mesh.get_local_rank(dim), mesh.size(mesh.mesh_dim_names.index(dim))
+
+
+class Replica:
+    """One rank's side of recover: join, then `step()` every iteration, `leave()` at the end.
+
+    `module` holds this rank's parameters (the FSDP2/TP model, or this rank's pipeline stage).
+    `tied`: parameters shared between the first and last pipeline stage (e.g. a tied embedding);
+    their reduced gradients are summed across the two stages. `coordinator` ("host:port") and
+    `replica` default to the env `RECOVER_COORDINATOR` and `RECOVER_REPLICA`.
+    """
+
+    def __init__(self, module: nn.Module, microbatches: int, *, mesh: DeviceMesh | None = None,
+                 tied: Sequence[nn.Parameter] = (), coordinator: str | None = None,
+                 replica: int | None = None, min_replicas: int = 1, timeout_s: float = 60.0,
+                 join_timeout_s: float = 120.0, heartbeat_s: float = 0.1,
+                 hook: Hook | None = None, speed_aware: bool = True,
+                 member: Member | None = None) -> None:
+        self.module, self.mesh, self.n = module, mesh, microbatches
+        self._left = False
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.rank = dist.get_rank() if mesh is not None else 0
+        self.nranks = dist.get_world_size() if mesh is not None else 1
+        if mesh is not None and mesh.size() != self.nranks:
+            raise ValueError(f"the mesh has {mesh.size()} ranks but the default group (the "
+                             f"replica) has {self.nranks}: launch one torchrun per replica")
+        shard, n_shard = _coord(mesh, "shard")
+        tp, n_tp = _coord(mesh, "tp")
+        pp, n_pp = _coord(mesh, "pp")
+        self.first_stage, self.last_stage = pp == 0, pp == n_pp - 1
+        # Each rank's loss is its own view (its shard's rows; the whole microbatch under TP; the
+        # pipeline's loss on the last stage): weights make the sum over ranks the microbatch loss.
+        self.loss_weight = (1.0 / (n_shard * n_tp)) if self.last_stage else 0.0
+        tied_ids = {id(p) for p in tied}
+        # Count every gradient element once in the norm: replicated copies only at coordinate 0.
+        self._norm_owned = [self._owned(p, tp, pp, id(p) in tied_ids) for p in self.params]
+        self._tied = [p for p in self.params if id(p) in tied_ids]
+        self._tied_group = self._tied_groups(mesh) if n_pp > 1 else None
+        self.plain = mesh is None and not any(isinstance(p, DTensor) for p in self.params)
+        if self.plain:
+            self._flat: torch.Tensor | None = flat_grad_buffer(module)
+            grads: torch.Tensor | ShardedGrads = self._flat
+        else:
+            self._flat = None
+            grads = self._sharded = ShardedGrads(self.params)
+        if member is None:
+            host, port, replica = _where(coordinator, replica)
+            member = Member(host, port, replica, self.rank, self.nranks, heartbeat_s=heartbeat_s,
+                            timeout_s=join_timeout_s)
+            member.join()
+        self.member = member
+        atexit.register(self.leave)  # a clean exit says goodbye even without an explicit leave()
+        self.comm = FaultTolerantComm(member, position=self.rank, timeout_s=timeout_s)
+        self.engine = StepEngine(member, self.comm, grads, microbatches,
+                                 min_replicas=min_replicas, timeout_s=timeout_s, hook=hook,
+                                 speed_aware=speed_aware, positions=self.nranks)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def step(self, step: int, compute: Callable[[int, int], float]) -> StepResult:
+        """Run step `step`: `compute(id, j)` does forward + backward of microbatch `id` with the
+        loss scaled by 1/N and returns this rank's (unscaled) loss; on return the gradients are
+        the reduced step gradient and `result.loss` is the step's mean loss."""
+        self._zero()
+        w = self.loss_weight
+
+        def weighted(i: int, j: int) -> float:
+            with self.guard():
+                return w * compute(i, j)
+
+        res = self.engine.run(step, weighted)
+        if self.nranks > 1:
+            with self.guard():
+                self._sum_tied()
+                loss = torch.tensor([res.loss], dtype=torch.float64)
+                dist.all_reduce(loss)
+            res.loss = float(loss)
+        return res
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the replica's whole gradient (all ranks) to `max_norm`; return its norm."""
+        if self.plain:
+            return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        grads = [local_tensor(p.grad) for p in self.params if p.grad is not None]
+        owned = [local_tensor(p.grad) for p, o in zip(self.params, self._norm_owned, strict=True)
+                 if o and p.grad is not None]
+        sq = torch.zeros((), dtype=torch.float64)
+        for g in owned:
+            sq += g.double().pow(2).sum()
+        if self.nranks > 1:
+            with self.guard():
+                dist.all_reduce(sq)
+        norm = math.sqrt(float(sq))
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            torch._foreach_mul_(grads, coef)
+        return norm
+
+    def leave(self) -> None:
+        """Say goodbye to the coordinator (a clean exit is not a fault); idempotent, and also
+        run at interpreter exit."""
+        if not self._left:
+            self._left = True
+            self.member.leave()
+
+    @property
+    def members(self) -> list[int]:
+        return self.member.members()
+
+    @property
+    def is_leader(self) -> bool:
+        """Rank 0 of the lowest live replica (writes records and checkpoints)."""
+        return self.rank == 0 and min(self.member.members()) == self.member.replica
+
+    @contextmanager
+    def guard(self, wait_s: float = 30.0) -> Iterator[None]:
+        """Any error inside (an intra-replica collective whose peer died) loses this replica:
+        report it and wait to be fenced, so the survivors can go on without us."""
+        try:
+            yield
+        except Exception:
+            print(f"[replica {self.member.replica} rank {self.rank}] intra-replica failure; "
+                  "reporting the replica lost:\n" + traceback.format_exc(limit=3),
+                  file=sys.stderr, flush=True)
+            self.member.report_lost(f"rank {self.rank} (pid {os.getpid()}) failed")
+            g = self.member.generation()
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:  # the Member's thread exits us once fenced
+                try:
+                    g = self.member.wait_newer(g, max(0.01, deadline - time.monotonic()))
+                except TimeoutError:
+                    break
+            raise
+
+    # -- internals -----------------------------------------------------------------------------
+    def _zero(self) -> None:
+        if self._flat is None:
+            self._sharded.zero()
+            return
+        self._flat.zero_()
+        for p in self.params:  # a user's opt.zero_grad() may have dropped the views
+            if p.grad is None or p.grad.data_ptr() < self._flat.data_ptr() or \
+                    p.grad.data_ptr() >= self._flat.data_ptr() + self._flat.nbytes:
+                self._flat = flat_grad_buffer(self.module)
+                self.engine.grads.flat = self._flat  # type: ignore[attr-defined]
+                self.engine.grad = self._flat
+                break
+
+    def _owned(self, p: nn.Parameter, tp: int, pp: int, tied: bool) -> bool:
+        if tied and pp != 0:
+            return False
+        if isinstance(p, DTensor):
+            for d, pl in enumerate(p.placements):
+                if isinstance(pl, Replicate) and p.device_mesh.get_local_rank(d) != 0:
+                    return False
+            return True
+        return tp == 0  # a plain tensor in a TP replica is a replicated copy
+
+    def _tied_groups(self, mesh: DeviceMesh) -> dist.ProcessGroup | None:
+        """One group per pipeline line: {first stage, last stage} at the same other coordinates;
+        built on every rank in the same order (new_group is collective)."""
+        names = list(mesh.mesh_dim_names)
+        grid = mesh.mesh.movedim(names.index("pp"), 0)
+        grid = grid.reshape(grid.shape[0], -1)
+        mine = None
+        for c in range(grid.shape[1]):
+            ranks = sorted({int(grid[0, c]), int(grid[-1, c])})
+            g = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = g
+        return mine
+
+    def _sum_tied(self) -> None:
+        if not self._tied or self._tied_group is None:
+            return
+        for p in self._tied:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(local_tensor(p.grad), group=self._tied_group)
+
+
+def _where(coordinator: str | None, replica: int | None) -> tuple[str, int, int]:
+    coordinator = coordinator or os.environ.get("RECOVER_COORDINATOR")
+    if replica is None and "RECOVER_REPLICA" in os.environ:
+        replica = int(os.environ["RECOVER_REPLICA"])
+    if not coordinator or replica is None:
+        raise ValueError("recover: set RECOVER_COORDINATOR=host:port and RECOVER_REPLICA=i (or "
+                         "pass coordinator= and replica=)")
+    host, port = coordinator.rsplit(":", 1)
+    return host, int(port), replica

@@ -1,0 +1,138 @@
+"""Multi-rank replicas (recover.parallel): HSDP, TP and PP replicas, real processes on CPU gloo.
+
+Failure-free, each layout follows the same trajectory as torch's native HSDP (for hsdp) or a
+single-process run (tp, pp): losses within relative 1e-5 at every step. With one rank of one
+replica SIGKILLed, the run finishes, matches its failure-free reference, and the dead rank's
+siblings exit on their own (fenced: exit code 3, before the launcher's cleanup could end them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _run import Run, bitwise_equal, max_rel, recover_train, rel_l2
+
+pytestmark = pytest.mark.timeout(300)
+N, STEPS = 8, 8
+ARGS = ["--preset", "debug", "--steps", str(STEPS), "--eval-every", "0", "--warmup-steps", "3",
+        "--dump-final-params"]
+LAYOUT = {"hsdp": ["--layout", "hsdp", "--shards", "2"], "tp": ["--layout", "tp", "--tp", "2"],
+          "pp": ["--layout", "pp", "--stages", "2"]}
+
+
+def train(out: Path, corpus: Path, *args: str) -> Run:
+    run = recover_train(out, *ARGS, "--replicas", "2", *args, data=corpus)
+    assert run.returncode == 0, run.stderr[-3000:]
+    recs = run.metrics()
+    assert [r["step"] for r in recs] == list(range(STEPS))
+    assert all(r["microbatches"] == N for r in recs)
+    return run
+
+
+def rank_final(run: Run, replica: int, rank: int) -> dict:
+    import torch
+
+    return torch.load(run.out / "final" / f"replica{replica}.rank{rank}.pt", weights_only=True)
+
+
+def exit_codes(run: Run) -> dict[str, int]:
+    return json.loads((run.out / "exit_codes.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def single(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """The single-process reference: one plain replica computes all N microbatches."""
+    run = recover_train(tmp_path_factory.mktemp("single") / "run", *ARGS, "--replicas", "1",
+                        data=corpus)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def refs(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+    """Failure-free 2-replica runs of each layout (2 ranks per replica), started lazily."""
+    return _Lazy(corpus, tmp_path_factory)
+
+
+class _Lazy(dict):
+    def __init__(self, corpus: Path, factory: pytest.TempPathFactory) -> None:
+        super().__init__()
+        self.corpus, self.factory = corpus, factory
+
+    def __missing__(self, layout: str) -> Run:
+        run = train(self.factory.mktemp(f"ref-{layout.replace(',', '')}") / "run", self.corpus,
+                    *LAYOUT[layout])
+        assert all(r["live_replicas"] == 2 for r in run.metrics())
+        finals = [rank_final(run, 1, k) for k in range(2)]
+        assert all(bitwise_equal(rank_final(run, 0, k), finals[k]) for k in range(2)), \
+            "replicas diverged"
+        self[layout] = run
+        return run
+
+
+def native_hsdp(run_dir: Path, out: Path, timeout: float = 240) -> list[float]:
+    """torch's native HSDP (FSDP2, 2x2 mesh) under torchrun, on run_dir's config and data."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           str(Path(__file__).parent / "_native_hsdp.py"), str(run_dir), str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=env)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=30)
+        raise AssertionError(f"native HSDP timed out:\n{output[-3000:]}") from None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, output[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_hsdp_matches_native_hsdp(refs: dict[str, Run], tmp_path: Path) -> None:
+    ours = refs["hsdp"]
+    native = native_hsdp(ours.out, tmp_path / "native.json")
+    assert len(native) == STEPS
+    assert max_rel(ours.losses(), native) < 1e-5
+
+
+@pytest.mark.parametrize("layout", ["tp", "pp"])
+def test_layout_matches_single_process(refs: dict[str, Run], single: Run, layout: str) -> None:
+    assert max_rel(refs[layout].losses(), single.losses()) < 1e-5
+
+
+@pytest.mark.parametrize(("layout", "fault", "killed"), [
+    # a shard rank of an HSDP replica, in backward (default rank: the replica's last)
+    ("hsdp", "kill:replica=1,step=3,phase=backward", 1),
+    # TP rank 0, while the cross-replica reduce is in flight (positions may split)
+    ("tp", "kill:replica=1,step=3,phase=reduce,rank=0", 0),
+    # the first stage of a pipeline, when its backward starts
+    ("pp", "kill:replica=1,step=3,phase=backward,rank=0", 0),
+])
+def test_kill_one_rank(refs: dict[str, Run], corpus: Path, tmp_path: Path, layout: str,
+                       fault: str, killed: int) -> None:
+    ref = refs[layout]
+    run = train(tmp_path / "run", corpus, *LAYOUT[layout], "--fault", fault)
+    recs = run.metrics()
+    assert max_rel(run.losses(), ref.losses()) < 1e-5
+    assert recs[2]["live_replicas"] == 2 and recs[-1]["live_replicas"] == 1
+    assert recs[3]["generation"] == 1 and recs[3]["quotas"] == {"0": N}
+    codes = exit_codes(run)
+    sibling = 1 - killed
+    assert codes[f"1.{killed}"] == -signal.SIGKILL, codes
+    assert codes[f"1.{sibling}"] == 3, codes  # fenced: left by itself, not ended by the launcher
+    assert codes["0.0"] == 0 and codes["0.1"] == 0, codes
+    log = (run.out / "logs" / (f"replica1.rank{killed}.log" if killed else "replica1.log"))
+    assert "injecting kill" in log.read_text()
+    for k in range(2):  # the survivor's shards/stages: the reference's, up to summation order
+        assert rel_l2(rank_final(run, 0, k), rank_final(ref, 0, k)) < 1e-4
