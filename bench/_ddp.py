@@ -46,7 +46,9 @@ class DDPTrainer:
         self.opt = build_optimizer(self.model, self.cfg)
         self.ddp = DDP(self.model, gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.rec: dict[str, list[float]] = {k: [] for k in KEYS}
+        self.rec: dict = {k: [] for k in KEYS}
+        self.rec["quota"] = max(len(v) for v in plan(0, self.cfg.microbatches,
+                                                     list(range(world))).values())
 
     def step(self, step: int) -> None:
         cfg, m, n = self.cfg, self.cfg.model, self.cfg.microbatches

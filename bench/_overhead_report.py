@@ -30,6 +30,7 @@ def _recover_samples(reps: list[dict], warmup: int) -> list[dict]:
             s[pre + "trailer"] = s.get(pre + "reduce", 0.0) - s.get(pre + "allreduce", 0.0)
         s["period"] = s["run"] + s["loop"]
         s["cpu:period"] = s["cpu:main"]
+        s["rtt:other"], s["store_s:other"] = s.get("rtt:run", 0.0), s.get("store_s:run", 0.0)
         s["rtt:run"] = sum(v for k, v in s.items() if k.startswith("rtt:") and k != "rtt:loop")
         s["store_s:run"] = sum(v for k, v in s.items()
                                if k.startswith("store_s:") and k != "store_s:loop")
@@ -44,7 +45,7 @@ def _ddp_samples(reps: list[dict], block: int) -> list[dict]:
         first = set(d["first"])
         for i in range(block, len(d["end"])):
             if i not in first:
-                out.append({k: d[k][i] for k in d if k not in ("first", "cpu")}
+                out.append({k: d[k][i] for k in d if k not in ("first", "cpu", "quota")}
                            | {"cpu": d["cpu"][i] - d["cpu"][i - 1]})
     return out
 
@@ -90,6 +91,11 @@ def report(reps: list[dict], coord: list[tuple[float, float]], warmup: int, bloc
         q = statistics.quantiles(pairs, n=4)
         say(f"  per block pair (replica 0, {len(pairs)} pairs): median ratio {median(pairs):.3f}"
             f", quartiles {q[0]:.3f}..{q[2]:.3f}")
+    n_mb = reps[0]["ddp"].get("quota")
+    bal = [s["max_quota"] for s in rs if "max_quota" in s]
+    if bal:
+        say(f"  recover's quotas: the busiest replica had {_mean(bal):.2f} microbatches per step "
+            f"on average (equal split: {n_mb or '?'}); DDP's split is fixed and equal")
     say(f"  CPU per step (process clocks, all threads): recover {st('cpu') * 1e3:.2f} ms per "
         f"replica + coordinator {coord_step * 1e3:.2f} ms ({rate * 100:.1f}% of a core) shared by "
         f"{len(reps)}; DDP {dt('cpu'):.2f} ms per rank -> CPU ratio {cpu_ratio:.3f}")

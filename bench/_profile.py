@@ -163,13 +163,14 @@ def install(prof: Prof, inter: Interleave | None = None) -> None:
         with prof.phase("run"):
             res = run(self, t, timed_compute)
         prof.cur["t_end"] = time.time()
+        prof.cur["max_quota"] = float(max(res.quotas.values()))  # the step waits for this one
         prof.stack = ["loop"]
         return res
     step.StepEngine.run = run_wrapper
 
 
-def profiled_run(cfg, timeout_s: float, ddp_block: int = 0, bucket_mb: float = 25.0
-                 ) -> tuple[list[dict], list[tuple[float, float]]]:
+def profiled_run(cfg, timeout_s: float, ddp_block: int = 0, bucket_mb: float = 25.0,
+                 patched: bool = False) -> tuple[list[dict], list[tuple[float, float]]]:
     """Run cfg (a RunConfig) with profiled workers (and DDP blocks if ddp_block > 0).
 
     Returns (per replica {"recover": [step records], "ddp": DDP records or None},
@@ -184,8 +185,10 @@ def profiled_run(cfg, timeout_s: float, ddp_block: int = 0, bucket_mb: float = 2
     samples: list[tuple[float, float]] = []
     env = dict(os.environ, OMP_NUM_THREADS="1")
     try:
+        exe = ([str(BENCH_DIR / "_patches.py"), "coordinator"] if patched
+               else ["-m", "recover.collectives.coordinator"])
         coord = subprocess.Popen(
-            [sys.executable, "-m", "recover.collectives.coordinator", "--replicas",
+            [sys.executable, *exe, "--replicas",
              str(cfg.replicas), "--port", "0", "--port-file", str(port_file), "--stale-s",
              str(cfg.stale_s), "--log", str(out / "coordinator.jsonl")],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -202,7 +205,7 @@ def profiled_run(cfg, timeout_s: float, ddp_block: int = 0, bucket_mb: float = 2
             workers.append(subprocess.Popen(
                 [sys.executable, str(BENCH_DIR / "_profile.py"), "--run-dir", str(out),
                  "--replica", str(r), "--coordinator", f"127.0.0.1:{port}", "--ddp-block",
-                 str(ddp_block), "--bucket-mb", str(bucket_mb)],
+                 str(ddp_block), "--bucket-mb", str(bucket_mb)] + (["--patched"] * patched),
                 stdout=log, stderr=subprocess.STDOUT, env=env))
             procs.append(workers[-1])
         deadline = time.monotonic() + timeout_s
@@ -228,7 +231,12 @@ def worker_main() -> int:
     ap.add_argument("--coordinator", required=True)
     ap.add_argument("--ddp-block", type=int, default=0, help="DDP steps per block (0: none)")
     ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--patched", action="store_true", help="apply bench/_patches.py first")
     args = ap.parse_args()
+    if args.patched:
+        import _patches
+
+        _patches.apply()
     prof = Prof()
     run_dir = Path(args.run_dir)
     inter = (Interleave(run_dir, args.replica, args.coordinator, args.ddp_block, args.bucket_mb)

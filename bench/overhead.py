@@ -126,7 +126,12 @@ def main() -> int:
                     help="also compare whole `recover train` runs with standalone DDP runs "
                          "(ABBA); default on, off with --quick")
     ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds of --separate")
+    ap.add_argument("--patched", action="store_true",
+                    help="one more interleaved run with bench/_patches.py (fewer store "
+                         "round-trips) applied in the workers")
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
+    ap.add_argument("--no-speed-aware", action="store_true",
+                    help="equal quotas in recover (default: its speed-aware quotas)")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="limit per run")
     ap.add_argument("--stale-s", type=float, default=5.0,
                     help="recover's heartbeat staleness threshold (no per-step cost; the default"
@@ -139,6 +144,7 @@ def main() -> int:
     cfg = preset(name)
     cfg.replicas, cfg.steps, cfg.eval_every, cfg.stale_s = a.replicas, steps, 0, a.stale_s
     cfg.out = str(root / "interleaved")
+    cfg.speed_aware = not a.no_speed_aware
     m = cfg.model
     say(f"overhead: recover vs DDP(no_sync), preset {name}: d={m.n_embd} L={m.n_layer} "
         f"T={m.block_size}, N={cfg.microbatches} B={cfg.microbatch_size} R={cfg.replicas}; "
@@ -149,7 +155,7 @@ def main() -> int:
         f"gradient_as_bucket_view=True; a step = the whole loop (recover: commit to commit incl. "
         f"the step record; DDP: lr..optimizer); first {a.warmup} recover steps, DDP's first "
         f"block and the first step of every block untimed; recover --stale-s {a.stale_s} (no "
-        f"per-step cost)")
+        f"per-step cost); recover speed-aware quotas: {cfg.speed_aware}")
     say("interleaved: the unmodified recover worker in R processes, each also running DDP "
         "blocks between recover's steps, so noise and load hit both alike; recover's phases "
         "are timed by wrappers (bench/_profile.py)")
@@ -157,15 +163,27 @@ def main() -> int:
     reps, coord = profiled_run(cfg, a.timeout_s, a.block, a.bucket_mb)
     ratio, cpu_ratio = report(reps, coord, a.warmup, a.block)
     say(f"  ({time.monotonic() - t0:.0f}s wall)")
+    if a.patched:
+        say("\ninterleaved again, with the proposed library changes of bench/_patches.py applied "
+            "in the workers (monkeypatched; src/ untouched)")
+        pcfg = dataclasses.replace(cfg, out=str(root / "interleaved-patched"))
+        pcfg.model = dataclasses.replace(cfg.model)
+        t0 = time.monotonic()
+        reps, coord = profiled_run(pcfg, a.timeout_s, a.block, a.bucket_mb, patched=True)
+        p_ratio, p_cpu = report(reps, coord, a.warmup, a.block)
+        say(f"  ({time.monotonic() - t0:.0f}s wall)")
     if sep:
         say("\nseparate runs: `recover train` (launcher + coordinator + workers) vs "
             "bench/_ddp.py, ABBA")
         flags = ["--replicas", str(cfg.replicas), "--steps", str(steps), "--eval-every", "0",
-                 "--stale-s", str(a.stale_s)]
+                 "--stale-s", str(a.stale_s)] + ["--no-speed-aware"] * a.no_speed_aware
         separate(cfg, name, root, a, steps, flags)
     say(f"\ngoal <= 1.03; load average now {loadavg():.1f} on {cores()} core(s)"
         + (" -- wall times on an overloaded machine reflect the scheduler's sharing"
            if loadavg() > cores() else ""))
+    if a.patched:
+        print(f"patched_cpu_overhead_ratio={p_cpu:.3f}")
+        print(f"patched_overhead_ratio={p_ratio:.3f}")
     print(f"cpu_overhead_ratio={cpu_ratio:.3f}")
     print(f"overhead_ratio={ratio:.3f}", flush=True)
     return 0

@@ -116,8 +116,13 @@ def trial(k: int, d: Path, a, rng: random.Random, zyg: Zygote) -> dict:
         t_kill = time.time()
         os.kill(pids[1 + victim], signal.SIGKILL)
         survivors = [r for r in range(a.replicas) if r != victim]
-        wait_for(lambda: all(done(r, 1, g0) for r in survivors), a.timeout_s + 30,
-                 "the survivors' next reduce")
+        def recovered() -> bool:
+            for e in events(d / "coordinator.jsonl"):
+                if e["event"] == "generation" and set(survivors) - set(e["members"]):
+                    raise FalseAlarm(f"after the kill, survivors dropped: {e.get('reason')}")
+            return all(done(r, 1, g0) for r in survivors)
+
+        wait_for(recovered, a.timeout_s + 30, "the survivors' next reduce")
     finally:
         end_pids(pids[1:], grace_s=3.0)
         end_pids(pids[:1])
@@ -190,7 +195,7 @@ def main() -> int:
                 r = trial(k - 1, root / f"trial{k - 1}", a, rng, zyg)
             except FalseAlarm as e:
                 alarms.append(str(e))
-                say(f"  trial {k - 1}: FALSE ALARM before the kill, trial discarded: {e}")
+                say(f"  trial {k - 1}: FALSE ALARM, trial discarded: {e}")
                 continue
             res.append(r)
             ms = {key: f"{r[key] * 1e3:.0f}" for key in

@@ -10,6 +10,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from _run import BASE, Run, recover_train  # noqa: E402
+
 WORDS = (
     "the of and to in is that it was for on are with as his they be at one have this from or had "
     "by word but what some we can out other were all there when up use your how said an each she "
@@ -37,3 +39,12 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     p = tmp_path_factory.mktemp("corpus") / "text.txt"
     p.write_text(generated_text(200_000))
     return p
+
+
+@pytest.fixture(scope="session")
+def ref4(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """The failure-free R=4, N=8 run (tests/_run.BASE) that many tests compare against."""
+    run = recover_train(tmp_path_factory.mktemp("ref4") / "run", *BASE, "--replicas", "4",
+                        "--dump-final-params", data=corpus)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run

@@ -14,14 +14,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from _run import max_rel
 
+from _run import max_rel
 from recover.sim.calibrate import load_calibration, predict_wall_times
 from recover.train.metrics import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-ARGS = ["--replicas", "2", "--steps", "16", "--seed", "0"]
+ARGS = ["--replicas", "2", "--steps", "20", "--seed", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_trajectories(bench: tuple[Path, str]) -> None:
     losses = {s: [r["loss"] for r in read_metrics(out / s / "metrics.jsonl")]
               for s in ("recover", "ckpt-restart", "shrink-batch")}
     ref_losses = [r["loss"] for r in ref]
-    assert len(ref) == 16 and all(len(v) == 16 for v in losses.values())
+    assert len(ref) == 20 and all(len(v) == 20 for v in losses.values())
     assert max_rel(losses["recover"], ref_losses) < 1e-5
     assert max_rel(losses["ckpt-restart"], ref_losses) < 1e-5  # constant N through the restart
     assert max_rel(losses["shrink-batch"], ref_losses) > 1e-4  # the batch shrank: it deviates

@@ -20,9 +20,11 @@ import pytest
 from _run import Run, bitwise_equal, max_rel, recover_train, rel_l2
 
 pytestmark = pytest.mark.timeout(300)
-N, STEPS = 8, 8
+N, STEPS = 8, 6
+# SIGKILL is seen through the liveness socket at once; the heartbeat threshold only matters for
+# hangs, and a loaded 2-core machine can starve a heartbeat thread for over a second.
 ARGS = ["--preset", "debug", "--steps", str(STEPS), "--eval-every", "0", "--warmup-steps", "3",
-        "--dump-final-params"]
+        "--dump-final-params", "--stale-s", "3"]
 LAYOUT = {"hsdp": ["--layout", "hsdp", "--shards", "2"], "tp": ["--layout", "tp", "--tp", "2"],
           "pp": ["--layout", "pp", "--stages", "2"]}
 
@@ -126,7 +128,9 @@ def test_kill_one_rank(refs: dict[str, Run], corpus: Path, tmp_path: Path, layou
     recs = run.metrics()
     assert max_rel(run.losses(), ref.losses()) < 1e-5
     assert recs[2]["live_replicas"] == 2 and recs[-1]["live_replicas"] == 1
-    assert recs[3]["generation"] == 1 and recs[3]["quotas"] == {"0": N}
+    if "phase=reduce" not in fault:  # (a reduce that completed everywhere may commit in gen 0)
+        assert recs[3]["generation"] == 1 and recs[3]["quotas"] == {"0": N}
+        assert recs[3]["recovered"], "replica 1's microbatches of step 3 were recomputed"
     codes = exit_codes(run)
     sibling = 1 - killed
     assert codes[f"1.{killed}"] == -signal.SIGKILL, codes

@@ -18,11 +18,8 @@ N = 8
 
 
 @pytest.fixture(scope="module")
-def ref(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
-    run = recover_train(tmp_path_factory.mktemp("ref") / "run", *BASE, "--replicas", "4",
-                        "--dump-final-params", data=corpus)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run
+def ref(ref4: Run) -> Run:
+    return ref4
 
 
 def faulty(tmp_path: Path, corpus: Path, *faults: str, replicas: int = 4,

@@ -14,15 +14,6 @@ from _run import BASE, Run, bitwise_equal, max_rel, recover_train, rel_l2
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="session")
-def ref4(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
-    """The failure-free R=4, N=8 run that other tests compare against."""
-    run = recover_train(tmp_path_factory.mktemp("ref4") / "run", *BASE, "--replicas", "4",
-                        "--dump-final-params", data=corpus)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run
-
-
 def test_reference_run_outputs(ref4: Run) -> None:
     recs = ref4.metrics()
     assert [r["step"] for r in recs] == list(range(14))

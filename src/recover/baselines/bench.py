@@ -98,13 +98,18 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     calib = calibration(runs, ref, faults, c_pre)
     (out / "bench.json").write_text(json.dumps(calib, indent=2) + "\n")
     validation = validation_rows(calib)
+    pooled = validation_rows({k: v for k, v in calib.items() if k != "per_system"})
     ratio = rows[0]["effective_throughput"] / rows[1]["effective_throughput"]
     ratio_incl = (rows[0]["effective_throughput_incl_startup"]
                   / rows[1]["effective_throughput_incl_startup"])
     restarts = [f"{i + 1}: at step {x['at_step']} -> checkpoint {x['from_checkpoint']} on "
-                f"{x['replicas']} replicas: detected in {x['detect_s']:.3f}s, relaunch to first "
-                f"step committed {x['first_commit_s']:.1f}s, {x['redone_steps']} step(s) redone, "
-                f"back where it was {x['total_s']:.1f}s after the fault"
+                f"{x['replicas']} replicas: detected in {x['detect_s']:.3f}s; relaunch to first "
+                f"step committed {x['first_commit_s']:.1f}s (teardown + coordinator up "
+                f"{x['teardown_to_coordinator_s']:.1f}s, replicas started: imports, data, "
+                f"checkpoint load {x['replicas_started_s']:.1f}s, rendezvous "
+                f"{x['rendezvous_s']:.2f}s, first step {x['first_step_s']:.2f}s); "
+                f"{x['redone_steps']} step(s) redone; back where it was {x['total_s']:.1f}s "
+                "after the fault"
                 for i, x in enumerate(runs["ckpt-restart"].extra["restarts"])]
     info = {"command": "recover bench " + " ".join(argv), "replicas": base.replicas,
             "microbatches": base.microbatches, "microbatch_size": base.microbatch_size,
@@ -115,7 +120,7 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
             "mtbf_s": base.steps * step_s / max(1, len(faults)), "step_time_s": step_s,
             "kills": len(faults), "budget_s": budget, "target_step": target,
             "restart_lines": restarts, "ratio": ratio, "ratio_incl_startup": ratio_incl}
-    write_md(out / "bench.md", rows, info, validation)
+    write_md(out / "bench.md", rows, info, validation, pooled)
     plot(out / "bench.png", [*runs.values(), ref])
     for r in rows:
         print(f"{r['system']:>13}: wall {r['wall_s']:6.1f}s (+{r['startup_s']:.1f}s startup)  "

@@ -11,6 +11,7 @@ holds one line per committed step; work redone after a rollback is counted as lo
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import time
@@ -72,6 +73,8 @@ def restart_costs(run: SystemRun) -> list[dict[str, Any]]:
     """Per restart: detection, relaunch (-> first step again), redone steps and their time."""
     out = []
     losses = run.loss_times()
+    log = Path(run.cfg.out) / "coordinator.jsonl"
+    events = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
     for i in range(1, len(run.attempts)):
         prev, cur = run.attempts[i - 1], run.attempts[i]
         times = cur.commit_times()
@@ -79,11 +82,21 @@ def restart_costs(run: SystemRun) -> list[dict[str, Any]]:
         redone = max(0, reached - cur.start_step)
         t_fault = run.t0 + losses[i - 1] if i - 1 < len(losses) else prev.result.t_abort
         first = times[0][1] if times else math.nan
+        mine = [e for e in events if cur.t_call <= e["time"] <= first]
+        up = min((e["time"] for e in mine if e["event"] == "start"), default=math.nan)
+        joined = max((e["time"] for e in mine if e["event"] == "hello"), default=math.nan)
+        gen0 = min((e["time"] for e in mine if e["event"] == "generation"), default=math.nan)
         back = next((t for s, t in times if s + 1 >= reached), math.nan)
         out.append({
             "at_step": reached, "from_checkpoint": cur.start_step, "replicas": len(cur.replicas),
             "detect_s": prev.result.t_abort - t_fault,
             "first_commit_s": first - prev.result.t_abort,  # teardown .. first step committed
+            # ... of which: teardown and relaunch up to the coordinator (process start, imports),
+            # the replicas up (process start, imports, data, checkpoint load), the rendezvous
+            # (membership and first generation), and the first step itself.
+            "teardown_to_coordinator_s": up - prev.result.t_abort,
+            "replicas_started_s": joined - up, "rendezvous_s": gen0 - joined,
+            "first_step_s": first - gen0,
             "redone_steps": redone, "caught_up_s": back - t_fault if redone else 0.0,
             "total_s": back - t_fault if redone else first - t_fault,
         })

@@ -55,8 +55,10 @@ def lost_microbatches(run: SystemRun) -> int:
 
 
 def _periods(run: SystemRun, live: int | None = None) -> list[float]:
-    """Seconds between consecutive clean commits (same launch, same live count, no recovery)."""
-    out = []
+    """Seconds between consecutive clean commits (same launch, same live count, no recovery),
+    and the job's first step (its own duration); a relaunch's first step is its restart's."""
+    first = run.attempts[0].result.records[0]
+    out = [first["step_time_s"]] if live in (None, first["live_replicas"]) else []
     for a in run.attempts:
         recs = a.result.records
         for p, r in zip(recs, recs[1:], strict=False):
@@ -109,7 +111,7 @@ def calibration(runs: dict[str, SystemRun], ref: SystemRun, faults: list[Fault],
     # Clean steps with all R replicas, pooled over every run (they all compute N/R each then);
     # with r < R, recover's and ckpt-restart's steps (both spread N over r, as the simulator does).
     step = statistics.mean(p for s in (ref, *runs.values()) for p in _periods(s, r0))
-    mb = statistics.mean(x["mb_time_s"] for x in ref.records[1:])
+    mb = statistics.mean(x["mb_time_s"] for x in ref.records[1:] or ref.records)
     # What a step costs beyond its busiest replica's compute (reduce, agreement, optimizer, record):
     # the median residual over every clean step of every run.
     allreduce = min(max(0.0, statistics.median(_residuals([ref, *runs.values()]))), 0.9 * step)
@@ -145,7 +147,30 @@ def calibration(runs: dict[str, SystemRun], ref: SystemRun, faults: list[Fault],
         "startup_measured_s": {s.name: s.startup_s for s in (*runs.values(), ref)},
         "tokens_per_microbatch": cfg.microbatch_size * cfg.model.block_size,
         "wall_s": {name: s.wall_s for name, s in runs.items()},
+        "per_system": {name: _own_step_times(s, table, allreduce, n) for name, s in runs.items()},
     }
+
+
+def _own_step_times(run: SystemRun, pooled: dict[int, float], allreduce: float, n: int
+                    ) -> dict[str, Any]:
+    """A system's step times measured in its own run, in the simulator's terms (N over r).
+
+    The load of a shared machine changes between runs (identical steps measured up to 2x apart
+    minutes later), so each system is also simulated with its own step times. shrink-batch's
+    steps hold its fixed quota q, not ceil(N / r): its period P is mapped back through the
+    simulator's step model, P = t_r + (q - c) * (t_r - allreduce) / c with c = ceil(N / r).
+    """
+    own, r0 = {}, max(pooled)
+    for r in pooled:
+        p = _periods(run, r)
+        if not p:
+            own[r] = pooled[r]
+            continue
+        c = math.ceil(n / r)
+        q = math.ceil(n / r0) if run.cfg.policy == "shrink-batch" else c  # its fixed share
+        own[r] = max((c * statistics.mean(p) - allreduce * (c - q)) / q, allreduce * 1.01)
+    return {"step_time_s": own[r0],
+            "step_time_by_replicas_s": {str(r): t for r, t in sorted(own.items()) if r != r0}}
 
 
 def _detect_s(log: Path) -> float:

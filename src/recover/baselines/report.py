@@ -26,7 +26,8 @@ def _f(x: float, fmt: str) -> str:
 
 
 def write_md(path: Path, rows: list[dict[str, Any]], info: dict[str, Any],
-             validation: list[tuple[str, float, float, float]]) -> None:
+             validation: list[tuple[str, float, float, float]],
+             pooled: list[tuple[str, float, float, float]]) -> None:
     lines = [
         "# recover bench", "",
         f"Command: `{info['command']}`", "",
@@ -69,28 +70,38 @@ def write_md(path: Path, rows: list[dict[str, Any]], info: dict[str, Any],
     lines += ["", f"**effective_throughput_ratio (recover / ckpt-restart) = "
               f"{info['ratio']:.3f}** (including the one-off startup: "
               f"{info['ratio_incl_startup']:.3f})", "", "## Simulator validation", "",
-              "`recover.sim.calibrate.predict_wall_times(bench.json)`, fed with the costs measured "
-              "above (not with the wall times):", "",
-              "| system | predicted s | measured s | error |", "|---|---|---|---|"]
-    for name, pred, meas, err in validation:
-        lines.append(f"| {name} | {pred:.1f} | {meas:.1f} | {100 * err:.1f}% |")
+              "`recover.sim.calibrate.predict_wall_times(bench.json)`, fed with the per-step and "
+              "per-event costs measured in these runs (never with their wall times). \"own step "
+              "times\": each system simulated with the step times of its own run (bench.json "
+              "`per_system`), which the simulator needs because this machine's load changes "
+              "between runs; \"one set\": every system with the same pooled step times.", "",
+              "| system | predicted s (own step times) | error | predicted s (one set) | error "
+              "| measured s |", "|---|---|---|---|---|---|"]
+    for (name, pred, meas, err), (_, pred1, _, err1) in zip(validation, pooled, strict=True):
+        lines.append(f"| {name} | {pred:.1f} | {100 * err:.1f}% | {pred1:.1f} | "
+                     f"{100 * err1:.1f}% | {meas:.1f} |")
     path.write_text("\n".join(lines) + "\n")
 
 
 def plot(path: Path, runs: list[SystemRun]) -> None:
-    fig, ax = plt.subplots(figsize=(9, 5))
-    for run in runs:
-        pts = run.progress()
-        c = COLORS.get(run.name)
-        ax.step([t for t, _ in pts], [s for _, s in pts], where="post", label=run.name, color=c,
-                lw=2 if run.name != "reference" else 1, alpha=0.9)
-        for i, t in enumerate(run.loss_times()):
-            ax.axvline(t, color=c, ls=":", lw=1, label=f"{run.name}: replica lost" if not i
-                       else None)
-    ax.set_xlabel("wall time since the first step (s); the one-off startup is left of 0")
-    ax.set_ylabel("committed steps")
-    ax.set_title("progress under the same fault schedule (dotted: replica lost)")
-    ax.legend(fontsize=8, loc="lower right")
+    """Left: every system over its whole run; right: zoom on the fastest ones' span."""
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    zoom = 1.1 * sorted(r.wall_s for r in runs)[-2]  # all but the slowest system
+    for ax in axes:
+        for run in runs:
+            pts = run.progress()
+            c = COLORS.get(run.name)
+            ax.step([t for t, _ in pts], [s for _, s in pts], where="post", label=run.name,
+                    color=c, lw=2 if run.name != "reference" else 1, alpha=0.9)
+            for i, t in enumerate(run.loss_times()):
+                ax.axvline(t, color=c, ls=":", lw=1,
+                           label=f"{run.name}: replica lost" if not i else None)
+        ax.set_xlabel("wall time since the first step (s); the one-off startup is left of 0")
+        ax.set_ylabel("committed steps")
+    axes[0].set_title("progress under the same fault schedule (dotted: replica lost)")
+    axes[1].set_xlim(0, zoom)
+    axes[1].set_title(f"zoom: the first {zoom:.1f} s")
+    axes[0].legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

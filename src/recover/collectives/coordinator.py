@@ -25,6 +25,7 @@ from torch.distributed import TCPStore
 from recover.collectives import keys
 
 DEBOUNCE_S = 0.02  # collect simultaneous failures into one generation
+HB_CHECK_S = 0.05  # read heartbeat counters at most this often (each read is a store round trip)
 
 
 @dataclass
@@ -48,7 +49,7 @@ class _Replica:
 class Coordinator:
     """Hosts the store and decides generations. Call `start()` then `serve(stop)`."""
 
-    def __init__(self, expected: int, host: str = "0.0.0.0", port: int = 0, stale_s: float = 1.0,
+    def __init__(self, expected: int, host: str = "0.0.0.0", port: int = 0, stale_s: float = 2.0,
                  join_timeout_s: float = 120.0, log_path: str | None = None,
                  exit_when_done: bool = False) -> None:
         self.exit_when_done = exit_when_done
@@ -63,6 +64,7 @@ class Coordinator:
         self.left: set[int] = set()
         self.all_left = False
         self._sel = selectors.DefaultSelector()
+        self._hb_checked = 0.0
         self._conns: dict[int, _Conn] = {}  # fd -> conn
 
     # -- setup ---------------------------------------------------------------------------
@@ -190,17 +192,25 @@ class Coordinator:
             self.pending_since = time.monotonic()
 
     def _check_heartbeats(self, now: float) -> None:
+        # Each read is timed on its own: under load one store round trip can take a good part of
+        # a second, and stamping every rank with the loop's start time made the ranks read last
+        # (rank 1 of a multi-rank replica) look silent for longer than they were. The silence
+        # measured (before this read - after the read that last saw a change) is a lower bound.
+        if now - self._hb_checked < HB_CHECK_S:
+            return
+        self._hb_checked = now
         for rid in self.members:
             rep = self.replicas.get(rid)
             if rep is None or rid in self.lost:
                 continue
             for rank in rep.ranks:
+                t0 = time.monotonic()
                 value = keys.store_int(self.client, keys.heartbeat_key(rid, rank))
-                last, seen = rep.hb.get(rank, (-1, now))
+                last, seen = rep.hb.get(rank, (-1, t0))
                 if value != last:
-                    rep.hb[rank] = (value, now)
-                elif now - seen > self.stale_s:
-                    self._mark_lost(rid, f"heartbeat stale for {now - seen:.2f}s (rank {rank})")
+                    rep.hb[rank] = (value, time.monotonic())
+                elif t0 - seen > self.stale_s:
+                    self._mark_lost(rid, f"heartbeat stale for {t0 - seen:.2f}s (rank {rank})")
                     break
 
     def _maybe_first_generation(self, now: float) -> None:
@@ -249,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--port", type=int, default=29600, help="store port (0 = any free port)")
     ap.add_argument("--port-file", help="write the chosen store port to this file")
-    ap.add_argument("--stale-s", type=float, default=1.0, help="heartbeat silence = lost")
+    ap.add_argument("--stale-s", type=float, default=2.0, help="heartbeat silence = lost")
     ap.add_argument("--join-timeout-s", type=float, default=120.0)
     ap.add_argument("--log", help="append one JSON line per event to this file")
     ap.add_argument("--exit-when-done", action="store_true",

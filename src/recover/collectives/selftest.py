@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--until", type=float, default=0.0,
                     help="wall-clock time (epoch s) to stop at, shared by all replicas")
     ap.add_argument("--compute-s", type=float, default=0.0, help="busy compute between reduces")
-    ap.add_argument("--stale-s", type=float, default=1.0)
+    ap.add_argument("--stale-s", type=float, default=2.0)
     ap.add_argument("--timeout-s", type=float, default=30.0)
     ap.add_argument("--log")
     args = ap.parse_args(argv)

@@ -161,8 +161,8 @@ class StepEngine:
                           for m in sorted(set(owners.values()))}
                 return StepResult(step, entry_gen, self.member.members(entry_gen), quotas,
                                   float(out[-1]) / self.n, int(out[-TRAILER]),
-                                  sorted(i for e in chain[1:] for ids in e["assign"].values()
-                                         for i in ids),
+                                  sorted({i for e in chain[1:] for ids in e["assign"].values()
+                                          for i in ids}),
                                   time.monotonic() - t_fault if t_fault else 0.0, attempt, held)
             t_fault = t_fault or time.monotonic()
             if self.member.generation() == entry_gen:

@@ -36,6 +36,10 @@ t consumes microbatch ids t*N .. t*N+N-1):
       "tokens_per_microbatch": 512,    optional, default 1
       "wall_s": {"recover": 12.3, "ckpt-restart": 30.1, "shrink-batch": 11.9}
                                        measured wall time per system (needed only to validate)
+      "per_system": {"shrink-batch": {"step_time_s": 0.2, "step_time_by_replicas_s": {...}}}
+                                       optional: keys that replace the top-level ones when that
+                                       system is simulated (e.g. step times measured in its own
+                                       run, where the machine's load changed between the runs)
     }
 
 Each step fault fires the first time a system executes that step (ckpt-restart does not re-fire it
@@ -123,6 +127,10 @@ def check_calibration(calib: Any, where: str = "calibration") -> None:
         raise ConfigError(f"{where}: wall_s must map some of {', '.join(POLICIES)} to seconds")
     for k in wall:
         _nonneg(wall, k, f"{where}: wall_s")
+    per = calib.get("per_system", {})
+    if not isinstance(per, dict) or any(k not in POLICIES or not isinstance(v, dict)
+                                        or "per_system" in v for k, v in per.items()):
+        raise ConfigError(f"{where}: per_system must map some of {', '.join(POLICIES)} to objects")
 
 
 def calib_params(calib: dict[str, Any]) -> SimParams:
@@ -163,7 +171,10 @@ def calib_params(calib: dict[str, Any]) -> SimParams:
 def predict_wall_times(calib: dict[str, Any]) -> dict[str, float]:
     """Predicted wall time (s) per system for the bench run in `calib` (same faults, same costs)."""
     res = simulate(calib_params(calib))
-    return {name: r.wall_s for name, r in res.items()}
+    out = {name: r.wall_s for name, r in res.items()}
+    for name, over in calib.get("per_system", {}).items():
+        out[name] = simulate(calib_params({**calib, **over}), (name,))[name].wall_s
+    return out
 
 
 def validation_rows(calib: dict[str, Any]) -> list[tuple[str, float, float, float]]:

@@ -25,7 +25,6 @@ from recover.collectives.keys import try_get
 from recover.config import RunConfig
 from recover.errors import CheckpointError, ConfigError, RecoverError
 from recover.faults import validate_faults
-from recover.train.checkpoint import latest_checkpoint, verify_checkpoint
 from recover.train.data import prepare_data
 from recover.train.metrics import MetricsSink, truncate_metrics
 
@@ -58,6 +57,8 @@ def prepare_run(cfg: RunConfig) -> tuple[RunConfig, int]:
     out = Path(cfg.out)
     start = 0
     if cfg.resume:
+        from recover.train.checkpoint import latest_checkpoint, verify_checkpoint
+
         ckpt = latest_checkpoint(out / "ckpt") if out.exists() else None
         if ckpt is None:
             raise CheckpointError(f"--resume: no checkpoint found in {out / 'ckpt'}")
