@@ -140,3 +140,63 @@ def test_kill_one_rank(refs: dict[str, Run], corpus: Path, tmp_path: Path, layou
     assert "injecting kill" in log.read_text()
     for k in range(2):  # the survivor's shards/stages: the reference's, up to summation order
         assert rel_l2(rank_final(run, 0, k), rank_final(ref, 0, k)) < 1e-4
+
+
+# -- pieces, without processes ---------------------------------------------------------------
+def test_qkv_order_gives_each_tp_rank_its_own_heads() -> None:
+    import torch
+
+    from recover.parallel.tp import qkv_order, unpermute_state_dict
+
+    c, tp = 8, 2
+    rows = torch.arange(3 * c)  # row i of the fused [q; k; v] weight
+    block = rows[qkv_order(c, tp)].view(tp, 3, c // tp)  # rank r's block, split in 3 like forward
+    for r in range(tp):
+        for part in range(3):  # q, k, v of heads r*h/tp .. (r+1)*h/tp
+            assert block[r, part].tolist() == list(range(part * c + r * c // tp,
+                                                         part * c + (r + 1) * c // tp))
+    w = torch.randn(3 * c, c)
+    sd = {"blocks.0.attn.c_attn.weight": w[qkv_order(c, tp)], "x": w}
+    back = unpermute_state_dict(sd, c, tp)
+    assert torch.equal(back["blocks.0.attn.c_attn.weight"], w) and torch.equal(back["x"], w)
+
+
+def test_stages_cover_every_layer_once() -> None:
+    from recover.parallel.pp import stage_blocks
+
+    for layers in range(1, 7):
+        for stages in range(1, layers + 1):
+            got = [i for s in range(stages) for i in stage_blocks(layers, stages, s)]
+            assert got == list(range(layers))
+    with pytest.raises(ValueError):
+        stage_blocks(2, 3, 0)
+
+
+def test_sharded_grads_round_trip() -> None:
+    import torch
+    from torch import nn
+
+    from recover.parallel.grads import ShardedGrads
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    g = ShardedGrads(model.parameters())
+    assert torch.equal(g.local(), torch.zeros(g.numel))  # no gradient yet: zeros
+    flat = torch.arange(g.numel, dtype=torch.float32)
+    g.assign(flat)
+    assert torch.equal(g.local(), flat)
+    assert torch.equal(model[0].weight.grad.view(-1), flat[:12])
+    g.zero()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_fault_rank_defaults_to_the_last() -> None:
+    from recover.errors import ConfigError
+    from recover.faults import FaultInjector, validate_faults
+
+    faults = validate_faults(["kill:replica=1,step=2", "hang:replica=0,step=1,seconds=1,rank=0"],
+                             replicas=2, steps=5, nranks=2)
+    assert [len(FaultInjector(faults, 1, k, 2).faults) for k in range(2)] == [0, 1]
+    assert [len(FaultInjector(faults, 0, k, 2).faults) for k in range(2)] == [1, 0]
+    assert "rank=0" in str(faults[1])
+    with pytest.raises(ConfigError, match="rank 2 does not exist"):
+        validate_faults(["kill:replica=0,step=1,rank=2"], replicas=2, steps=5, nranks=2)
