@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from _common import BENCH_DIR, cores, end, end_pids, median, out_dir, say, table
+from recover.config import RunConfig
 
 
 def events(path: Path) -> list[dict]:
@@ -168,7 +169,8 @@ def main() -> int:
     ap.add_argument("--compute-s", type=float, default=0.0, help="busy compute between reduces")
     ap.add_argument("--warm", type=int, default=2, help="reduces each replica completes first")
     ap.add_argument("--window", type=float, default=1.0, help="kill at uniform(0, window) s after")
-    ap.add_argument("--stale-s", type=float, default=1.0, help="heartbeat silence = lost")
+    ap.add_argument("--stale-s", type=float, default=RunConfig().stale_s,
+                    help="heartbeat silence = lost (default: recover's own default)")
     ap.add_argument("--timeout-s", type=float, default=30.0, help="reduce timeout (backstop)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--retries", type=int, default=3, help="extra trials for false alarms")
