@@ -218,13 +218,19 @@ class StepEngine:
         members = self.member.members(g)
         ranks = [(m, p) for m in members for p in range(self.positions)]
         deadline = time.monotonic() + self.timeout_s
+        known: dict[tuple[int, int], bytes] = {}  # outcomes are written once: read each once
+        pause = 0.0002
         while True:
             decided = try_get(self.store, dkey)
             if decided is not None:
                 return decided
             newest = self.member.generation()
             live = set(self.member.members(newest))
-            outs = {r: try_get(self.store, self._key(step, g, self._out(*r))) for r in ranks}
+            for r in ranks:
+                if r not in known and (v := try_get(self.store,
+                                                    self._key(step, g, self._out(*r)))) is not None:
+                    known[r] = v
+            outs = {r: known.get(r) for r in ranks}
             proposal = None
             if any(outs[r] == b"fail" for r in ranks if r[0] in live):
                 proposal = b"redo"
@@ -238,7 +244,8 @@ class StepEngine:
             self.member.check()
             if time.monotonic() > deadline:
                 raise RecoveryError(f"no commit decision for step {step} within {self.timeout_s}s")
-            time.sleep(0.0005)
+            time.sleep(pause)  # back off: the others are usually a moment behind, rarely long
+            pause = min(2 * pause, 0.002)
 
     def _sync_chain(self, step: int, chain: list[dict], g: int, members: list[int]) -> list[dict]:
         """Read the agreed ownership chain; extend it to generation g if nobody has yet."""
