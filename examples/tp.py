@@ -64,7 +64,7 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
         if dist.get_rank() == 0:
-            print(f"replica {rep.member.replica} step {step} loss {res.loss:.6f} "
+            print(f"replica {rep.replica} step {step} loss {res.loss:.6f} "
                   f"live replicas {res.members}", flush=True)
 
 

@@ -6,4 +6,21 @@ Three protocol layers with one-way dependencies (workload <- recovery -> collect
 public API.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
+
+# The user-facing API, imported lazily: `recover train` and `recover simulate` start without
+# paying for torch.distributed's DTensor/FSDP2 imports (seconds) until a Replica is needed.
+_LAZY = {"Replica": "recover.parallel.replica", "ReplicaFault": "recover.collectives.comm",
+         "StepResult": "recover.recovery.step"}
+__all__ = ["Replica", "ReplicaFault", "StepResult", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'recover' has no attribute {name!r}")

@@ -60,16 +60,20 @@ class FaultTolerantComm:
     """The cross-replica communicator of one position (a shard index, a (tp, pp) rank, or 0)."""
 
     def __init__(self, member: Member, position: int = 0, timeout_s: float = 60.0,
-                 poll_s: float = 0.002, backend: str = "gloo") -> None:
+                 poll_s: float = 0.002, backend: str = "gloo", recheck_s: float = 0.1) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"unknown backend {backend!r}")
         self.backend = backend
         self.member, self.position = member, position
-        self.timeout_s, self.poll_s = timeout_s, poll_s
+        # poll_s paces the barrier and the build wait; recheck_s bounds a reduce's sleep between
+        # wake-ups (a missed event costs at most this much, never a hang).
+        self.timeout_s, self.poll_s, self.recheck_s = timeout_s, poll_s, recheck_s
         self._pg: object | None = None
         self._pg_gen = -1
         self._holding: list[_Held] = []
-        self.stats: dict[str, float] = {"build_s": 0.0, "barrier_s": 0.0}
+        # Cumulative, for profilers: seconds building groups / in barriers / in reduces.
+        self.stats: dict[str, float] = {"build_s": 0.0, "barrier_s": 0.0, "reduces": 0,
+                                        "reduce_s": 0.0}
 
     # -- public ------------------------------------------------------------------------------
     def reduce(self, tensor: torch.Tensor, generation: int | None = None,
@@ -85,21 +89,32 @@ class FaultTolerantComm:
             self._superseded(g)
             return out
         pg = self._group(g, members)
+        t0 = time.monotonic()
         work = pg.allreduce([out])
         fut = work.get_future()
-        done = threading.Event()
-        fut.add_done_callback(lambda _: done.set())
+        # One event for "the op finished or the membership changed": the thread sleeps until
+        # either happens instead of waking every few ms to compare generations.
+        wake = threading.Event()
+        fut.add_done_callback(lambda _: wake.set())
+        self.member.notify_on_change(wake)
         if on_issued is not None:
             on_issued()
         deadline = time.monotonic() + self.timeout_s
-        while not done.wait(self.poll_s) or not fut.done():
-            if self.member.generation() != g:
-                self._abandon(pg, fut, out)
-                raise ReplicaFault(g, self._lost_since(g), "a newer generation was published")
-            if time.monotonic() > deadline:
-                self._abandon(pg, fut, out)
-                self.member.report_fail(g)
-                raise ReplicaFault(g, [], f"no completion within {self.timeout_s:.0f}s")
+        try:
+            while not fut.done():
+                wake.wait(min(self.recheck_s, max(0.0, deadline - time.monotonic())))
+                wake.clear()
+                if fut.done():
+                    break
+                if self.member.generation() != g:
+                    self._abandon(pg, fut, out)
+                    raise ReplicaFault(g, self._lost_since(g), "a newer generation was published")
+                if time.monotonic() > deadline:
+                    self._abandon(pg, fut, out)
+                    self.member.report_fail(g)
+                    raise ReplicaFault(g, [], f"no completion within {self.timeout_s:.0f}s")
+        finally:
+            self.member.notify_on_change(wake, on=False)
         try:
             fut.value()
         except Exception as e:
@@ -111,14 +126,9 @@ class FaultTolerantComm:
         if self.member.fenced:  # resumed after being fenced: its result must not be used
             raise ReplicaFault(g, [self.member.replica], "fenced while reducing")
         self._reap()
+        self.stats["reduces"] += 1
+        self.stats["reduce_s"] += time.monotonic() - t0
         return out
-
-    def prepare(self, generation: int | None = None) -> None:
-        """Build the communicator of `generation` ahead of the first reduce (optional)."""
-        g = self.member.generation() if generation is None else generation
-        members = self.member.members(g)
-        if len(members) > 1:
-            self._group(g, members)
 
     def close(self) -> None:
         self._pg = None
@@ -140,7 +150,7 @@ class FaultTolerantComm:
             return self._pg
         self._drop()
         rank, size = members.index(self.member.replica), len(members)
-        prefix = f"gen{g}/pos{self.position}"
+        prefix = keys.comm_prefix(g, self.position)
         t0 = time.monotonic()
         self._barrier(g, prefix, size)
         t1 = time.monotonic()

@@ -61,7 +61,6 @@ class Coordinator:
         self.replicas: dict[int, _Replica] = {}
         self.lost: dict[int, str] = {}  # replica -> reason, not yet published
         self.pending_since: float | None = None
-        self.left: set[int] = set()
         self.all_left = False
         self._sel = selectors.DefaultSelector()
         self._hb_checked = 0.0
@@ -78,7 +77,6 @@ class Coordinator:
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         lport = self._listener.getsockname()[1]
         self.client.set(keys.LIVENESS_ADDR, f"{socket.gethostname()}:{lport}")
-        self.client.set("coord/liveness_port", str(lport))
         self.started = time.monotonic()
         self._log({"event": "start", "pid": os.getpid(), "port": self.store.port,
                    "liveness_port": lport,
@@ -169,7 +167,6 @@ class Coordinator:
         if conn.said_bye:
             # A clean exit is not a fault, but the others must stop counting on it: the next
             # generation leaves it out (at the end of training nobody is waiting any more).
-            self.left.add(conn.replica)
             if conn.replica in self.members and self._replica_gone(conn.replica):
                 self._mark_lost(conn.replica, "left cleanly")
             return
@@ -237,7 +234,7 @@ class Coordinator:
         stored = self.client.compare_set(keys.members_key(g), "", value)
         if stored != value:  # only possible if two coordinators share a store: refuse loudly
             raise RuntimeError(f"generation {g} already has members {stored!r}")
-        self.client.set(f"gen/{g}/reason", reason)
+        self.client.set(keys.reason_key(g), reason)
         self.client.add(keys.GEN_COUNT, 1)
         self.generation, self.members = g, sorted(members)
         self.lost, self.pending_since = {}, None

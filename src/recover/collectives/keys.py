@@ -1,8 +1,23 @@
-"""Store key layout and wire messages shared by the coordinator and its members.
+"""The one place that spells the control plane's store keys, their encodings and wire codes.
 
-Invariant: generation `g`'s member list lives at `gen/{g}/members`, is written exactly once (by the
-coordinator, with compare-and-set), and is published by incrementing `gen/count` only after it is
-written; so a reader that sees `gen/count > g` can always read generation g's members.
+Every module that touches the coordinator's store calls a named function here; no key string is
+written anywhere else, so the layout can be read (and changed) in one sitting:
+
+    gen/count                       generations published; the newest is count - 1
+    gen/{g}/members, gen/{g}/reason member list of generation g (JSON), and why it was made
+    gen{g}/pos{p}/...               generation g's communicator at position p (barrier, gloo)
+    hb/{replica}.{rank}             heartbeat counter of one rank
+    coord/liveness, coord/error     the coordinator's liveness address; why it gave up
+    step/{t}/chain/{k}              ownership chain of step t (entry k written once)
+    step/{t}/g{g}/out/{leaf}        one rank's outcome of step t's reduce in generation g
+    step/{t}/g{g}/decision          the commit decision of that attempt (written once)
+    speed/{replica}                 measured seconds per microbatch (speed-aware quotas)
+    rec/{t}                         the committed step's metrics record (first writer wins)
+    run/stopped                     why the run stopped early (below --min-replicas, ...)
+
+Invariant: generation `g`'s member list is written exactly once (by the coordinator, with
+compare-and-set) and published by incrementing `gen/count` only after it is written; so a reader
+that sees `gen/count > g` can always read generation g's members.
 """
 
 from __future__ import annotations
@@ -12,15 +27,26 @@ import json
 
 from torch.distributed import TCPStore
 
-GEN_COUNT = "gen/count"  # number of generations published; the newest is count - 1
-LIVENESS_ADDR = "coord/liveness"  # host:port of the coordinator's liveness socket
-COORD_ERROR = "coord/error"  # set when the coordinator gives up (e.g. nobody joined)
+GEN_COUNT = "gen/count"
+LIVENESS_ADDR = "coord/liveness"
+COORD_ERROR = "coord/error"
+RUN_STOPPED = "run/stopped"
 
 EXIT_FENCED = 3  # a process fenced out of the newest generation exits with this code
 
 
+# -- membership (written by the coordinator) --------------------------------------------------
 def members_key(g: int) -> str:
     return f"gen/{g}/members"
+
+
+def reason_key(g: int) -> str:
+    return f"gen/{g}/reason"
+
+
+def comm_prefix(g: int, position: int) -> str:
+    """Namespace of generation g's communicator at one position (its barrier and gloo keys)."""
+    return f"gen{g}/pos{position}"
 
 
 def heartbeat_key(replica: int, rank: int) -> str:
@@ -35,6 +61,38 @@ def decode_members(raw: bytes) -> list[int]:
     return [int(m) for m in json.loads(raw)]
 
 
+# -- the step protocol (written by the replicas) ----------------------------------------------
+def chain_key(step: int, k: int) -> str:
+    return f"step/{step}/chain/{k}"
+
+
+def outcome_leaf(replica: int, position: int, positions: int) -> str:
+    """`{replica}` for one-rank replicas, `{replica}.{position}` for multi-rank ones."""
+    return f"{replica}" if positions == 1 else f"{replica}.{position}"
+
+
+def outcome_key(step: int, g: int, leaf: str) -> str:
+    return f"step/{step}/g{g}/out/{leaf}"
+
+
+def decision_key(step: int, g: int) -> str:
+    return f"step/{step}/g{g}/decision"
+
+
+def speed_key(replica: int) -> str:
+    return f"speed/{replica}"
+
+
+OK, FAIL = b"ok", b"fail"  # outcomes
+COMMIT, REDO = b"commit", b"redo"  # decisions
+
+
+# -- the trainer's records ------------------------------------------------------------------
+def record_key(step: int) -> str:
+    return f"rec/{step}"
+
+
+# -- access ----------------------------------------------------------------------------------
 def connect_store(host: str, port: int, timeout_s: float) -> TCPStore:
     """A client of the coordinator's TCPStore; raises ConnectionError with a readable message."""
     try:
@@ -61,3 +119,9 @@ def try_get(store: TCPStore, key: str) -> bytes | None:
     """
     v = store.compare_set(key, _ABSENT, _ABSENT)
     return None if v == _ABSENT.encode() else v
+
+
+def newest_members(store: TCPStore) -> list[int] | None:
+    """The newest published generation's members, or None before the first one."""
+    count = store_int(store, GEN_COUNT)
+    return decode_members(store.get(members_key(count - 1))) if count > 0 else None

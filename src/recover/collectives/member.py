@@ -40,8 +40,8 @@ class Member:
         self._changed = threading.Condition(self._lock)
         self._gen = -1
         self._members: dict[int, list[int]] = {}
-        self._callbacks: list[Callable[[int, list[int]], None]] = []
         self._stop = threading.Event()
+        self._waiters: set[threading.Event] = set()  # set whenever a generation is learned
         self.coordinator_lost = False
         self.fenced = False  # set (for good) once a generation without this replica is seen
         self.store = keys.connect_store(host, port, timeout_s)
@@ -108,10 +108,6 @@ class Member:
                 raise KeyError(f"generation {g} not known here")
             return list(self._members[g])
 
-    def on_membership_change(self, cb: Callable[[int, list[int]], None]) -> None:
-        """`cb(generation, members)` runs on a background thread after each new generation."""
-        self._callbacks.append(cb)
-
     def wait_newer(self, generation: int, timeout_s: float) -> int:
         """Block until a generation newer than `generation` is known; return it."""
         deadline = time.monotonic() + timeout_s
@@ -124,6 +120,12 @@ class Member:
                     raise TimeoutError(f"no generation after {generation} within {timeout_s}s")
                 self._changed.wait(min(left, 0.05))
             return self._gen
+
+    def notify_on_change(self, event: threading.Event, on: bool = True) -> None:
+        """Set `event` whenever a newer generation is learned (`on=False` stops it): lets a
+        thread block on one event for "my operation finished or the membership changed"."""
+        with self._lock:
+            (self._waiters.add if on else self._waiters.discard)(event)
 
     def check(self) -> None:
         """Raise CoordinatorLost if the control plane is gone."""
@@ -166,10 +168,10 @@ class Member:
                 self._members[g] = members
                 self._gen = max(self._gen, g)
                 self._changed.notify_all()
+                for ev in self._waiters:
+                    ev.set()
             if fenced:  # a custom on_fenced returned: comm refuses to reduce from now on
                 return
-            for cb in self._callbacks:
-                cb(g, members)
 
     def _heartbeat_loop(self) -> None:
         key = keys.heartbeat_key(self.replica, self.rank)

@@ -3,8 +3,9 @@
 A replica is plain (one process), an FSDP2 shard group (`hsdp`), a tensor-parallel group (`tp`), a
 pipeline (`pp`), or both (`tp,pp`). Public API: `Replica` (join, `step`, `clip_grad_norm_`,
 `leave`) for any layout; `ShardedGrads` (local gradient shards of DTensor/stage parameters);
-`flat_grad_buffer` (plain); `init_replica_group`, `replica_mesh`, `ranks_per_replica`. The layout
-helpers for the reference GPT are in `recover.parallel.hsdp`, `.tp` and `.pp`.
+`FlatGrads`, `flat_grad_buffer` (plain); `init_replica_group`, `replica_mesh`,
+`ranks_per_replica`. The layout helpers for the reference GPT are in `recover.parallel.hsdp`,
+`.tp` and `.pp`.
 
 Names are imported lazily: the plain layout never pays for importing DTensor and FSDP2 (seconds).
 """
@@ -14,13 +15,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from recover.parallel.plain import flat_grad_buffer
+from recover.parallel.plain import FlatGrads, flat_grad_buffer
 
 _LAZY = {"Replica": "replica", "ShardedGrads": "grads", "LAYOUTS": "mesh",
          "init_replica_group": "mesh", "ranks_per_replica": "mesh", "replica_mesh": "mesh"}
 
-__all__ = ["LAYOUTS", "Replica", "ShardedGrads", "flat_grad_buffer", "init_replica_group",
-           "ranks_per_replica", "replica_mesh"]
+__all__ = ["LAYOUTS", "FlatGrads", "Replica", "ShardedGrads", "flat_grad_buffer",
+           "init_replica_group", "ranks_per_replica", "replica_mesh"]
 
 
 def __getattr__(name: str) -> Any:

@@ -10,16 +10,23 @@ touched: the parameters, their sharding and FSDP2's own state are the layout's b
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether `t` is a DTensor, without importing DTensor (~1 s): none can exist before its
+    module is imported, and a plain replica never imports it."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The part of `t` this rank holds (the local shard of a DTensor, else `t` itself)."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 class ShardedGrads:

@@ -3,7 +3,8 @@
 Invariant: every parameter's `.grad` is a view into one flat buffer, so backward accumulates the
 replica's local gradient directly into the buffer the cross-replica reduction reads (no copy per
 microbatch, as DDP's gradient-as-bucket-view), and writing the reduced sum into the buffer updates
-every `.grad` at once.
+every `.grad` at once. If anything replaced the views (a user's `zero_grad()`, a checkpoint load),
+`FlatGrads.zero()` lays them out again before the step's first microbatch.
 """
 
 from __future__ import annotations
@@ -18,9 +19,30 @@ def flat_grad_buffer(model: nn.Module) -> torch.Tensor:
     dtype = params[0].dtype
     if any(p.dtype != dtype for p in params):
         raise ValueError("all trainable parameters must share one dtype")
-    flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype)
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
     offset = 0
     for p in params:
         p.grad = flat[offset: offset + p.numel()].view_as(p)
         offset += p.numel()
     return flat
+
+
+class FlatGrads:
+    """The plain layout's `GradAccess`: zero-copy both ways through one flat buffer."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.flat = flat_grad_buffer(module)
+
+    def local(self) -> torch.Tensor:
+        return self.flat
+
+    def assign(self, reduced: torch.Tensor) -> None:
+        self.flat.copy_(reduced)
+
+    def zero(self) -> None:
+        self.flat.zero_()
+        lo, hi = self.flat.data_ptr(), self.flat.data_ptr() + self.flat.nbytes
+        if any(p.grad is None or not lo <= p.grad.data_ptr() < hi for p in self.params):
+            self.flat = flat_grad_buffer(self.module)

@@ -28,12 +28,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
 
 from recover.collectives import FaultTolerantComm, Member
-from recover.parallel.grads import ShardedGrads, local_tensor
-from recover.parallel.plain import flat_grad_buffer
-from recover.recovery import StepEngine, StepResult
+from recover.parallel.grads import ShardedGrads, is_dtensor, local_tensor
+from recover.parallel.plain import FlatGrads
+from recover.recovery import GradAccess, StepEngine, StepResult, StepStrategy
 
 Hook = Callable[[str, int, int], None]
 
@@ -59,7 +58,7 @@ class Replica:
                  replica: int | None = None, min_replicas: int = 1, timeout_s: float = 60.0,
                  join_timeout_s: float = 120.0, heartbeat_s: float = 0.1,
                  hook: Hook | None = None, speed_aware: bool = True,
-                 member: Member | None = None) -> None:
+                 strategy: StepStrategy | None = None) -> None:
         self.module, self.mesh, self.n = module, mesh, microbatches
         self._left = False
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -80,31 +79,26 @@ class Replica:
         self._norm_owned = [self._owned(p, tp, pp, id(p) in tied_ids) for p in self.params]
         self._tied = [p for p in self.params if id(p) in tied_ids]
         self._tied_group = self._tied_groups(mesh) if n_pp > 1 else None
-        self.plain = mesh is None and not any(isinstance(p, DTensor) for p in self.params)
-        if self.plain:
-            self._flat: torch.Tensor | None = flat_grad_buffer(module)
-            grads: torch.Tensor | ShardedGrads = self._flat
-        else:
-            self._flat = None
-            grads = self._sharded = ShardedGrads(self.params)
-        if member is None:
-            host, port, replica = _where(coordinator, replica)
-            member = Member(host, port, replica, self.rank, self.nranks, heartbeat_s=heartbeat_s,
-                            timeout_s=join_timeout_s)
-            member.join()
-        self.member = member
+        self.plain = mesh is None and not any(is_dtensor(p) for p in self.params)
+        # plain: a flat buffer every .grad views (zero-copy); otherwise the local shards.
+        self.grads: GradAccess = FlatGrads(module) if self.plain else ShardedGrads(self.params)
+        host, port, replica = _where(coordinator, replica)
+        self.member = Member(host, port, replica, self.rank, self.nranks, heartbeat_s=heartbeat_s,
+                             timeout_s=join_timeout_s)
+        self.member.join()
         atexit.register(self.leave)  # a clean exit says goodbye even without an explicit leave()
-        self.comm = FaultTolerantComm(member, position=self.rank, timeout_s=timeout_s)
-        self.engine = StepEngine(member, self.comm, grads, microbatches,
+        self.comm = FaultTolerantComm(self.member, position=self.rank, timeout_s=timeout_s)
+        self.engine = StepEngine(self.member, self.comm, self.grads, microbatches,
                                  min_replicas=min_replicas, timeout_s=timeout_s, hook=hook,
-                                 speed_aware=speed_aware, positions=self.nranks)
+                                 speed_aware=speed_aware, positions=self.nranks,
+                                 strategy=strategy)
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self, step: int, compute: Callable[[int, int], float]) -> StepResult:
         """Run step `step`: `compute(id, j)` does forward + backward of microbatch `id` with the
         loss scaled by 1/N and returns this rank's (unscaled) loss; on return the gradients are
         the reduced step gradient and `result.loss` is the step's mean loss."""
-        self._zero()
+        self.grads.zero()
         w = self.loss_weight
 
         def weighted(i: int, j: int) -> float:
@@ -115,10 +109,17 @@ class Replica:
         if self.nranks > 1:
             with self.guard():
                 self._sum_tied()
-                loss = torch.tensor([res.loss], dtype=torch.float64)
-                dist.all_reduce(loss)
-            res.loss = float(loss)
+                res.loss = self.replica_sum(res.loss)
         return res
+
+    def replica_sum(self, value: float) -> float:
+        """Sum a float over this replica's ranks (e.g. weighted per-rank losses); the value itself
+        for a one-rank replica. An intra-replica collective: call it inside `guard()`."""
+        if self.nranks == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip the replica's whole gradient (all ranks) to `max_norm`; return its norm."""
@@ -147,8 +148,24 @@ class Replica:
             self.member.leave()
 
     @property
+    def replica(self) -> int:
+        """This replica's id (0..R-1)."""
+        return self.member.replica
+
+    @property
+    def generation(self) -> int:
+        """The newest membership generation known here."""
+        return self.member.generation()
+
+    @property
     def members(self) -> list[int]:
+        """The live replicas of the newest generation."""
         return self.member.members()
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """Cumulative counters of the step protocol and of this rank's communicator."""
+        return {**self.engine.stats, **{f"comm_{k}": v for k, v in self.comm.stats.items()}}
 
     @property
     def is_leader(self) -> bool:
@@ -176,23 +193,12 @@ class Replica:
             raise
 
     # -- internals -----------------------------------------------------------------------------
-    def _zero(self) -> None:
-        if self._flat is None:
-            self._sharded.zero()
-            return
-        self._flat.zero_()
-        for p in self.params:  # a user's opt.zero_grad() may have dropped the views
-            if p.grad is None or p.grad.data_ptr() < self._flat.data_ptr() or \
-                    p.grad.data_ptr() >= self._flat.data_ptr() + self._flat.nbytes:
-                self._flat = flat_grad_buffer(self.module)
-                self.engine.grads.flat = self._flat  # type: ignore[attr-defined]
-                self.engine.grad = self._flat
-                break
-
     def _owned(self, p: nn.Parameter, tp: int, pp: int, tied: bool) -> bool:
         if tied and pp != 0:
             return False
-        if isinstance(p, DTensor):
+        if is_dtensor(p):
+            from torch.distributed.tensor import Replicate
+
             for d, pl in enumerate(p.placements):
                 if isinstance(pl, Replicate) and p.device_mesh.get_local_rank(d) != 0:
                     return False

@@ -1,9 +1,21 @@
 """Layer 2: in-step recovery (uses layer 1 for the reduction and layer 3 for the plan).
 
-Public API: `StepEngine` (one replica's side of a step), `StepResult`, `BelowMinReplicas`,
-`RecoveryError`.
+Public API: `StepEngine` (one replica's side of a step), `StepResult`, `GradAccess`,
+`TensorGrad`, `BelowMinReplicas`, `RecoveryError`, and the strategy interface `StepStrategy` with
+recover's own `InStepRecovery` and the helper `chain_owners` (for other strategies).
 """
 
-from recover.recovery.step import BelowMinReplicas, RecoveryError, StepEngine, StepResult
+from recover.recovery.step import (
+    MAX_ATTEMPTS,
+    BelowMinReplicas,
+    GradAccess,
+    RecoveryError,
+    StepEngine,
+    StepResult,
+    TensorGrad,
+)
+from recover.recovery.strategy import Chain, InStepRecovery, StepStrategy, chain_owners
 
-__all__ = ["BelowMinReplicas", "RecoveryError", "StepEngine", "StepResult"]
+__all__ = ["MAX_ATTEMPTS", "BelowMinReplicas", "Chain", "GradAccess", "InStepRecovery",
+           "RecoveryError", "StepEngine", "StepResult", "StepStrategy", "TensorGrad",
+           "chain_owners"]

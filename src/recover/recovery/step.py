@@ -11,6 +11,8 @@ Invariants:
 - An attempt commits only by a decision written once to the store (`.../decision`), made when every
   surviving member reported that its reduce returned a verified result (trailer: count = N, id
   checksum, step). Survivors of a split outcome therefore never diverge: all apply, or all redo.
+- What happens to a lost replica's ids is a `StepStrategy` (`recover.recovery.strategy`): recover's
+  in-step recovery by default, or e.g. the shrink-batch baseline; the engine enforces the rest.
 - A replica may be a group of ranks (FSDP2 shards, TP x PP ranks): each rank runs this engine
   with its own cross-replica communicator, at its `position`. All ranks of a replica read the same
   chain, so they compute the same ids in the same order (their intra-replica collectives line up);
@@ -25,13 +27,14 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+from torch.profiler import record_function
 
-from recover.collectives import FaultTolerantComm, Member, ReplicaFault
-from recover.collectives.keys import try_get
-from recover.workload import id_checksum, plan, reassign, step_ids
+from recover.collectives import FaultTolerantComm, Member, ReplicaFault, keys
+from recover.recovery.strategy import Chain, InStepRecovery, StepStrategy
+from recover.workload import id_checksum
 
 TRAILER = 4  # count, id checksum, step mark, loss sum
 MAX_ATTEMPTS = 32
@@ -51,9 +54,13 @@ class GradAccess(Protocol):
         """Make the parameters' gradients equal to `reduced` (flat, same layout as `local()`)."""
         ...
 
+    def zero(self) -> None:
+        """Forget the local gradient (start of a step, or an attempt a strategy discards)."""
+        ...
 
-class FlatGrad:
-    """The plain layout: every `.grad` is a view into one flat buffer (zero-copy both ways)."""
+
+class TensorGrad:
+    """A `GradAccess` over one flat tensor that the caller accumulates into."""
 
     def __init__(self, flat: torch.Tensor) -> None:
         self.flat = flat
@@ -63,6 +70,9 @@ class FlatGrad:
 
     def assign(self, reduced: torch.Tensor) -> None:
         self.flat.copy_(reduced)
+
+    def zero(self) -> None:
+        self.flat.zero_()
 
 
 class BelowMinReplicas(RuntimeError):
@@ -79,39 +89,58 @@ class StepResult:
     generation: int
     members: list[int]
     quotas: dict[int, int]  # microbatches each replica finally contributed
-    loss: float  # mean loss over the step's N microbatches
-    microbatches: int  # verified count in the reduced trailer (= N)
+    loss: float  # mean loss over the step's reduced microbatches
+    microbatches: int  # verified count in the reduced trailer (= N under in-step recovery)
     recovered: list[int] = field(default_factory=list)  # ids this step recomputed after a fault
     recovery_s: float = 0.0
     attempts: int = 1
-    local_ids: list[int] = field(default_factory=list)
+
+
+class _CountingStore:
+    """Counts the engine's store round trips into `stats["store_ops"]` (for profilers)."""
+
+    def __init__(self, store: Any, stats: dict[str, float]) -> None:
+        self._store, self._stats = store, stats
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._stats["store_ops"] += 1
+            return attr(*args, **kwargs)
+
+        return call
 
 
 class StepEngine:
     """Runs one rank's side of each step of its replica.
 
-    `grad` is the rank's local gradient: a flat buffer that every `.grad` views (plain layout), or
-    a `GradAccess` (sharded layouts). `positions` is the number of ranks per replica; this rank
-    reduces at `comm.position`.
+    `grad` is the rank's local gradient: a `GradAccess` (the layout's) or a flat tensor. `positions`
+    is the number of ranks per replica; this rank reduces at `comm.position`. `stats` holds
+    cumulative counters for profilers ("steps", "attempts", "compute_s", "reduce_s", "decide_s",
+    "store_ops"); the phases are also `torch.profiler.record_function` spans ("recover.compute",
+    "recover.reduce", "recover.decide").
     """
 
     def __init__(self, member: Member, comm: FaultTolerantComm, grad: torch.Tensor | GradAccess,
                  n: int, *, min_replicas: int = 1, timeout_s: float = 60.0,
-                 hook: Hook | None = None, speed_aware: bool = True, positions: int = 1) -> None:
+                 hook: Hook | None = None, speed_aware: bool = True, positions: int = 1,
+                 strategy: StepStrategy | None = None) -> None:
         self.member, self.comm, self.n = member, comm, n
-        if isinstance(grad, torch.Tensor):
-            self.grad: torch.Tensor | None = grad
-            self.grads: GradAccess = FlatGrad(grad)
-        else:
-            self.grad, self.grads = None, grad
+        self.grads: GradAccess = TensorGrad(grad) if isinstance(grad, torch.Tensor) else grad
         self.positions, self.position = positions, comm.position
         if not 0 <= self.position < positions:
             raise ValueError(f"position {self.position} is not in [0, {positions})")
         self.min_replicas, self.timeout_s = min_replicas, timeout_s
         self.hook = hook or (lambda phase, step, j: None)
         self.speed_aware = speed_aware
+        self.strategy: StepStrategy = strategy or InStepRecovery()
         self.me = member.replica
-        self.store = member.store
+        self.stats: dict[str, float] = dict.fromkeys(
+            ("steps", "attempts", "compute_s", "reduce_s", "decide_s", "store_ops"), 0)
+        self.store = _CountingStore(member.store, self.stats)
         self.mb_time: float | None = None  # EMA of this replica's seconds per microbatch
 
     # -- the step --------------------------------------------------------------------------
@@ -121,25 +150,33 @@ class StepEngine:
         `compute(id, j)` accumulates microbatch `id`'s gradient into the local gradient and returns
         its loss; `j` counts this replica's microbatches within the step (for fault injection).
         """
-        chain: list[dict] = []
+        chain: Chain = []
         held: list[int] = []
         settled: set[int] = set()  # generations this rank reported an outcome in (multi-rank)
         loss_sum, t_fault, compute_s = 0.0, None, 0.0
         for attempt in range(1, MAX_ATTEMPTS + 1):
+            self.stats["attempts"] += 1
             g = self.member.generation()
             members = self.member.members(g)
             if len(members) < self.min_replicas:
                 raise BelowMinReplicas(f"{len(members)} live replica(s) {members} < "
                                        f"--min-replicas {self.min_replicas}")
+            before = len(chain)
             chain = self._sync_chain(step, chain, g, members)
             if self.positions > 1:
                 self._mark_skipped(step, chain, settled)
-            todo = [i for e in chain for i in e["assign"].get(str(self.me), []) if i not in held]
+            if not self.strategy.keeps_work and before and len(chain) > before:
+                self.grads.zero()  # the strategy discards the attempt: start the step over
+                held, loss_sum = [], 0.0
+            entries = chain if self.strategy.keeps_work else chain[-1:]
+            todo = [i for e in entries for i in e["assign"].get(str(self.me), []) if i not in held]
             t0 = time.monotonic()
-            for i in todo:
-                loss_sum += compute(i, len(held))
-                held.append(i)
+            with record_function("recover.compute"):
+                for i in todo:
+                    loss_sum += compute(i, len(held))
+                    held.append(i)
             compute_s += time.monotonic() - t0 if todo else 0.0
+            self.stats["compute_s"] += time.monotonic() - t0
             entry_gen = chain[-1]["gen"]
             newest = self.member.generation()
             if newest < entry_gen:
@@ -148,30 +185,43 @@ class StepEngine:
             if newest > entry_gen:
                 t_fault = t_fault or time.monotonic()
                 continue  # extend the chain to the newest generation before reducing
-            out, ok = self._reduce(step, entry_gen, held, loss_sum)
+            owners = self.strategy.owners(chain)
+            t0 = time.monotonic()
+            with record_function("recover.reduce"):
+                out, ok = self._reduce(step, entry_gen, held, loss_sum, sorted(owners))
+            self.stats["reduce_s"] += time.monotonic() - t0
             self.hook("commit", step, len(held))
             settled.add(entry_gen)
-            self.store.set(self._key(step, entry_gen, self._out(self.me, self.position)),
-                           b"ok" if ok else b"fail")
-            if self._decide(step, entry_gen) == b"commit":
-                self.grads.assign(out[:-TRAILER])
+            t0 = time.monotonic()
+            with record_function("recover.decide"):
+                mine = keys.outcome_key(step, entry_gen, self._leaf(self.me, self.position))
+                self.store.set(mine, keys.OK if ok else keys.FAIL)
+                decision = self._decide(step, entry_gen)
+            self.stats["decide_s"] += time.monotonic() - t0
+            if decision == keys.COMMIT:
+                count = int(round(float(out[-TRAILER])))
+                scale = self.strategy.scale(count, self.n)
+                self.grads.assign(out[:-TRAILER] if scale == 1.0 else out[:-TRAILER] * scale)
                 self._record_speed(compute_s, len(held))
-                owners = self._owners(chain)
-                quotas = {m: sum(1 for o in owners.values() if o == m)
-                          for m in sorted(set(owners.values()))}
-                return StepResult(step, entry_gen, self.member.members(entry_gen), quotas,
-                                  float(out[-1]) / self.n, int(out[-TRAILER]),
-                                  sorted({i for e in chain[1:] for ids in e["assign"].values()
-                                          for i in ids}),
-                                  time.monotonic() - t_fault if t_fault else 0.0, attempt, held)
+                self.stats["steps"] += 1
+                quotas: dict[int, int] = {}
+                for o in owners.values():
+                    quotas[o] = quotas.get(o, 0) + 1
+                recovered = sorted({i for e in chain[1:] for ids in e["assign"].values()
+                                    for i in ids}) if self.strategy.keeps_work else []
+                return StepResult(step, entry_gen, self.member.members(entry_gen),
+                                  dict(sorted(quotas.items())), float(out[-1]) / count, count,
+                                  recovered, time.monotonic() - t_fault if t_fault else 0.0,
+                                  attempt)
             t_fault = t_fault or time.monotonic()
             if self.member.generation() == entry_gen:
                 self.member.wait_newer(entry_gen, self.timeout_s)
         raise RecoveryError(f"step {step} did not commit after {MAX_ATTEMPTS} attempts")
 
     # -- reduce and verify -------------------------------------------------------------------
-    def _reduce(self, step: int, g: int, held: list[int], loss_sum: float
+    def _reduce(self, step: int, g: int, held: list[int], loss_sum: float, expect_ids: list[int]
                 ) -> tuple[torch.Tensor, bool]:
+        """Reduce the kept local gradient with a trailer; ok iff the sum holds `expect_ids`."""
         local = self.grads.local()
         trailer = torch.tensor([len(held), id_checksum(held), step % 4096 + 1, loss_sum],
                                dtype=local.dtype)
@@ -181,23 +231,17 @@ class StepEngine:
         except ReplicaFault:
             return buf, False
         size = len(self.member.members(g))
-        expect = (self.n, id_checksum(step_ids(step, self.n)), (step % 4096 + 1) * size)
+        expect = (len(expect_ids), id_checksum(expect_ids), (step % 4096 + 1) * size)
         got = tuple(int(round(float(x))) for x in out[-TRAILER:-1])
         if got != expect:
             self.member.report_fail(g)  # a wrong count is never committed; rebuild and redo
             return out, False
         return out, True
-
     # -- agreement through the store ----------------------------------------------------------
-    @staticmethod
-    def _key(step: int, g: int, leaf: str) -> str:
-        return f"step/{step}/g{g}/{leaf}"
+    def _leaf(self, replica: int, position: int) -> str:
+        return keys.outcome_leaf(replica, position, self.positions)
 
-    def _out(self, replica: int, position: int) -> str:
-        """Outcome key leaf of one rank: `out/{replica}`, or `out/{replica}.{position}`."""
-        return f"out/{replica}" if self.positions == 1 else f"out/{replica}.{position}"
-
-    def _mark_skipped(self, step: int, chain: list[dict], settled: set[int]) -> None:
+    def _mark_skipped(self, step: int, chain: Chain, settled: set[int]) -> None:
         """Report 'fail' in every generation of the chain this rank moved past without reducing.
 
         Another position of the same generation may have completed its reduce; without this its
@@ -208,37 +252,37 @@ class StepEngine:
             g = int(e["gen"])
             if g < int(chain[-1]["gen"]) and g not in settled:
                 settled.add(g)
-                self.store.compare_set(self._key(step, g, self._out(self.me, self.position)), "",
-                                       b"fail")
+                mine = keys.outcome_key(step, g, self._leaf(self.me, self.position))
+                self.store.compare_set(mine, "", keys.FAIL)
 
     def _decide(self, step: int, g: int) -> bytes:
         """Commit iff every position of every surviving member of g holds a verified result;
         decided once."""
-        dkey = self._key(step, g, "decision")
+        dkey = keys.decision_key(step, g)
         members = self.member.members(g)
         ranks = [(m, p) for m in members for p in range(self.positions)]
         deadline = time.monotonic() + self.timeout_s
         known: dict[tuple[int, int], bytes] = {}  # outcomes are written once: read each once
         pause = 0.0002
         while True:
-            decided = try_get(self.store, dkey)
+            decided = keys.try_get(self.store, dkey)
             if decided is not None:
                 return decided
             newest = self.member.generation()
             live = set(self.member.members(newest))
             for r in ranks:
-                if r not in known and (v := try_get(self.store,
-                                                    self._key(step, g, self._out(*r)))) is not None:
+                if r not in known and (v := keys.try_get(
+                        self.store, keys.outcome_key(step, g, self._leaf(*r)))) is not None:
                     known[r] = v
             outs = {r: known.get(r) for r in ranks}
             proposal = None
-            if any(outs[r] == b"fail" for r in ranks if r[0] in live):
-                proposal = b"redo"
-            elif all(v == b"ok" for v in outs.values()) or (
-                    newest != g and all(outs[r] == b"ok" for r in ranks if r[0] in live)):
+            if any(outs[r] == keys.FAIL for r in ranks if r[0] in live):
+                proposal = keys.REDO
+            elif all(v == keys.OK for v in outs.values()) or (
+                    newest != g and all(outs[r] == keys.OK for r in ranks if r[0] in live)):
                 # A member that died after the reduce completed everywhere does not block the
                 # commit: a verified trailer proves its part is inside the sum.
-                proposal = b"commit"
+                proposal = keys.COMMIT
             if proposal is not None:
                 return self.store.compare_set(dkey, "", proposal)
             self.member.check()
@@ -247,12 +291,12 @@ class StepEngine:
             time.sleep(pause)  # back off: the others are usually a moment behind, rarely long
             pause = min(2 * pause, 0.002)
 
-    def _sync_chain(self, step: int, chain: list[dict], g: int, members: list[int]) -> list[dict]:
+    def _sync_chain(self, step: int, chain: Chain, g: int, members: list[int]) -> Chain:
         """Read the agreed ownership chain; extend it to generation g if nobody has yet."""
         chain = list(chain)
         while True:
-            key = f"step/{step}/chain/{len(chain)}"
-            raw = try_get(self.store, key)
+            key = keys.chain_key(step, len(chain))
+            raw = keys.try_get(self.store, key)
             if raw is None:
                 if chain and chain[-1]["gen"] >= g:
                     return chain
@@ -260,23 +304,10 @@ class StepEngine:
                                                                                members)))
             chain.append(json.loads(raw))
 
-    def _propose(self, step: int, chain: list[dict], g: int, members: list[int]) -> dict:
+    def _propose(self, step: int, chain: Chain, g: int, members: list[int]) -> dict:
         speeds = self._speeds(members) if self.speed_aware else None
-        if not chain:
-            assign = plan(step, self.n, members, speeds)
-        else:
-            lost = sorted(i for i, o in self._owners(chain).items() if o not in members)
-            assign = reassign(lost, members, speeds) if lost else {}
+        assign = self.strategy.assign(step, self.n, chain, members, speeds)
         return {"gen": g, "assign": {str(m): ids for m, ids in assign.items() if ids}}
-
-    @staticmethod
-    def _owners(chain: list[dict]) -> dict[int, int]:
-        owners: dict[int, int] = {}
-        for e in chain:
-            for m, ids in e["assign"].items():
-                for i in ids:
-                    owners[i] = int(m)
-        return owners
 
     # -- speeds ------------------------------------------------------------------------------
     def _record_speed(self, compute_s: float, count: int) -> None:
@@ -284,12 +315,12 @@ class StepEngine:
             return
         t = compute_s / count
         self.mb_time = t if self.mb_time is None else 0.7 * self.mb_time + 0.3 * t
-        self.store.set(f"speed/{self.me}", f"{self.mb_time:.6f}")
+        self.store.set(keys.speed_key(self.me), f"{self.mb_time:.6f}")
 
     def _speeds(self, members: list[int]) -> dict[int, float]:
         out = {}
         for m in members:
-            raw = try_get(self.store, f"speed/{m}")
+            raw = keys.try_get(self.store, keys.speed_key(m))
             if raw is not None:
                 out[m] = float(raw)
         return out

@@ -20,8 +20,7 @@ from typing import Any
 
 from rich.console import Console
 
-from recover.collectives import connect_store
-from recover.collectives.keys import try_get
+from recover.collectives import connect_store, keys, try_get
 from recover.config import RunConfig
 from recover.errors import CheckpointError, ConfigError, RecoverError
 from recover.faults import validate_faults
@@ -110,8 +109,7 @@ def _all_gone(store: Any, workers: dict[int, subprocess.Popen], external: bool) 
     """Every replica has exited (local children) or left the membership (external ones)."""
     if not external:
         return all(p.poll() is not None for p in workers.values())
-    count = int(store.add("gen/count", 0))
-    return count > 0 and store.get(f"gen/{count - 1}/members") == b"[]"
+    return keys.newest_members(store) == []
 
 
 def _end(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
@@ -187,7 +185,7 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
         while time.monotonic() < deadline and any(p.poll() is None for p in procs.values()):
             time.sleep(0.05)
         if coord.poll() is None:
-            stopped = try_get(store, "run/stopped")
+            stopped = try_get(store, keys.RUN_STOPPED)
             if stopped is not None:
                 message = stopped.decode()
     finally:
@@ -246,7 +244,7 @@ def _supervise(store: Any, sink: MetricsSink, end: int, workers: dict[int, subpr
         if _all_gone(store, workers, external):
             sink.poll()
             return ""
-        stopped = try_get(store, "run/stopped")
+        stopped = try_get(store, keys.RUN_STOPPED)
         if stopped is not None and all(p.poll() is not None for p in workers.values()):
             return stopped.decode()
         if time.monotonic() - last_progress > stall_limit:

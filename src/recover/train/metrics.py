@@ -9,12 +9,46 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
-from recover.collectives.keys import try_get
+from recover.collectives import keys
+from recover.recovery import StepResult
+
+
+class StepTimer:
+    """A step's wall time, and its compute time per microbatch (all attempts); `microbatch(f)`
+    also makes a straggler: the microbatch takes f times as long (the `slow` fault)."""
+
+    def __init__(self) -> None:
+        self.start()
+
+    def start(self) -> None:
+        self.t0, self.busy_s, self.count = time.time(), 0.0, 0
+
+    @contextmanager
+    def microbatch(self, slow_factor: float = 1.0) -> Iterator[None]:
+        t0 = time.perf_counter()
+        yield
+        if slow_factor > 1:
+            time.sleep((slow_factor - 1) * (time.perf_counter() - t0))
+        self.busy_s += time.perf_counter() - t0
+        self.count += 1
+
+
+def step_record(res: StepResult, lr: float, grad_norm: float, timer: StepTimer) -> dict[str, Any]:
+    """The metrics line of a committed step, as a replica publishes it (`rec/{step}`)."""
+    return {"step": res.step, "loss": res.loss, "lr": lr, "grad_norm": grad_norm,
+            "microbatches": res.microbatches, "live_replicas": len(res.members),
+            "quotas": {str(k): v for k, v in res.quotas.items()},
+            "generation": res.generation, "recovered": res.recovered,
+            "recovery_s": round(res.recovery_s, 4), "attempts": res.attempts,
+            "step_time_s": round(time.time() - timer.t0, 4), "t_commit": time.time(),
+            "mb_time_s": round(timer.busy_s / max(1, timer.count), 5)}
 
 
 class MetricsSink:
@@ -26,7 +60,6 @@ class MetricsSink:
         self.run_start = run_start
         self.console, self.quiet = console, quiet
         self.records: list[dict[str, Any]] = []
-        self._last_print = 0.0
         self._live: int | None = None
         self._every = max(1, steps // 40)
 
@@ -34,7 +67,7 @@ class MetricsSink:
         """Write every record that has arrived, in order; return how many were written."""
         n = 0
         while self.next < self.steps:
-            raw = try_get(self.store, f"rec/{self.next}")
+            raw = keys.try_get(self.store, keys.record_key(self.next))
             if raw is None:
                 break
             rec = json.loads(raw)
@@ -66,7 +99,6 @@ class MetricsSink:
                 f"step {rec['step']:>5}  loss {rec['loss']:.4f}{val}  lr {rec['lr']:.2e}  "
                 f"{rec['tokens_per_s']:>9,.0f} tok/s  live {live}  gen {rec['generation']}"
                 f"{rcv}", highlight=False)
-        self._last_print = time.monotonic()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

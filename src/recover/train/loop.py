@@ -1,0 +1,146 @@
+"""One rank of one replica: the reference trainer's loop, top to bottom, for every layout.
+
+Invariant: the parameters after step t depend only on the config and on the N microbatch ids of
+steps 0..t, never on how many replicas computed them or which ones died: each microbatch's data
+and dropout come from its id, the gradient is the sum of per-microbatch gradients / N, and the
+optimizer runs only after the step's commit decision (`recover.Replica.step`). A checkpoint is
+labelled with the number of optimizer steps it holds, whatever path saves it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed import DistError
+
+from recover.collectives import CoordinatorLost, keys
+from recover.config import RunConfig
+from recover.faults import FaultInjector, validate_faults
+from recover.parallel import Replica
+from recover.recovery import BelowMinReplicas, StepStrategy
+from recover.train import layout
+from recover.train.data import eval_batches, load_data, microbatch
+from recover.train.metrics import StepTimer, step_record
+from recover.train.optim import build_optimizer, lr_at, set_lr
+from recover.workload import id_seed
+
+EXIT_OK, EXIT_USAGE, EXIT_BELOW_MIN, EXIT_COORDINATOR_LOST = 0, 2, 4, 5
+
+
+def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
+    torch.set_num_threads(1)  # measured: 2 threads x 4 processes on 2 cores is 10x slower
+    cfg = RunConfig.load(run_dir / "config.json")
+    nranks = cfg.ranks_per_replica()
+
+    def log(msg: str) -> None:
+        who = f"replica {replica}" + (f" rank {rank}" if nranks > 1 else "")
+        print(f"[{who}] {msg}", file=sys.stderr, flush=True)
+
+    if not 0 <= rank < nranks:
+        log(f"rank {rank} is not in [0, {nranks}) for --layout {cfg.layout}")
+        return EXIT_USAGE
+    corpus = load_data(run_dir / "data")
+    m, n = cfg.model, cfg.microbatches
+    rm = layout.build(cfg, host, port, replica, rank)
+    opt = build_optimizer(rm.module, cfg)
+    ckpt_root = run_dir / "ckpt"
+    applied = 0  # optimizer steps in the parameters: the only label a checkpoint may carry
+    if cfg.resume:  # plain only (validated): one process holds the whole state
+        from recover.train.checkpoint import latest_checkpoint, load_checkpoint
+
+        path = latest_checkpoint(ckpt_root)
+        applied = int(load_checkpoint(path, rm.module, opt)["step"])
+        log(f"resumed from {path.name} at step {applied}")
+    faults = FaultInjector(validate_faults(cfg.faults, cfg.replicas, cfg.steps, nranks), replica,
+                           rank, nranks)
+    rep = Replica(rm.module, n, mesh=rm.mesh, tied=rm.tied, coordinator=f"{host}:{port}",
+                  replica=replica, min_replicas=cfg.min_replicas, timeout_s=cfg.reduce_timeout_s,
+                  join_timeout_s=cfg.join_timeout_s, heartbeat_s=cfg.heartbeat_s,
+                  hook=faults.at, speed_aware=cfg.speed_aware, strategy=_strategy(cfg))
+    store = rep.member.store
+    evals = eval_batches(corpus.val, m.block_size, cfg.microbatch_size, cfg.seed,
+                         cfg.eval_microbatches)
+    timer = StepTimer()
+    step = applied
+
+    def compute(mb_id: int, j: int) -> float:
+        """This rank's part of microbatch `mb_id`: gradients += its share of grad(loss)/N."""
+        with timer.microbatch(faults.slow_factor(step)):
+            x, y = microbatch(corpus.train, m.block_size, cfg.microbatch_size, cfg.seed, mb_id)
+            with torch.random.fork_rng(devices=[], enabled=m.dropout > 0):
+                torch.manual_seed(id_seed(cfg.seed, mb_id, stream=1))  # dropout is the id's own
+                faults.at("forward", step, j)
+                return rm.forward_backward(x, y, lambda: faults.at("backward", step, j))
+
+    def save(at: int) -> None:
+        # Imported here: DCP costs ~1.5 s of CPU at startup, and only the leader ever saves.
+        from recover.train.checkpoint import save_checkpoint
+
+        save_checkpoint(ckpt_root, at, rm.module, opt,
+                        {"next_microbatch_id": at * n, "trajectory": cfg.trajectory_key()})
+
+    can_save = cfg.layout == "plain"  # distributed checkpoints of multi-rank layouts: not yet
+    end = cfg.stop_at or cfg.steps
+    try:
+        for step in range(applied, end):
+            timer.start()
+            lr = lr_at(step, cfg)
+            set_lr(opt, lr)
+            rm.module.train()
+            res = rep.step(step, compute)  # COMPUTE -> REDUCE -> agreed COMMIT
+            faults.at("optimizer", step, 0)
+            grad_norm = rep.clip_grad_norm_(cfg.grad_clip)
+            opt.step()
+            applied = step + 1
+            rec = step_record(res, lr, grad_norm, timer)
+            last = step == end - 1
+            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last:
+                with rep.guard():  # a multi-rank evaluation is an intra-replica collective
+                    rec["val_loss"] = rep.replica_sum(layout.evaluate(rm, evals) * rep.loss_weight)
+            if rank == 0:  # every survivor offers the record; the first one lands (all agree)
+                store.compare_set(keys.record_key(step), "", json.dumps(rec))
+            if can_save and rep.is_leader and (
+                    (cfg.ckpt_every and applied % cfg.ckpt_every == 0) or last):
+                save(applied)
+    except BelowMinReplicas as e:
+        log(f"stopping: {e}")
+        if rep.is_leader:
+            saved = "checkpoint at step" if can_save else "no checkpoint (multi-rank layout) at"
+            if can_save:
+                save(applied)  # committed steps only: the failed step was never applied
+            store.set(keys.RUN_STOPPED, f"{e}; {saved} step {applied}")
+        rep.leave()
+        return EXIT_BELOW_MIN
+    except (CoordinatorLost, DistError) as e:  # the store went away with the coordinator
+        log(f"stopping: the coordinator is unreachable ({str(e).splitlines()[0]})")
+        if can_save and rep.is_leader:  # the last known leader keeps the applied state
+            log(f"saving a checkpoint at step {applied}")
+            save(applied)
+        return EXIT_COORDINATOR_LOST
+    if cfg.dump_final:
+        _dump_final(run_dir, rm.module, replica, rank, nranks)
+    rep.leave()
+    return EXIT_OK
+
+
+def _strategy(cfg: RunConfig) -> StepStrategy | None:
+    """`recover`: in-step recovery (the engine's default); `shrink-batch`: the torchft baseline."""
+    if cfg.policy == "shrink-batch":
+        from recover.baselines.shrink import ShrinkBatch
+
+        return ShrinkBatch(range(cfg.replicas))
+    return None
+
+
+def _dump_final(run_dir: Path, module: torch.nn.Module, replica: int, rank: int,
+                nranks: int) -> None:
+    """Each rank's final local parameters, to compare replicas bitwise (tests, debugging)."""
+    from recover.parallel.grads import local_tensor
+
+    (run_dir / "final").mkdir(exist_ok=True)
+    name = f"replica{replica}.pt" if nranks == 1 else f"replica{replica}.rank{rank}.pt"
+    state = {k: local_tensor(v.detach()).clone() for k, v in module.state_dict().items()}
+    torch.save(state, run_dir / "final" / name)
