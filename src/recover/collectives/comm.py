@@ -1,9 +1,10 @@
 """Generation-fenced fault-tolerant reduction.
 
-Invariant: `reduce(t)` returns a fresh tensor holding the full sum of `t` over every member of one
-generation, or raises `ReplicaFault` on this survivor within a bounded time; it never hands back a
-partially reduced buffer (the input is never written; an abandoned buffer is never reused) and it
-never waits on a communicator past the moment a newer generation is known.
+Invariant: `reduce_(tensors)` leaves in each tensor the full sum over every member of one
+generation, or raises `ReplicaFault` on this survivor within a bounded time; it never reports
+success for a partial sum, never waits on a communicator past the moment a newer generation is
+known, and tells its caller (`in_use`) which buffers an abandoned operation may still write into,
+so none is reused before that operation ends.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import datetime
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -51,8 +52,8 @@ class _Held:
     """A communicator abandoned with work in flight: kept alive until gloo lets go of it."""
 
     pg: object
-    fut: torch.futures.Future | None
-    buf: torch.Tensor | None
+    futs: list[torch.futures.Future]
+    bufs: list[torch.Tensor]
     since: float = field(default_factory=time.monotonic)
 
 
@@ -76,47 +77,51 @@ class FaultTolerantComm:
                                         "reduce_s": 0.0}
 
     # -- public ------------------------------------------------------------------------------
-    def reduce(self, tensor: torch.Tensor, generation: int | None = None,
-               on_issued: Callable[[], None] | None = None) -> torch.Tensor:
-        """Sum `tensor` over the members of `generation` (default: the newest known)."""
+    def reduce_(self, tensors: Sequence[torch.Tensor], generation: int | None = None,
+                on_issued: Callable[[], None] | None = None) -> None:
+        """Sum each of `tensors` in place over the members of `generation` (default: newest).
+
+        On return every tensor holds the full sum; on `ReplicaFault` their contents are
+        undefined, and a tensor an abandoned operation may still write into is reported by
+        `in_use()` until that operation ends (the caller must not reuse it before)."""
         g = self.member.generation() if generation is None else generation
         members = self.member.members(g)
         if self.member.fenced or self.member.replica not in members:
             raise ReplicaFault(g, [self.member.replica],
                                f"replica {self.member.replica} is fenced (not in generation {g})")
-        out = tensor.detach().clone()
         if len(members) == 1:
             self._superseded(g)
-            return out
+            return
         pg = self._group(g, members)
         t0 = time.monotonic()
-        work = pg.allreduce([out])
-        fut = work.get_future()
-        # One event for "the op finished or the membership changed": the thread sleeps until
+        futs = [pg.allreduce([t]).get_future() for t in tensors]
+        # One event for "every op finished or the membership changed": the thread sleeps until
         # either happens instead of waking every few ms to compare generations.
         wake = threading.Event()
-        fut.add_done_callback(lambda _: wake.set())
+        for fut in futs:
+            fut.add_done_callback(lambda _: wake.set())
         self.member.notify_on_change(wake)
         if on_issued is not None:
             on_issued()
         deadline = time.monotonic() + self.timeout_s
         try:
-            while not fut.done():
+            while not all(f.done() for f in futs):
                 wake.wait(min(self.recheck_s, max(0.0, deadline - time.monotonic())))
                 wake.clear()
-                if fut.done():
+                if all(f.done() for f in futs):
                     break
                 if self.member.generation() != g:
-                    self._abandon(pg, fut, out)
+                    self._abandon(pg, futs, tensors)
                     raise ReplicaFault(g, self._lost_since(g), "a newer generation was published")
                 if time.monotonic() > deadline:
-                    self._abandon(pg, fut, out)
+                    self._abandon(pg, futs, tensors)
                     self.member.report_fail(g)
                     raise ReplicaFault(g, [], f"no completion within {self.timeout_s:.0f}s")
         finally:
             self.member.notify_on_change(wake, on=False)
         try:
-            fut.value()
+            for fut in futs:
+                fut.value()
         except Exception as e:
             # Drop the group at once: closing our sockets makes every other member's pending op
             # fail within tens of ms instead of at the timeout (DESIGN §5).
@@ -128,7 +133,12 @@ class FaultTolerantComm:
         self._reap()
         self.stats["reduces"] += 1
         self.stats["reduce_s"] += time.monotonic() - t0
-        return out
+
+    def in_use(self, tensor: torch.Tensor) -> bool:
+        """Whether an abandoned operation may still write into `tensor`'s memory."""
+        self._reap()
+        ptr = tensor.data_ptr()
+        return any(b.data_ptr() == ptr for h in self._holding for b in h.bufs)
 
     def close(self) -> None:
         self._pg = None
@@ -197,7 +207,8 @@ class FaultTolerantComm:
                 raise ReplicaFault(g, [], "barrier timed out")
             time.sleep(self.poll_s)
 
-    def _abandon(self, pg: object, fut: torch.futures.Future, buf: torch.Tensor) -> None:
+    def _abandon(self, pg: object, futs: list[torch.futures.Future],
+                 bufs: Sequence[torch.Tensor]) -> None:
         # A peer may be hung with its sockets open: gloo may still write into `buf`, so keep
         # the group, the future and the buffer alive until the op ends; never shut it down.
         if self.backend == "nccl":
@@ -205,7 +216,7 @@ class FaultTolerantComm:
             # (ncclCommAbort), after which the buffer is no longer written.
             with contextlib.suppress(Exception):
                 pg.abort()  # type: ignore[attr-defined]
-        self._holding.append(_Held(pg, fut, buf))
+        self._holding.append(_Held(pg, futs, list(bufs)))
         if self._pg is pg:
             self._pg, self._pg_gen = None, -1
 
@@ -217,4 +228,4 @@ class FaultTolerantComm:
         now = time.monotonic()
         keep = 3 * self.timeout_s
         self._holding = [h for h in self._holding
-                         if not (h.fut is None or h.fut.done()) and now - h.since < keep]
+                         if not all(f.done() for f in h.futs) and now - h.since < keep]

@@ -76,6 +76,7 @@ class Coordinator:
         self._listener.setblocking(False)
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         lport = self._listener.getsockname()[1]
+        self.client.set(keys.REPLICAS, str(self.expected))
         self.client.set(keys.LIVENESS_ADDR, f"{socket.gethostname()}:{lport}")
         self.started = time.monotonic()
         self._log({"event": "start", "pid": os.getpid(), "port": self.store.port,

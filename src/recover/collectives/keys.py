@@ -10,8 +10,9 @@ written anywhere else, so the layout can be read (and changed) in one sitting:
     coord/liveness, coord/error     the coordinator's liveness address; why it gave up
     step/{t}/chain/{k}              ownership chain of step t (entry k written once)
     step/{t}/g{g}/out/{leaf}        one rank's outcome of step t's reduce in generation g
+    step/{t}/g{g}/count             verified results of that attempt, counted
     step/{t}/g{g}/decision          the commit decision of that attempt (written once)
-    speed/{replica}                 measured seconds per microbatch (speed-aware quotas)
+    coord/replicas                  R, the replicas the job was started with
     rec/{t}                         the committed step's metrics record (first writer wins)
     run/stopped                     why the run stopped early (below --min-replicas, ...)
 
@@ -31,6 +32,7 @@ GEN_COUNT = "gen/count"
 LIVENESS_ADDR = "coord/liveness"
 COORD_ERROR = "coord/error"
 RUN_STOPPED = "run/stopped"
+REPLICAS = "coord/replicas"
 
 EXIT_FENCED = 3  # a process fenced out of the newest generation exits with this code
 
@@ -79,8 +81,9 @@ def decision_key(step: int, g: int) -> str:
     return f"step/{step}/g{g}/decision"
 
 
-def speed_key(replica: int) -> str:
-    return f"speed/{replica}"
+def count_key(step: int, g: int) -> str:
+    """Verified results of step t's reduce in generation g, counted (`add`) by each rank."""
+    return f"step/{step}/g{g}/count"
 
 
 OK, FAIL = b"ok", b"fail"  # outcomes

@@ -43,6 +43,7 @@ class Member:
         self._stop = threading.Event()
         self._waiters: set[threading.Event] = set()  # set whenever a generation is learned
         self.coordinator_lost = False
+        self.replicas = 0  # known after join()
         self.fenced = False  # set (for good) once a generation without this replica is seen
         self.store = keys.connect_store(host, port, timeout_s)
 
@@ -52,6 +53,7 @@ class Member:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         addr = self._wait_key(keys.LIVENESS_ADDR, deadline).decode()
+        self.replicas = int(self._wait_key(keys.REPLICAS, deadline))  # R the job started with
         lport = int(addr.rsplit(":", 1)[1])
         self._sock = socket.create_connection((self.host, lport), timeout=timeout_s)
         self._sock.settimeout(None)

@@ -1,9 +1,10 @@
 """Local gradients of a rank whose parameters may be DTensors (FSDP2 shards, TP shards, PP stages).
 
-Invariant: `local()` is the concatenation, in the fixed order of `params`, of each parameter's
-*local* gradient (`p.grad.to_local()` for a DTensor, `p.grad` otherwise; zeros where a gradient is
-still None), so two ranks at the same position of two replicas with the same layout lay their
-gradients out identically and a cross-replica sum of `local()` is the sum of their gradients.
+Invariant: `pack(into)` writes the concatenation, in the fixed order of `params`, of each
+parameter's *local* gradient (`p.grad.to_local()` for a DTensor, `p.grad` otherwise; zeros where a
+gradient is still None), so two ranks at the same position of two replicas with the same layout
+lay their gradients out identically and a cross-replica sum of what they pack is the sum of their
+gradients.
 `assign(flat)` writes such a vector back, creating gradients where they are None. Nothing else is
 touched: the parameters, their sharding and FSDP2's own state are the layout's business.
 """
@@ -41,12 +42,19 @@ class ShardedGrads:
         if any(local_tensor(p).dtype != self.dtype for p in self.params):
             raise ValueError("all trainable parameters must share one dtype")
         self.numel = sum(s.numel() for s in self.shapes)
+        self.device = local_tensor(self.params[0]).device
 
-    def local(self) -> torch.Tensor:
-        parts = [local_tensor(p.grad).reshape(-1) if p.grad is not None
-                 else torch.zeros(s.numel(), dtype=self.dtype)
-                 for p, s in zip(self.params, self.shapes, strict=True)]
-        return torch.cat(parts)
+    def pack(self, into: torch.Tensor) -> None:
+        """Copy every local gradient into its slice of `into` (no other buffer is made)."""
+        offset = 0
+        with torch.no_grad():
+            for p, s in zip(self.params, self.shapes, strict=True):
+                part = into[offset: offset + s.numel()]
+                if p.grad is None:
+                    part.zero_()
+                else:
+                    part.copy_(local_tensor(p.grad).reshape(-1))
+                offset += s.numel()
 
     def assign(self, reduced: torch.Tensor) -> None:
         if reduced.numel() != self.numel:

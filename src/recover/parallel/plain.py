@@ -34,9 +34,10 @@ class FlatGrads:
         self.module = module
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.flat = flat_grad_buffer(module)
+        self.numel, self.dtype, self.device = self.flat.numel(), self.flat.dtype, self.flat.device
 
-    def local(self) -> torch.Tensor:
-        return self.flat
+    def pack(self, into: torch.Tensor) -> None:
+        into.copy_(self.flat)
 
     def assign(self, reduced: torch.Tensor) -> None:
         self.flat.copy_(reduced)

@@ -33,10 +33,16 @@ import torch
 from torch.profiler import record_function
 
 from recover.collectives import FaultTolerantComm, Member, ReplicaFault, keys
+from recover.collectives.waiter import KeyWaiter
 from recover.recovery.strategy import Chain, InStepRecovery, StepStrategy
 from recover.workload import id_checksum
 
-TRAILER = 4  # count, id checksum, step mark, loss sum
+# The reduce carries a float64 trailer beside the gradient (whatever the gradient's dtype):
+# [count, id checksum, step mark, loss sum, seconds per microbatch of replica 0..R-1]. Every
+# integer in it stays below 2^53, so its sum is exact in any order, within these limits:
+MAX_MICROBATCHES = 1 << 20  # count <= N, checksum < 2^32 * N
+MAX_REPLICAS = 1 << 16  # step mark = (step + 1) * R < 2^53 for any run of < 2^37 steps
+HEAD = 4  # trailer entries before the per-replica speeds
 MAX_ATTEMPTS = 32
 
 Hook = Callable[[str, int, int], None]  # (phase, step, local microbatch index)
@@ -44,14 +50,21 @@ Hook = Callable[[str, int, int], None]  # (phase, step, local microbatch index)
 
 @runtime_checkable
 class GradAccess(Protocol):
-    """How the engine reads and writes one rank's local gradient (the layout decides how)."""
+    """How the engine reads and writes one rank's local gradient (the layout decides how).
 
-    def local(self) -> torch.Tensor:
-        """The kept local gradient as one flat tensor (a view or a fresh copy; never modified)."""
+    The local gradient is never modified by `pack`: it is the kept copy a failed attempt
+    reduces again."""
+
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def pack(self, into: torch.Tensor) -> None:
+        """Write the local gradient, flattened in a fixed order, into `into` (numel elements)."""
         ...
 
     def assign(self, reduced: torch.Tensor) -> None:
-        """Make the parameters' gradients equal to `reduced` (flat, same layout as `local()`)."""
+        """Make the parameters' gradients equal to `reduced` (flat, the order of `pack`)."""
         ...
 
     def zero(self) -> None:
@@ -64,9 +77,10 @@ class TensorGrad:
 
     def __init__(self, flat: torch.Tensor) -> None:
         self.flat = flat
+        self.numel, self.dtype, self.device = flat.numel(), flat.dtype, flat.device
 
-    def local(self) -> torch.Tensor:
-        return self.flat
+    def pack(self, into: torch.Tensor) -> None:
+        into.copy_(self.flat)
 
     def assign(self, reduced: torch.Tensor) -> None:
         self.flat.copy_(reduced)
@@ -127,7 +141,16 @@ class StepEngine:
     def __init__(self, member: Member, comm: FaultTolerantComm, grad: torch.Tensor | GradAccess,
                  n: int, *, min_replicas: int = 1, timeout_s: float = 60.0,
                  hook: Hook | None = None, speed_aware: bool = True, positions: int = 1,
-                 strategy: StepStrategy | None = None) -> None:
+                 strategy: StepStrategy | None = None,
+                 reduce_dtype: torch.dtype | None = None) -> None:
+        if not 1 <= n <= MAX_MICROBATCHES:
+            raise ValueError(f"N={n} microbatches is outside [1, {MAX_MICROBATCHES}], the range "
+                             "in which the reduce's verification is exact")
+        if member.replicas > MAX_REPLICAS:
+            raise ValueError(f"{member.replicas} replicas exceed {MAX_REPLICAS}, the most the "
+                             "reduce's verification is exact for")
+        if not 0 <= member.replica < member.replicas:
+            raise ValueError(f"replica id {member.replica} is not in [0, {member.replicas})")
         self.member, self.comm, self.n = member, comm, n
         self.grads: GradAccess = TensorGrad(grad) if isinstance(grad, torch.Tensor) else grad
         self.positions, self.position = positions, comm.position
@@ -141,7 +164,13 @@ class StepEngine:
         self.stats: dict[str, float] = dict.fromkeys(
             ("steps", "attempts", "compute_s", "reduce_s", "decide_s", "store_ops"), 0)
         self.store = _CountingStore(member.store, self.stats)
+        self.waiter = KeyWaiter(member)
         self.mb_time: float | None = None  # EMA of this replica's seconds per microbatch
+        self.speeds: dict[int, float] = {}  # every replica's, from the last reduced trailer
+        # One gradient-sized scratch buffer, reused by every reduce unless an abandoned
+        # operation may still write into it (then a new one is made and this one dropped).
+        self.reduce_dtype = reduce_dtype or self.grads.dtype
+        self._scratch: torch.Tensor | None = None
 
     # -- the step --------------------------------------------------------------------------
     def run(self, step: int, compute: Callable[[int, int], float]) -> StepResult:
@@ -188,20 +217,21 @@ class StepEngine:
             owners = self.strategy.owners(chain)
             t0 = time.monotonic()
             with record_function("recover.reduce"):
-                out, ok = self._reduce(step, entry_gen, held, loss_sum, sorted(owners))
+                out, trailer, ok = self._reduce(step, entry_gen, held, loss_sum, sorted(owners))
             self.stats["reduce_s"] += time.monotonic() - t0
             self.hook("commit", step, len(held))
             settled.add(entry_gen)
             t0 = time.monotonic()
             with record_function("recover.decide"):
-                mine = keys.outcome_key(step, entry_gen, self._leaf(self.me, self.position))
-                self.store.set(mine, keys.OK if ok else keys.FAIL)
-                decision = self._decide(step, entry_gen)
+                decision = self._decide(step, entry_gen, ok)
             self.stats["decide_s"] += time.monotonic() - t0
             if decision == keys.COMMIT:
-                count = int(round(float(out[-TRAILER])))
+                count = int(trailer[0])
                 scale = self.strategy.scale(count, self.n)
-                self.grads.assign(out[:-TRAILER] if scale == 1.0 else out[:-TRAILER] * scale)
+                if scale != 1.0:
+                    out.mul_(scale)
+                self.grads.assign(out)
+                self.speeds = {r: v for r, v in enumerate(trailer[HEAD:].tolist()) if v > 0}
                 self._record_speed(compute_s, len(held))
                 self.stats["steps"] += 1
                 quotas: dict[int, int] = {}
@@ -210,7 +240,7 @@ class StepEngine:
                 recovered = sorted({i for e in chain[1:] for ids in e["assign"].values()
                                     for i in ids}) if self.strategy.keeps_work else []
                 return StepResult(step, entry_gen, self.member.members(entry_gen),
-                                  dict(sorted(quotas.items())), float(out[-1]) / count, count,
+                                  dict(sorted(quotas.items())), float(trailer[3]) / count, count,
                                   recovered, time.monotonic() - t_fault if t_fault else 0.0,
                                   attempt)
             t_fault = t_fault or time.monotonic()
@@ -220,107 +250,139 @@ class StepEngine:
 
     # -- reduce and verify -------------------------------------------------------------------
     def _reduce(self, step: int, g: int, held: list[int], loss_sum: float, expect_ids: list[int]
-                ) -> tuple[torch.Tensor, bool]:
-        """Reduce the kept local gradient with a trailer; ok iff the sum holds `expect_ids`."""
-        local = self.grads.local()
-        trailer = torch.tensor([len(held), id_checksum(held), step % 4096 + 1, loss_sum],
-                               dtype=local.dtype)
-        buf = torch.cat([local, trailer])
+                ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Reduce a copy of the kept local gradient, and the trailer; ok iff the sum verifiably
+        holds exactly `expect_ids` of this step from every member of g."""
+        out = self._scratch_buffer()
+        self.grads.pack(out)
+        trailer = torch.zeros(HEAD + self.member.replicas, dtype=torch.float64,
+                              device=out.device)
+        trailer[:HEAD] = torch.tensor([len(held), id_checksum(held), step + 1, loss_sum],
+                                      dtype=torch.float64)
+        if self.mb_time is not None:
+            trailer[HEAD + self.me] = self.mb_time
         try:
-            out = self.comm.reduce(buf, g, on_issued=lambda: self.hook("reduce", step, len(held)))
+            self.comm.reduce_([out, trailer], g,
+                              on_issued=lambda: self.hook("reduce", step, len(held)))
         except ReplicaFault:
-            return buf, False
+            return out, trailer, False
         size = len(self.member.members(g))
-        expect = (len(expect_ids), id_checksum(expect_ids), (step % 4096 + 1) * size)
-        got = tuple(int(round(float(x))) for x in out[-TRAILER:-1])
+        expect = (len(expect_ids), id_checksum(expect_ids), (step + 1) * size)
+        got = tuple(int(x) for x in trailer[:3].tolist())
         if got != expect:
             self.member.report_fail(g)  # a wrong count is never committed; rebuild and redo
-            return out, False
-        return out, True
+            return out, trailer, False
+        return out, trailer, True
+
+    def _scratch_buffer(self) -> torch.Tensor:
+        s = self._scratch
+        if s is None or self.comm.in_use(s):
+            self._scratch = None  # drop ours first: at most one such buffer is ours at a time
+            s = self._scratch = torch.empty(self.grads.numel, dtype=self.reduce_dtype,
+                                            device=self.grads.device)
+        return s
+
     # -- agreement through the store ----------------------------------------------------------
     def _leaf(self, replica: int, position: int) -> str:
         return keys.outcome_leaf(replica, position, self.positions)
 
     def _mark_skipped(self, step: int, chain: Chain, settled: set[int]) -> None:
-        """Report 'fail' in every generation of the chain this rank moved past without reducing.
+        """Decide 'redo' for every generation of the chain this rank moved past without reducing.
 
         Another position of the same generation may have completed its reduce; without this its
         ranks would wait for our outcome, while we wait for them inside an intra-replica
-        collective of the next chain entry's microbatches.
+        collective of the next chain entry's microbatches. (Our position's reduce in that
+        generation cannot have completed without us, so no commit can be lost.)
         """
         for e in chain[:-1]:
             g = int(e["gen"])
             if g < int(chain[-1]["gen"]) and g not in settled:
                 settled.add(g)
-                mine = keys.outcome_key(step, g, self._leaf(self.me, self.position))
-                self.store.compare_set(mine, "", keys.FAIL)
+                self.store.compare_set(keys.decision_key(step, g), "", keys.REDO)
 
-    def _decide(self, step: int, g: int) -> bytes:
+    def _decide(self, step: int, g: int, ok: bool) -> bytes:
         """Commit iff every position of every surviving member of g holds a verified result;
-        decided once."""
+        decided once, by compare-and-set of the attempt's decision key.
+
+        Failure-free this costs two round trips: count our verified result; the rank whose
+        count completes the set writes `commit`, the others block on the decision. A failure
+        writes `redo` at once. If the membership changes while we wait (a member died, maybe
+        after its reduce completed: its part is then inside the sum, as the trailer proves), the
+        survivors decide on evidence instead: each writes its outcome and the commit needs every
+        still-live member's `ok`.
+        """
         dkey = keys.decision_key(step, g)
-        members = self.member.members(g)
-        ranks = [(m, p) for m in members for p in range(self.positions)]
-        deadline = time.monotonic() + self.timeout_s
-        known: dict[tuple[int, int], bytes] = {}  # outcomes are written once: read each once
-        pause = 0.0002
+        if not ok:
+            return self.store.compare_set(dkey, "", keys.REDO)
+        total = len(self.member.members(g)) * self.positions
+        if self.store.add(keys.count_key(step, g), 1) == total:
+            return self.store.compare_set(dkey, "", keys.COMMIT)
+        decided = self.waiter.get(dkey, g, 3 * self.timeout_s)
+        if decided is not None:
+            return decided
+        return self._decide_on_evidence(step, g, dkey)
+
+    def _decide_on_evidence(self, step: int, g: int, dkey: str) -> bytes:
+        # A sibling position may legitimately take barrier + build + reduce (3 timeouts) first.
+        self.store.set(keys.outcome_key(step, g, self._leaf(self.me, self.position)), keys.OK)
+        deadline = time.monotonic() + 3 * self.timeout_s
+        ranks = [(m, p) for m in self.member.members(g) for p in range(self.positions)]
+        known: set[tuple[int, int]] = set()  # outcomes are written once: read each once
+        pause = 0.001
         while True:
             decided = keys.try_get(self.store, dkey)
             if decided is not None:
                 return decided
-            newest = self.member.generation()
-            live = set(self.member.members(newest))
+            live = set(self.member.members(self.member.generation()))
             for r in ranks:
-                if r not in known and (v := keys.try_get(
-                        self.store, keys.outcome_key(step, g, self._leaf(*r)))) is not None:
-                    known[r] = v
-            outs = {r: known.get(r) for r in ranks}
-            proposal = None
-            if any(outs[r] == keys.FAIL for r in ranks if r[0] in live):
-                proposal = keys.REDO
-            elif all(v == keys.OK for v in outs.values()) or (
-                    newest != g and all(outs[r] == keys.OK for r in ranks if r[0] in live)):
-                # A member that died after the reduce completed everywhere does not block the
-                # commit: a verified trailer proves its part is inside the sum.
-                proposal = keys.COMMIT
-            if proposal is not None:
-                return self.store.compare_set(dkey, "", proposal)
+                if r[0] in live and r not in known and keys.try_get(
+                        self.store, keys.outcome_key(step, g, self._leaf(*r))) is not None:
+                    known.add(r)
+            if all(r in known for r in ranks if r[0] in live):
+                return self.store.compare_set(dkey, "", keys.COMMIT)
             self.member.check()
             if time.monotonic() > deadline:
-                raise RecoveryError(f"no commit decision for step {step} within {self.timeout_s}s")
-            time.sleep(pause)  # back off: the others are usually a moment behind, rarely long
-            pause = min(2 * pause, 0.002)
+                raise RecoveryError(f"no commit decision for step {step} within "
+                                    f"{3 * self.timeout_s:.0f}s")
+            time.sleep(pause)  # the fault path only: the others are a moment behind
+            pause = min(2 * pause, 0.05)
 
     def _sync_chain(self, step: int, chain: Chain, g: int, members: list[int]) -> Chain:
-        """Read the agreed ownership chain; extend it to generation g if nobody has yet."""
+        """Read the agreed ownership chain up to an entry of generation >= g, extending it if
+        nobody has yet. Entry 0, the step's plan, is proposed by one rank (position 0 of the
+        lowest member); the others block on it. Later entries (after a fault) are proposed by
+        whoever needs them first."""
         chain = list(chain)
-        while True:
+        deadline = time.monotonic() + 3 * self.timeout_s
+        while not chain or chain[-1]["gen"] < g:
             key = keys.chain_key(step, len(chain))
-            raw = keys.try_get(self.store, key)
-            if raw is None:
-                if chain and chain[-1]["gen"] >= g:
-                    return chain
+            proposer = bool(chain) or (self.position == 0 and self.me == min(members))
+            if proposer:
                 raw = self.store.compare_set(key, "", json.dumps(self._propose(step, chain, g,
                                                                                members)))
+            else:
+                raw = self.waiter.get(key, g, max(0.0, deadline - time.monotonic()))
+                if raw is None:  # the membership changed meanwhile: maybe we propose now
+                    self.member.check()
+                    if time.monotonic() > deadline:
+                        raise RecoveryError(f"no plan for step {step} within "
+                                            f"{3 * self.timeout_s:.0f}s")
+                    g = self.member.generation()
+                    members = self.member.members(g)
+                    continue
             chain.append(json.loads(raw))
+        return chain
 
     def _propose(self, step: int, chain: Chain, g: int, members: list[int]) -> dict:
-        speeds = self._speeds(members) if self.speed_aware else None
+        speeds = ({m: self.speeds[m] for m in members if m in self.speeds}
+                  if self.speed_aware else None)
         assign = self.strategy.assign(step, self.n, chain, members, speeds)
         return {"gen": g, "assign": {str(m): ids for m, ids in assign.items() if ids}}
 
     # -- speeds ------------------------------------------------------------------------------
     def _record_speed(self, compute_s: float, count: int) -> None:
-        if count == 0 or compute_s <= 0 or self.position != 0:  # one speed per replica
+        """This replica's seconds per microbatch (an EMA), sent in the next reduce's trailer."""
+        if count == 0 or compute_s <= 0:
             return
         t = compute_s / count
         self.mb_time = t if self.mb_time is None else 0.7 * self.mb_time + 0.3 * t
-        self.store.set(keys.speed_key(self.me), f"{self.mb_time:.6f}")
-
-    def _speeds(self, members: list[int]) -> dict[int, float]:
-        out = {}
-        for m in members:
-            raw = keys.try_get(self.store, keys.speed_key(m))
-            if raw is not None:
-                out[m] = float(raw)
-        return out

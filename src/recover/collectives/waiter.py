@@ -1,0 +1,81 @@
+"""Wait for a store key without polling, and still wake at once when the membership changes.
+
+A blocking `get` is one round trip however long it waits (the store server holds the request),
+but it cannot be interrupted. So the get runs on a helper thread with its own store client, and the
+caller sleeps on an event that either the helper (the key arrived) or the `Member` (a newer
+generation) sets. A helper left blocked by a caller that moved on finishes on its own (the key
+arrives, or its timeout) and is then reused; meanwhile another helper serves the next wait.
+
+Invariant: `get()` returns the key's value, or None once `generation` is superseded, the
+coordinator is lost, or `timeout_s` passes; it never returns a stale result of an earlier wait.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+import time
+from typing import Any
+
+from recover.collectives.member import Member
+
+
+class _Helper:
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.requests: queue.SimpleQueue[tuple[str, float, dict[str, Any], threading.Event]] = (
+            queue.SimpleQueue())
+        self.busy = False
+        threading.Thread(target=self._loop, name="recover-keywait", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            key, timeout_s, box, done = self.requests.get()
+            try:
+                self.store.set_timeout(datetime.timedelta(seconds=timeout_s))
+                box["value"] = self.store.get(key)
+            except Exception as e:  # a timeout, or the store is gone
+                box["error"] = e
+            self.busy = False
+            done.set()
+
+
+class KeyWaiter:
+    """Blocking reads of one key at a time for one caller thread (`member`'s newest generation
+    interrupts them)."""
+
+    def __init__(self, member: Member) -> None:
+        self.member = member
+        self._helpers: list[_Helper] = []
+        self._lock = threading.Lock()
+
+    def get(self, key: str, generation: int, timeout_s: float) -> bytes | None:
+        helper = self._idle()
+        box: dict[str, Any] = {}
+        done = threading.Event()
+        helper.requests.put((key, timeout_s, box, done))
+        self.member.notify_on_change(done)  # a newer generation wakes us too
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                if "value" in box:
+                    return box["value"]
+                if ("error" in box or self.member.generation() != generation
+                        or self.member.coordinator_lost or time.monotonic() > deadline):
+                    return None
+                done.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+                done.clear()
+        finally:
+            self.member.notify_on_change(done, on=False)
+
+    def _idle(self) -> _Helper:
+        with self._lock:
+            for h in self._helpers:
+                if not h.busy:
+                    h.busy = True
+                    return h
+            h = _Helper(self.member.store.clone())
+            h.busy = True
+            self._helpers.append(h)
+            return h
