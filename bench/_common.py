@@ -1,7 +1,8 @@
-"""Shared helpers of the benchmarks: processes (ended by PID), `recover train` runs, statistics.
+"""Shared helpers of the benchmarks: `recover train` runs, CPU clocks, statistics, tables.
 
 Every wait here is bounded; every process a benchmark starts is ended in a `finally` by its PID
-(and, for `recover train`, the launcher's own children by theirs).
+(and, for `recover train`, the launcher's own children by theirs), with the library's
+`recover.procs` (the one implementation of ending processes that tests and launcher share).
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from recover.procs import descendants, kill_pids, start, stop
 
 BENCH_DIR = Path(__file__).resolve().parent
 
@@ -40,41 +42,6 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def children(pid: int) -> list[int]:
-    """PIDs of every live descendant of `pid` (read from /proc; empty where /proc is missing)."""
-    parent: dict[int, int] = {}
-    for d in Path("/proc").glob("[0-9]*"):
-        try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            parent[int(d.name)] = int(fields[1])
-        except (OSError, IndexError, ValueError):
-            continue
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        kids = [c for c, pp in parent.items() if pp == p]
-        out += kids
-        todo += kids
-    return out
-
-
-def end(procs: list[subprocess.Popen], grace_s: float = 5.0, sig: int = signal.SIGTERM) -> None:
-    """End processes we started, by PID: `sig`, then SIGKILL after `grace_s`; reap them."""
-    for p in procs:
-        if p.poll() is None:
-            try:
-                p.send_signal(sig)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=10)
-
-
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a live process (all its threads), from /proc; 0 if gone."""
     try:
@@ -82,42 +49,6 @@ def cpu_seconds(pid: int) -> float:
         return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return 0.0
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    state = Path(f"/proc/{pid}/stat")
-    try:  # a zombie (exited, not yet reaped) counts as gone
-        return state.read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def end_pids(pids: list[int], grace_s: float = 5.0) -> None:
-    """End processes that are not our children (forked by a helper), by PID."""
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + grace_s
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    kill_pids([p for p in pids if alive(p)])
-
-
-def kill_pids(pids: list[int]) -> None:
-    """SIGKILL leftover descendants (by PID) of a process we started."""
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 class Sampler:
@@ -137,7 +68,7 @@ class Sampler:
         now = time.monotonic()
         if now - self._scan > 1.0:  # new processes: scanning /proc is the costly part
             self._scan = now
-            for pid in children(self.root):
+            for pid in descendants(self.root):
                 if pid not in self.kinds:
                     try:
                         cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -177,26 +108,26 @@ def recover_train(out: Path, preset: str, extra: list[str], timeout_s: float
     cmd = [sys.executable, "-m", "recover.cli", "train", "--preset", preset, "--out", str(out),
            *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    log = open(out.parent / f"{out.name}.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    log = out.parent / f"{out.name}.log"
+    log.unlink(missing_ok=True)
+    proc = start(cmd, log, env=env)
     sampler = Sampler(proc.pid, out / "metrics.jsonl")
     kids: list[int] = []
     try:
         deadline = time.monotonic() + timeout_s
         while proc.poll() is None:
             if time.monotonic() > deadline:
-                say(f"  ! recover train exceeded {timeout_s:.0f}s; ending it (log {log.name})")
+                say(f"  ! recover train exceeded {timeout_s:.0f}s; ending it (log {log})")
                 break
             sampler.sample()
             time.sleep(sampler.every_s)
     finally:
         if proc.poll() is None:
-            kids = children(proc.pid)
-            end([proc], grace_s=10.0, sig=signal.SIGINT)  # SIGINT: its finally ends workers
+            kids = descendants(proc.pid)
+            stop(proc, grace_s=10.0, sig=signal.SIGINT)  # SIGINT: its finally ends workers
         kill_pids(kids)
-        log.close()
     if proc.returncode != 0:
-        tail = Path(log.name).read_text(errors="replace")[-2000:]
+        tail = log.read_text(errors="replace")[-2000:]
         raise RuntimeError(f"recover train exited {proc.returncode}: {' '.join(cmd)}\n{tail}")
     with open(out / "metrics.jsonl") as f:
         return [json.loads(line) for line in f if line.strip()], sampler

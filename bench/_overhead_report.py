@@ -1,7 +1,9 @@
 """Tables of `bench/overhead.py`: recover vs DDP steps interleaved in the same processes.
 
 Input: per replica {"recover": step records from `_profile.Prof`, "ddp": `_ddp.DDPTrainer.rec`
-plus "first" (index of each block's first step)}, and the coordinator's CPU clock samples.
+plus "first" (index of each block's first step), "hooks": which profiler hooks took}, and the
+coordinator's CPU clock samples. Invariant: a figure the records do not hold (a counter the
+installed library does not expose) is printed as n/a, never as zero.
 """
 
 from __future__ import annotations
@@ -15,6 +17,19 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+# Phases of recover's step, from the library's public counters (per-step differences of
+# `StepEngine.stats` -> "engine:*" and `FaultTolerantComm.stats` -> "comm:*"; see _profile.py).
+# (label, keys summed); "rest" is engine.run minus the engine's three phases.
+PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("  compute: fwd+bwd of own microbatches", ("engine:compute_s",)),
+    ("  reduce (StepEngine.stats reduce_s)", ("engine:reduce_s",)),
+    ("    comm.reduce (FaultTolerantComm.stats)", ("comm:reduce_s",)),
+    ("    group build + store barrier", ("comm:build_s", "comm:barrier_s")),
+    ("  commit decision (decide_s)", ("engine:decide_s",)),
+)
+ENGINE_PHASES = ("engine:compute_s", "engine:reduce_s", "engine:decide_s")
+
+
 def _recover_samples(reps: list[dict], warmup: int) -> list[dict]:
     """Timed recover steps: after warmup, not the first after a DDP block, not the last step."""
     out = []
@@ -23,17 +38,11 @@ def _recover_samples(reps: list[dict], warmup: int) -> list[dict]:
         for s in steps[warmup:-1]:
             if not s.get("first") and "loop" in s:
                 out.append(s)
-    parts = ("compute", "chain", "reduce", "decide", "speed")
     for s in out:
-        for pre in ("", "cpu:"):
-            s[pre + "other"] = s[pre + "run"] - sum(s.get(pre + k, 0.0) for k in parts)
-            s[pre + "trailer"] = s.get(pre + "reduce", 0.0) - s.get(pre + "allreduce", 0.0)
         s["period"] = s["run"] + s["loop"]
         s["cpu:period"] = s["cpu:main"]
-        s["rtt:other"], s["store_s:other"] = s.get("rtt:run", 0.0), s.get("store_s:run", 0.0)
-        s["rtt:run"] = sum(v for k, v in s.items() if k.startswith("rtt:") and k != "rtt:loop")
-        s["store_s:run"] = sum(v for k, v in s.items()
-                               if k.startswith("store_s:") and k != "store_s:loop")
+        if all(k in s for k in ENGINE_PHASES):
+            s["rest"] = s["run"] - sum(s[k] for k in ENGINE_PHASES)
     return out
 
 
@@ -99,24 +108,30 @@ def report(reps: list[dict], coord: list[tuple[float, float]], warmup: int, bloc
     say(f"  CPU per step (process clocks, all threads): recover {st('cpu') * 1e3:.2f} ms per "
         f"replica + coordinator {coord_step * 1e3:.2f} ms ({rate * 100:.1f}% of a core) shared by "
         f"{len(reps)}; DDP {dt('cpu'):.2f} ms per rank -> CPU ratio {cpu_ratio:.3f}")
-    rows = []
-    for key, what in (("period", "whole step (run + loop)"), ("run", "engine.run"),
-                      ("compute", "  fwd+bwd of own microbatches"),
-                      ("chain", "  plan/chain agreement (_sync_chain)"),
-                      ("reduce", "  _reduce"),
-                      ("allreduce", "    comm.reduce: clone + gloo allreduce + poll"),
-                      ("trailer", "    torch.cat trailer copy + verify"),
-                      ("decide", "  commit decision (_decide)"),
-                      ("speed", "  speed publish (_record_speed)"),
-                      ("other", "  rest: out/{me} set, grad assign, hooks"),
-                      ("loop", "outside run: lr, clip, AdamW, record")):
-        rtt = st(f"rtt:{key}")
-        rows.append((what, f"{st(key, median) * 1e3:.2f}", f"{st(key) * 1e3:.2f}",
-                     f"{st('cpu:' + key) * 1e3:.2f}", f"{rtt:.1f}" if rtt else "",
-                     f"{st('store_s:' + key) * 1e3:.2f}" if rtt else ""))
-    rows.append(("background threads (heartbeat, gloo)", "", "",
-                 f"{st('cpu:background') * 1e3:.2f}", "", ""))
-    say("  recover, per replica-step (main CPU = the training thread's own clock):")
+    have = {k for s in rs for k in s}
+
+    def ms(keys: tuple[str, ...]) -> tuple[str, str]:
+        if not all(k in have for k in keys):
+            return "n/a", "n/a"  # a counter this version of the library does not expose
+        vals = [sum(s.get(k, 0.0) for k in keys) for s in rs]
+        return f"{median(vals) * 1e3:.2f}", f"{_mean(vals) * 1e3:.2f}"
+
+    def store(where: str) -> tuple[str, str]:
+        if not all(r.get("hooks", {}).get("store") for r in reps):
+            return "n/a", "n/a"
+        return f"{st('rtt:' + where):.1f}", f"{st('store_s:' + where) * 1e3:.2f}"
+
+    rows = [("whole step (run + loop)", *ms(("period",)), f"{st('cpu:period') * 1e3:.2f}", "",
+             ""),
+            ("engine.run", *ms(("run",)), f"{st('cpu:run') * 1e3:.2f}", *store("run"))]
+    rows += [(what, *ms(keys), "", "", "") for what, keys in PHASES]
+    rows += [("  rest: plan/chain agreement, speeds, bookkeeping", *ms(("rest",)), "", "", ""),
+             ("outside run: lr, clip, AdamW, record", *ms(("loop",)),
+              f"{st('cpu:loop') * 1e3:.2f}", *store("loop")),
+             ("background threads (heartbeat, gloo)", "", "",
+              f"{st('cpu:background') * 1e3:.2f}", "", "")]
+    say("  recover, per replica-step (main CPU = the training thread's own clock; n/a = a "
+        "counter the installed library does not expose):")
     table(rows, ("phase", "wall med ms", "wall mean ms", "main CPU ms", "store rtt",
                  "store ms"))
     d_main = dt("cpu_accum") + dt("cpu_last") + dt("cpu_opt")
@@ -125,8 +140,14 @@ def report(reps: list[dict], coord: list[tuple[float, float]], warmup: int, bloc
         f"{dt('opt_s'):.2f}; main-thread CPU {d_main:.2f} ms ({dt('cpu_accum'):.2f} + "
         f"{dt('cpu_last'):.2f} + {dt('cpu_opt'):.2f}), background threads "
         f"{dt('cpu') - d_main:.2f}")
-    n_rtt, t_rtt = st("rtt:run") + st("rtt:loop"), st("store_s:run") + st("store_s:loop")
-    say(f"  store: {n_rtt:.1f} blocking round-trips per replica-step ({t_rtt * 1e3:.2f} ms "
-        f"wall, {t_rtt / max(1.0, n_rtt) * 1e6:.0f} us each), plus 2 per heartbeat (0.1 s) on "
-        f"the heartbeat thread; the coordinator reads every heartbeat key every 10 ms")
+    if all(r.get("hooks", {}).get("store") for r in reps):
+        n_rtt = st("rtt:run") + st("rtt:loop")
+        t_rtt = st("store_s:run") + st("store_s:loop")
+        own = (f"; StepEngine.stats counts {st('engine:store_ops'):.1f} of them in the engine"
+               if "engine:store_ops" in have else "")
+        say(f"  store: {n_rtt:.1f} blocking round-trips per replica-step on the training thread "
+            f"({t_rtt * 1e3:.2f} ms wall, {t_rtt / max(1.0, n_rtt) * 1e6:.0f} us each){own}; "
+            f"heartbeats and the coordinator's reads come on top")
+    else:
+        say("  store: round-trips not counted (the store hook did not take; see the logs)")
     return ratio, cpu_ratio

@@ -1,11 +1,16 @@
 """Where a failure-free recover step spends its time, next to DDP (for `bench/overhead.py`).
 
-Runs the unmodified `recover.train.worker` in R processes against a real coordinator, after
-wrapping (in each worker process only, never in the library's files) the step engine's phases,
-the communicator's reduce and the worker's store client, which counts round-trips per phase.
-Phases nest: run > {compute, chain, reduce > allreduce, decide, speed}; "loop" is the worker's
-code outside `engine.run` (lr, zero, clip, optimizer step, step record into the store). With
---ddp-block K, every K recover steps each process runs K plain-DDP steps (`_ddp.DDPTrainer`).
+Runs the unmodified `recover.train.worker` in R processes against a real coordinator. Invariant:
+it reads only what the library makes public and patches no name starting with `_`: the phase
+split comes from the cumulative counters `StepEngine.stats` ("compute_s", "reduce_s",
+"decide_s", "store_ops", ...) and `FaultTolerantComm.stats` ("reduce_s", "build_s",
+"barrier_s", ...), read before and after each `StepEngine.run` (the public step call, wrapped to
+mark step boundaries); store round-trips are counted by a wrapper around the store clients that
+the public `recover.collectives.keys.connect_store` returns. A counter the installed library
+does not have yet is simply absent from the records (the report shows n/a), and a hook that no
+longer takes is reported on stderr and in the records, never silently measured as zero.
+With --ddp-block K, every K recover steps each process runs K plain-DDP steps
+(`_ddp.DDPTrainer`) between recover's steps.
 
     python bench/_profile.py --run-dir D --replica r --coordinator host:port [--ddp-block K]
 """
@@ -16,41 +21,45 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
-from _common import BENCH_DIR, cpu_seconds, end
+from _common import BENCH_DIR, cpu_seconds
 from _ddp import DDPTrainer
+from recover.procs import start, stop, stop_all
 
 STORE_OPS = {"get", "set", "check", "add", "compare_set", "wait", "multi_get", "multi_set",
              "delete_key"}
 
 
-class Prof:
-    def __init__(self) -> None:
-        self.stack = ["setup"]
-        self.steps: list[dict] = []
-        self.cur: dict = defaultdict(float)
+def numbers(stats: Any) -> dict[str, float]:
+    """A snapshot of a public stats mapping: its numeric entries only ({} when there is none)."""
+    if not isinstance(stats, dict):
+        return {}
+    return {k: float(v) for k, v in stats.items() if isinstance(v, (int, float))}
 
-    @contextmanager
-    def phase(self, name: str):
-        self.stack.append(name)
-        t, c = time.perf_counter(), time.thread_time()
-        try:
-            yield
-        finally:
-            self.cur[name] += time.perf_counter() - t
-            self.cur[f"cpu:{name}"] += time.thread_time() - c  # this (main) thread's CPU
-            self.stack.pop()
+
+class Prof:
+    """Per-step records of one worker process; `where` is "setup", "run" or "loop"."""
+
+    def __init__(self) -> None:
+        self.where = "setup"
+        self.steps: list[dict[str, float]] = []
+        self.cur: dict[str, float] = defaultdict(float)
+        self.store_clients = 0  # clients wrapped by the counting store
+
+    def store_op(self, dt: float) -> None:
+        self.cur[f"rtt:{self.where}"] += 1
+        self.cur[f"store_s:{self.where}"] += dt
 
     def close_step(self) -> None:
-        """End the current step: its tail after engine.run (optimizer, record) and CPU clocks."""
+        """End the current step: the tail after engine.run (optimizer, record) and CPU clocks."""
         c = self.cur
         c["loop"] = time.time() - c["t_end"]
         c["cpu"] = time.process_time() - c["cpu_start"]
@@ -58,23 +67,20 @@ class Prof:
         c["cpu:loop"] = c["cpu:main"] - c["cpu:run"]
         c["cpu:background"] = c["cpu"] - c["cpu:main"]
 
-    def store_op(self, dt: float) -> None:
-        self.cur[f"rtt:{self.stack[-1]}"] += 1
-        self.cur[f"store_s:{self.stack[-1]}"] += dt
-
 
 class CountingStore:
-    """Forwards to a real TCPStore; times and counts each call. clone() returns a real client."""
+    """Forwards to a real store client; times and counts each call. clone() returns a real client
+    (the background threads' clients are not counted: only the training thread's round-trips)."""
 
-    def __init__(self, real, prof: Prof) -> None:
+    def __init__(self, real: Any, prof: Prof) -> None:
         self._real, self._prof = real, prof
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         attr = getattr(self._real, name)
         if name not in STORE_OPS:
             return attr
 
-        def call(*a, **k):
+        def call(*a: Any, **k: Any) -> Any:
             t = time.perf_counter()
             try:
                 return attr(*a, **k)
@@ -120,94 +126,81 @@ class Interleave:
 
 
 def install(prof: Prof, inter: Interleave | None = None) -> None:
-    import recover.collectives.comm as comm
-    import recover.collectives.keys as keys
-    import recover.recovery.step as step
+    """Wrap the public store factory and `StepEngine.run` in this (worker) process only."""
+    from recover.collectives import keys
+    from recover.recovery import StepEngine
 
     connect = keys.connect_store
-    keys.connect_store = lambda *a, **k: CountingStore(connect(*a, **k), prof)
 
-    def timed(cls, meth: str, name: str) -> None:
-        orig = getattr(cls, meth, None)
-        if orig is None:
-            print(f"bench profile: {cls.__name__}.{meth} is gone; not timed", file=sys.stderr)
-            return
+    def counting_connect(*a: Any, **k: Any) -> CountingStore:
+        prof.store_clients += 1
+        return CountingStore(connect(*a, **k), prof)
+    keys.connect_store = counting_connect
+    run: Callable[..., Any] = StepEngine.run
 
-        def wrapper(self, *a, **k):
-            with prof.phase(name):
-                return orig(self, *a, **k)
-        setattr(cls, meth, wrapper)
-
-    for meth, name in (("_sync_chain", "chain"), ("_reduce", "reduce"), ("_decide", "decide"),
-                       ("_record_speed", "speed")):
-        timed(step.StepEngine, meth, name)
-    timed(comm.FaultTolerantComm, "reduce", "allreduce")
-    run = step.StepEngine.run
-
-    def run_wrapper(self, t, compute):
-        def timed_compute(i, j):
-            with prof.phase("compute"):
-                return compute(i, j)
+    def run_wrapper(self: Any, t: int, compute: Callable[[int, int], float]) -> Any:
         if prof.steps:
             prof.close_step()
         first = False
         if inter is not None and inter.due(t):
             inter.run_block()
             first = True
+        engine0 = numbers(getattr(self, "stats", None))
+        comm0 = numbers(getattr(getattr(self, "comm", None), "stats", None))
         prof.cur = defaultdict(float)
         prof.steps.append(prof.cur)
         prof.cur.update(first=float(first), t_start=time.time(),
                         cpu_start=time.process_time(),  # all threads: heartbeat, gloo, ...
                         main_start=time.thread_time())  # the training thread alone
-        prof.stack = ["run"]
-        with prof.phase("run"):
-            res = run(self, t, timed_compute)
+        prof.where = "run"
+        t0, c0 = time.perf_counter(), time.thread_time()
+        res = run(self, t, compute)
+        prof.cur["run"] = time.perf_counter() - t0
+        prof.cur["cpu:run"] = time.thread_time() - c0
         prof.cur["t_end"] = time.time()
+        prof.where = "loop"
+        for pre, before, now in (
+                ("engine", engine0, numbers(getattr(self, "stats", None))),
+                ("comm", comm0, numbers(getattr(getattr(self, "comm", None), "stats", None)))):
+            for k, v in now.items():  # cumulative counters: this step's share is the difference
+                prof.cur[f"{pre}:{k}"] = v - before.get(k, 0.0)
         prof.cur["max_quota"] = float(max(res.quotas.values()))  # the step waits for this one
-        prof.stack = ["loop"]
         return res
-    step.StepEngine.run = run_wrapper
+    StepEngine.run = run_wrapper  # type: ignore[method-assign]
 
 
-def profiled_run(cfg, timeout_s: float, ddp_block: int = 0, bucket_mb: float = 25.0,
-                 patched: bool = False) -> tuple[list[dict], list[tuple[float, float]]]:
+def profiled_run(cfg: Any, timeout_s: float, ddp_block: int = 0, bucket_mb: float = 25.0
+                 ) -> tuple[list[dict], list[tuple[float, float]]]:
     """Run cfg (a RunConfig) with profiled workers (and DDP blocks if ddp_block > 0).
 
-    Returns (per replica {"recover": [step records], "ddp": DDP records or None},
-    [(time, coordinator CPU seconds)] samples).
+    Returns (per replica {"recover": [step records], "ddp": DDP records or None, "hooks": which
+    hooks took}, [(time, coordinator CPU seconds)] samples).
     """
     from recover.train.launch import prepare_run
 
     cfg, _ = prepare_run(cfg)
     out = Path(cfg.out)
     port_file = out / "coordinator.port"
-    procs: list[subprocess.Popen] = []
     samples: list[tuple[float, float]] = []
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    coord = start([sys.executable, "-m", "recover.collectives.coordinator", "--replicas",
+                   str(cfg.replicas), "--port", "0", "--port-file", str(port_file), "--stale-s",
+                   str(cfg.stale_s), "--log", str(out / "coordinator.jsonl")],
+                  out / "logs" / "coordinator.log")
+    workers = []
     try:
-        exe = ([str(BENCH_DIR / "_patches.py"), "coordinator"] if patched
-               else ["-m", "recover.collectives.coordinator"])
-        coord = subprocess.Popen(
-            [sys.executable, *exe, "--replicas",
-             str(cfg.replicas), "--port", "0", "--port-file", str(port_file), "--stale-s",
-             str(cfg.stale_s), "--log", str(out / "coordinator.jsonl")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        procs.append(coord)
         deadline = time.monotonic() + 60
         while not port_file.exists():
             if coord.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the coordinator did not start")
             time.sleep(0.05)
         port = int(port_file.read_text())
-        workers = []
         for r in range(cfg.replicas):
-            log = open(out / "logs" / f"replica{r}.log", "ab")
-            workers.append(subprocess.Popen(
+            workers.append(start(
                 [sys.executable, str(BENCH_DIR / "_profile.py"), "--run-dir", str(out),
                  "--replica", str(r), "--coordinator", f"127.0.0.1:{port}", "--ddp-block",
-                 str(ddp_block), "--bucket-mb", str(bucket_mb)] + (["--patched"] * patched),
-                stdout=log, stderr=subprocess.STDOUT, env=env))
-            procs.append(workers[-1])
+                 str(ddp_block), "--bucket-mb", str(bucket_mb)],
+                out / "logs" / f"replica{r}.log", env=env))
         deadline = time.monotonic() + timeout_s
         while any(w.poll() is None for w in workers):  # sample the coordinator's CPU clock
             if time.monotonic() > deadline:
@@ -218,8 +211,8 @@ def profiled_run(cfg, timeout_s: float, ddp_block: int = 0, bucket_mb: float = 2
             raise RuntimeError(f"profiled workers exited {[w.returncode for w in workers]}; "
                                f"see {out / 'logs'}")
     finally:
-        end(procs[1:])
-        end(procs[:1])
+        stop_all(workers)
+        stop(coord)
     return ([json.loads((out / "prof" / f"replica{r}.json").read_text())
              for r in range(cfg.replicas)], samples)
 
@@ -231,12 +224,7 @@ def worker_main() -> int:
     ap.add_argument("--coordinator", required=True)
     ap.add_argument("--ddp-block", type=int, default=0, help="DDP steps per block (0: none)")
     ap.add_argument("--bucket-mb", type=float, default=25.0)
-    ap.add_argument("--patched", action="store_true", help="apply bench/_patches.py first")
     args = ap.parse_args()
-    if args.patched:
-        import _patches
-
-        _patches.apply()
     prof = Prof()
     run_dir = Path(args.run_dir)
     inter = (Interleave(run_dir, args.replica, args.coordinator, args.ddp_block, args.bucket_mb)
@@ -246,12 +234,19 @@ def worker_main() -> int:
 
     code = worker.main(["--run-dir", args.run_dir, "--replica", str(args.replica),
                         "--coordinator", args.coordinator])
+    if prof.steps:
+        prof.close_step()  # the last step's tail (its record, the final checkpoint)
+    hooks = {"steps": bool(prof.steps), "store": prof.store_clients > 0}
+    for name, took in hooks.items():
+        if not took:  # the library changed under the profiler: say so, never report zeros
+            print(f"bench profile: the {name} hook did not take (see bench/_profile.py)",
+                  file=sys.stderr)
     d = run_dir / "prof"
     d.mkdir(exist_ok=True)
     ddp = ({**inter.trainer.rec, "first": inter.first}
            if inter is not None and inter.trainer is not None else None)
     (d / f"replica{args.replica}.json").write_text(json.dumps({"recover": prof.steps,
-                                                              "ddp": ddp}))
+                                                              "ddp": ddp, "hooks": hooks}))
     return code
 
 

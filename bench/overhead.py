@@ -9,10 +9,11 @@ intra-op thread each.
 How: the same R processes alternate blocks of --block recover steps and --block DDP steps (DDP
 on its own process group), so drift and other load on the machine hit both alike; both are timed
 by the same clocks around the whole loop (recover: engine.run + the worker's optimizer and
-record; DDP: lr..optimizer). Wrappers (`bench/_profile.py`, in the worker processes only) break
-recover's step into compute, plan/chain agreement, trailer copy, allreduce, commit decision and
-store round-trips, with wall and CPU time each; CPU clocks (robust to other load) give a second
-ratio that includes the coordinator's share. With --separate (default outside --quick), whole
+record; DDP: lr..optimizer). `bench/_profile.py` breaks recover's step into compute, reduce,
+collective, group build and commit decision from the library's public counters
+(`StepEngine.stats`, `FaultTolerantComm.stats`), and counts store round-trips with a wrapper
+around the store client; CPU clocks (robust to other load) give a second ratio that includes the
+coordinator's share. With --separate (default outside --quick), whole
 `recover train` runs (launcher included) and standalone DDP runs are also compared in ABBA
 order. Last lines: `cpu_overhead_ratio=<x>` and `overhead_ratio=<recover/ddp wall>`.
 
@@ -34,7 +35,6 @@ from pathlib import Path
 from _common import (
     BENCH_DIR,
     cores,
-    end,
     field,
     loadavg,
     median,
@@ -47,6 +47,7 @@ from _common import (
 from _overhead_report import report
 from _profile import profiled_run
 from recover.config import preset
+from recover.procs import start, stop_all
 from recover.train.launch import prepare_run
 
 
@@ -58,19 +59,18 @@ def ddp_run(cfg, run: Path, bucket_mb: float, timeout_s: float) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     try:
         for r in range(cfg.replicas):
-            log = open(run / f"rank{r}.log", "wb")
-            procs.append(subprocess.Popen(
+            procs.append(start(
                 [sys.executable, str(BENCH_DIR / "_ddp.py"), "--run-dir", str(run), "--rank",
                  str(r), "--world", str(cfg.replicas), "--store-file", str(run / "filestore"),
                  "--result", str(run / f"rank{r}.json"), "--bucket-mb", str(bucket_mb)],
-                stdout=log, stderr=subprocess.STDOUT, env=env))
+                run / f"rank{r}.log", env=env))
         deadline = time.monotonic() + timeout_s
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
         if any(p.returncode != 0 for p in procs):
             raise RuntimeError(f"DDP ranks exited {[p.returncode for p in procs]}; see {run}")
     finally:
-        end(procs)
+        stop_all(procs)
     return [json.loads((run / f"rank{r}.json").read_text()) for r in range(cfg.replicas)]
 
 
@@ -126,9 +126,6 @@ def main() -> int:
                     help="also compare whole `recover train` runs with standalone DDP runs "
                          "(ABBA); default on, off with --quick")
     ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds of --separate")
-    ap.add_argument("--patched", action="store_true",
-                    help="one more interleaved run with bench/_patches.py (fewer store "
-                         "round-trips) applied in the workers")
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
     ap.add_argument("--no-speed-aware", action="store_true",
                     help="equal quotas in recover (default: its speed-aware quotas)")
@@ -158,20 +155,11 @@ def main() -> int:
         f"per-step cost); recover speed-aware quotas: {cfg.speed_aware}")
     say("interleaved: the unmodified recover worker in R processes, each also running DDP "
         "blocks between recover's steps, so noise and load hit both alike; recover's phases "
-        "are timed by wrappers (bench/_profile.py)")
+        "come from the library's public counters (bench/_profile.py)")
     t0 = time.monotonic()
     reps, coord = profiled_run(cfg, a.timeout_s, a.block, a.bucket_mb)
     ratio, cpu_ratio = report(reps, coord, a.warmup, a.block)
     say(f"  ({time.monotonic() - t0:.0f}s wall)")
-    if a.patched:
-        say("\ninterleaved again, with the proposed library changes of bench/_patches.py applied "
-            "in the workers (monkeypatched; src/ untouched)")
-        pcfg = dataclasses.replace(cfg, out=str(root / "interleaved-patched"))
-        pcfg.model = dataclasses.replace(cfg.model)
-        t0 = time.monotonic()
-        reps, coord = profiled_run(pcfg, a.timeout_s, a.block, a.bucket_mb, patched=True)
-        p_ratio, p_cpu = report(reps, coord, a.warmup, a.block)
-        say(f"  ({time.monotonic() - t0:.0f}s wall)")
     if sep:
         say("\nseparate runs: `recover train` (launcher + coordinator + workers) vs "
             "bench/_ddp.py, ABBA")
@@ -181,9 +169,6 @@ def main() -> int:
     say(f"\ngoal <= 1.03; load average now {loadavg():.1f} on {cores()} core(s)"
         + (" -- wall times on an overloaded machine reflect the scheduler's sharing"
            if loadavg() > cores() else ""))
-    if a.patched:
-        print(f"patched_cpu_overhead_ratio={p_cpu:.3f}")
-        print(f"patched_overhead_ratio={p_ratio:.3f}")
     print(f"cpu_overhead_ratio={cpu_ratio:.3f}")
     print(f"overhead_ratio={ratio:.3f}", flush=True)
     return 0

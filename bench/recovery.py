@@ -34,8 +34,9 @@ import sys
 import time
 from pathlib import Path
 
-from _common import BENCH_DIR, cores, end, end_pids, median, out_dir, say, table
+from _common import BENCH_DIR, cores, median, out_dir, say, table
 from recover.config import RunConfig
+from recover.procs import stop, stop_pids
 
 
 def events(path: Path) -> list[dict]:
@@ -125,8 +126,8 @@ def trial(k: int, d: Path, a, rng: random.Random, zyg: Zygote) -> dict:
 
         wait_for(recovered, a.timeout_s + 30, "the survivors' next reduce")
     finally:
-        end_pids(pids[1:], grace_s=3.0)
-        end_pids(pids[:1])
+        stop_pids(pids[1:], grace_s=3.0)
+        stop_pids(pids[:1])
     gens = [e for e in events(d / "coordinator.jsonl")
             if e["event"] == "generation" and e["gen"] > g0]
     t_gen = gens[0]["time"]
@@ -208,7 +209,7 @@ def main() -> int:
                 f"({r['reason'][:70]})")
     finally:
         zyg.proc.stdin.close()  # EOF: the fork server exits
-        end([zyg.proc])
+        stop(zyg.proc)
     say("")
     table(rows, ("trial", "victim", "total ms", "detect", "agree", "rebuild", "reduce",
                  "raised (n)"))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import math
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -19,8 +21,8 @@ from recover.sim import (
     young_daly_steps,
 )
 from recover.sim.calibrate import calib_params, load_calibration
-from recover.sim.engine import Job
 from recover.sim.faults import load_trace
+from recover.sim.job import Job, replica_quotas
 
 # 4 replicas, N = 8 (2 per replica), 1 s steps of which 0.2 s all-reduce -> 0.4 s per microbatch.
 SMALL = dict(
@@ -176,6 +178,35 @@ def test_bulk_advance_matches_stepwise(monkeypatch: pytest.MonkeyPatch) -> None:
             b.checkpoints,
         )
         assert a.wall_s == pytest.approx(b.wall_s)
+
+
+@settings(max_examples=60, deadline=None)
+@given(active=st.sets(st.integers(0, 40), min_size=1, max_size=12), n=st.integers(0, 200))
+def test_replica_quotas_even_and_complete(active: set[int], n: int) -> None:
+    q = replica_quotas(list(active), n)
+    assert set(q) == active and sum(q.values()) == n
+    assert max(q.values()) - min(q.values()) <= 1
+    order = sorted(active)  # the extra microbatches go to the lowest slots
+    assert [q[s] for s in order] == sorted(q.values(), reverse=True)
+
+
+def _sim_imports(module: str) -> set[str]:
+    """The `recover.sim` modules that `module` imports anywhere (functions included)."""
+    import recover.sim
+
+    tree = ast.parse((Path(recover.sim.__file__).parent / f"{module}.py").read_text())
+    return {
+        node.module.removeprefix("recover.sim.")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("recover.sim.")
+    }
+
+
+def test_sim_imports_run_one_way() -> None:
+    # engine -> policies -> job: a lazy import inside a function would be a cycle in disguise.
+    assert "engine" not in _sim_imports("policies") | _sim_imports("job")
+    assert "policies" not in _sim_imports("job")
+    assert {"policies", "job"} <= _sim_imports("engine")
 
 
 def test_spares_restore_speed() -> None:

@@ -5,8 +5,10 @@ same `SimParams` against the same failure sequence, and every figure the simulat
 computed from stated assumptions (printed by `recover simulate`), never typed in.
 
 Modules: `params` (SimParams, defaults and their sources, Young-Daly), `faults` (failure sequences,
-trace format), `engine` + `policies` (the event loops), `results` (metrics), `scenario` (the paper
-scenario), `calibrate` (bench.json schema, `predict_wall_times`), `sensitivity`, `report`, `cli`.
+trace format), `job` (the event core: `Job`, `replica_quotas`), `policies` (the three event
+loops), `engine` (`simulate`, the runner registry; imports run engine -> policies -> job),
+`results` (metrics), `scenario` (the paper scenario), `calibrate` (bench.json schema,
+`predict_wall_times`), `sensitivity`, `report`, `cli`.
 """
 
 from recover.sim.calibrate import calib_params, load_calibration, predict_wall_times

@@ -14,9 +14,7 @@ Invariant (what each policy promises, and what the simulator checks):
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from recover.sim.engine import Job, ceil_div, plan
+from recover.sim.job import Job, ceil_div, replica_quotas
 from recover.sim.params import young_daly_steps
 from recover.sim.results import PolicyResult
 
@@ -26,7 +24,7 @@ def run_recover(job: Job) -> PolicyResult:
     p, n = job.p, job.p.microbatches
     while not job.done():
         job.admit()
-        quotas = plan(job.active, n)
+        quotas = replica_quotas(job.active, n)
         st = p.step_time(max(quotas.values()), len(job.active))
         if (m := job.free_steps(st)) > 0:
             job.advance(m, st, n)
@@ -57,7 +55,7 @@ def _ckpt_interval(job: Job) -> int:
     p = job.p
     if p.ckpt_interval_steps is not None:
         return p.ckpt_interval_steps
-    st = p.step_time(max(plan(job.active, p.microbatches).values()), len(job.active))
+    st = p.step_time(max(replica_quotas(job.active, p.microbatches).values()), len(job.active))
     mtbf = job.sched.mtbf_s(len(job.active) * p.gpus_per_replica)
     return young_daly_steps(p.ckpt_cost_s, mtbf, st)
 
@@ -69,7 +67,7 @@ def run_ckpt_restart(job: Job) -> PolicyResult:
     detect = p.detect_s if p.restart_detect_s is None else p.restart_detect_s
     k = _ckpt_interval(job)
     while not job.done():
-        st = p.step_time(max(plan(job.active, n).values()), len(job.active))
+        st = p.step_time(max(replica_quotas(job.active, n).values()), len(job.active))
         hit = None
         if (m := min(job.free_steps(st), k - (job.steps - last))) > 0:
             job.advance(m, st, n)
@@ -118,7 +116,8 @@ def run_ckpt_restart(job: Job) -> PolicyResult:
 def run_shrink_batch(job: Job) -> PolicyResult:
     """Discard the faulted step; survivors continue with their own quotas (the batch shrinks)."""
     p = job.p
-    quota = plan(job.active, p.microbatches)  # per slot, fixed; a spare inherits its predecessor's
+    # Per slot and fixed for the run; a spare inherits its predecessor's quota.
+    quota = replica_quotas(job.active, p.microbatches)
 
     def lose(slot: int, t: float) -> None:
         spare = job.request_spare(t)
@@ -156,9 +155,3 @@ def run_shrink_batch(job: Job) -> PolicyResult:
         job.t = resume
     return job.result()
 
-
-RUNNERS: dict[str, Callable[[Job], PolicyResult]] = {
-    "recover": run_recover,
-    "ckpt-restart": run_ckpt_restart,
-    "shrink-batch": run_shrink_batch,
-}

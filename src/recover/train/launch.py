@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ from recover.collectives import connect_store, keys, try_get
 from recover.config import RunConfig
 from recover.errors import CheckpointError, ConfigError, RecoverError
 from recover.faults import validate_faults
+from recover.procs import stop_all as _end
 from recover.train.data import prepare_data
 from recover.train.metrics import MetricsSink, truncate_metrics
 
@@ -110,20 +110,6 @@ def _all_gone(store: Any, workers: dict[int, subprocess.Popen], external: bool) 
     if not external:
         return all(p.poll() is not None for p in workers.values())
     return keys.newest_members(store) == []
-
-
-def _end(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
-    """Terminate processes by PID: SIGTERM, then SIGKILL after a grace period."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=10)
 
 
 def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
