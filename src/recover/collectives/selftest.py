@@ -51,10 +51,10 @@ def main(argv: list[str] | None = None) -> int:
             x = torch.tanh(x @ x.T / 256.0)  # real CPU load, like a training step
         g = member.generation()
         members = member.members(g)
-        payload = torch.full((args.numel,), float(args.replica + 1))
+        res = torch.full((args.numel,), float(args.replica + 1))
         t1 = time.monotonic()
         try:
-            res = comm.reduce(payload, g)
+            comm.reduce_([res], g)
         except ReplicaFault as e:
             log(event="fault", gen=g, lost=e.lost, why=e.why, wait_s=time.monotonic() - t1)
             if member.generation() == g:
