@@ -63,6 +63,8 @@ class RunConfig:
     # Fault tolerance.
     min_replicas: int = 1
     speed_aware: bool = True  # quotas follow measured microbatch times (off: equal quotas)
+    # Exact mode: fixed-point gradient sums, bitwise independent of grouping and faults.
+    exact: bool = False
     # Reaction to a lost replica: "recover" (in-step recovery, batch stays N) or "shrink-batch"
     # (baseline, recover.baselines.shrink: the faulted step is discarded, the batch shrinks).
     policy: str = "recover"
@@ -152,6 +154,9 @@ class RunConfig:
              f"{', '.join(POLICIES)}")
         need(self.policy == "recover" or self.layout == "plain",
              f"--policy {self.policy} supports --layout plain only")
+        need(not self.exact or self.layout in ("plain", "hsdp"),
+             f"--exact supports --layout plain and hsdp only (got {self.layout}): TP and pipeline "
+             "ranks split a microbatch's reductions in layout-dependent ways")
         self._validate_layout(need)
         return self
 

@@ -8,7 +8,8 @@ written anywhere else, so the layout can be read (and changed) in one sitting:
     gen{g}/pos{p}/...               generation g's communicator at position p (barrier, gloo)
     hb/{replica}.{rank}             heartbeat counter of one rank
     coord/liveness, coord/error     the coordinator's liveness address; why it gave up
-    step/{t}/chain/{k}              ownership chain of step t (entry k written once)
+    step/{t}/chain/{k}              ownership chain of step t (entry k written once); a step run
+                                    again (exact mode, after an overflow) uses t = "{t}.{round}"
     step/{t}/g{g}/out/{leaf}        one rank's outcome of step t's reduce in generation g
     step/{t}/g{g}/count             verified results of that attempt, counted
     step/{t}/g{g}/decision          the commit decision of that attempt (written once)
@@ -64,7 +65,7 @@ def decode_members(raw: bytes) -> list[int]:
 
 
 # -- the step protocol (written by the replicas) ----------------------------------------------
-def chain_key(step: int, k: int) -> str:
+def chain_key(step: int | str, k: int) -> str:
     return f"step/{step}/chain/{k}"
 
 
@@ -73,15 +74,15 @@ def outcome_leaf(replica: int, position: int, positions: int) -> str:
     return f"{replica}" if positions == 1 else f"{replica}.{position}"
 
 
-def outcome_key(step: int, g: int, leaf: str) -> str:
+def outcome_key(step: int | str, g: int, leaf: str) -> str:
     return f"step/{step}/g{g}/out/{leaf}"
 
 
-def decision_key(step: int, g: int) -> str:
+def decision_key(step: int | str, g: int) -> str:
     return f"step/{step}/g{g}/decision"
 
 
-def count_key(step: int, g: int) -> str:
+def count_key(step: int | str, g: int) -> str:
     """Verified results of step t's reduce in generation g, counted (`add`) by each rank."""
     return f"step/{step}/g{g}/count"
 

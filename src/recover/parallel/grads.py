@@ -68,6 +68,21 @@ class ShardedGrads:
                 local_tensor(p.grad).copy_(reduced[offset: offset + s.numel()].view(s))
                 offset += s.numel()
 
+    @property
+    def sizes(self) -> list[int]:
+        return [s.numel() for s in self.shapes]
+
+    def parts(self) -> list[torch.Tensor | None]:
+        """Each parameter's local gradient (None where it has none yet), in pack order."""
+        return [None if p.grad is None else local_tensor(p.grad) for p in self.params]
+
+    def assign_parts(self, parts: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for p, s, part in zip(self.params, self.shapes, parts, strict=True):
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                local_tensor(p.grad).copy_(part.view(s))
+
     def zero(self) -> None:
         """Start a step: no gradient (autograd / FSDP2 create them on first accumulation)."""
         for p in self.params:

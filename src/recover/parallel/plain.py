@@ -42,6 +42,18 @@ class FlatGrads:
     def assign(self, reduced: torch.Tensor) -> None:
         self.flat.copy_(reduced)
 
+    @property
+    def sizes(self) -> list[int]:
+        return [p.numel() for p in self.params]
+
+    def parts(self) -> list[torch.Tensor | None]:
+        """Each parameter's gradient (a view of the flat buffer), in pack order."""
+        return [p.grad for p in self.params]
+
+    def assign_parts(self, parts: list[torch.Tensor]) -> None:
+        for p, part in zip(self.params, parts, strict=True):
+            p.grad.view(-1).copy_(part)  # type: ignore[union-attr]
+
     def zero(self) -> None:
         self.flat.zero_()
         lo, hi = self.flat.data_ptr(), self.flat.data_ptr() + self.flat.nbytes

@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from recover.collectives import FaultTolerantComm, Member
 from recover.parallel.grads import ShardedGrads, is_dtensor, local_tensor
 from recover.parallel.plain import FlatGrads
-from recover.recovery import GradAccess, StepEngine, StepResult, StepStrategy
+from recover.recovery import ExactGrads, GradAccess, StepEngine, StepResult, StepStrategy
 
 Hook = Callable[[str, int, int], None]
 
@@ -58,7 +58,8 @@ class Replica:
                  replica: int | None = None, min_replicas: int = 1, timeout_s: float = 60.0,
                  join_timeout_s: float = 120.0, heartbeat_s: float = 0.1,
                  hook: Hook | None = None, speed_aware: bool = True,
-                 strategy: StepStrategy | None = None) -> None:
+                 strategy: StepStrategy | None = None, exact: bool = False,
+                 reduce_dtype: torch.dtype | None = None) -> None:
         self.module, self.mesh, self.n = module, mesh, microbatches
         self._left = False
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -81,7 +82,13 @@ class Replica:
         self._tied_group = self._tied_groups(mesh) if n_pp > 1 else None
         self.plain = mesh is None and not any(is_dtensor(p) for p in self.params)
         # plain: a flat buffer every .grad views (zero-copy); otherwise the local shards.
-        self.grads: GradAccess = FlatGrads(module) if self.plain else ShardedGrads(self.params)
+        layout: FlatGrads | ShardedGrads = (FlatGrads(module) if self.plain
+                                            else ShardedGrads(self.params))
+        self.exact: ExactGrads | None = None
+        if exact:
+            _check_exact(mesh)
+            self.exact = ExactGrads(layout, microbatches)
+        self.grads: GradAccess = self.exact or layout
         host, port, replica = _where(coordinator, replica)
         self.member = Member(host, port, replica, self.rank, self.nranks, heartbeat_s=heartbeat_s,
                              timeout_s=join_timeout_s)
@@ -91,7 +98,8 @@ class Replica:
         self.engine = StepEngine(self.member, self.comm, self.grads, microbatches,
                                  min_replicas=min_replicas, timeout_s=timeout_s, hook=hook,
                                  speed_aware=speed_aware, positions=self.nranks,
-                                 strategy=strategy)
+                                 strategy=strategy,
+                                 reduce_dtype=None if exact else reduce_dtype)
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self, step: int, compute: Callable[[int, int], float]) -> StepResult:
@@ -103,9 +111,19 @@ class Replica:
 
         def weighted(i: int, j: int) -> float:
             with self.guard():
-                return w * compute(i, j)
+                loss = w * compute(i, j)
+            if self.exact is not None:  # into the fixed-point sum, before the next microbatch
+                self.exact.fold(loss)
+            return loss
 
         res = self.engine.run(step, weighted)
+        round_ = 0
+        while res.redo:  # exact mode: some microbatch outgrew the fixed point; wider, again
+            round_ += 1
+            self.grads.zero()
+            res = self.engine.run(step, weighted, round_)
+        if self.exact is not None:
+            res.loss = self.exact.loss / self.n
         if self.nranks > 1:
             with self.guard():
                 self._sum_tied()
@@ -226,6 +244,21 @@ class Replica:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(local_tensor(p.grad), group=self._tied_group)
+
+
+def _check_exact(mesh: DeviceMesh | None) -> None:
+    """Exact mode needs each microbatch's gradient to be a pure function of its id wherever it
+    runs: deterministic kernels, one intra-op thread on CPU (a reduction split over threads
+    sums in another order), and the same layout on every replica (plain or hsdp)."""
+    names = set(mesh.mesh_dim_names or ()) if mesh is not None else set()
+    if names - {"shard"}:
+        raise ValueError(f"exact mode supports plain and hsdp replicas, not a mesh with "
+                         f"{sorted(names)}")
+    if torch.get_num_threads() != 1:
+        raise ValueError(f"exact mode needs torch.set_num_threads(1) (now "
+                         f"{torch.get_num_threads()}): CPU reductions split over threads sum "
+                         "in a thread-count-dependent order")
+    torch.use_deterministic_algorithms(True)
 
 
 def _where(coordinator: str | None, replica: int | None) -> tuple[str, int, int]:

@@ -1,10 +1,12 @@
 """Layer 2: in-step recovery (uses layer 1 for the reduction and layer 3 for the plan).
 
 Public API: `StepEngine` (one replica's side of a step), `StepResult`, `GradAccess`,
-`TensorGrad`, `BelowMinReplicas`, `RecoveryError`, and the strategy interface `StepStrategy` with
-recover's own `InStepRecovery` and the helper `chain_owners` (for other strategies).
+`TensorGrad`, `ExactGrads` (exact mode), `BelowMinReplicas`, `RecoveryError`, and the strategy
+interface `StepStrategy` with recover's own `InStepRecovery` and the helper `chain_owners` (for
+other strategies).
 """
 
+from recover.recovery.exact import ExactGrads
 from recover.recovery.step import (
     MAX_ATTEMPTS,
     BelowMinReplicas,
@@ -16,6 +18,7 @@ from recover.recovery.step import (
 )
 from recover.recovery.strategy import Chain, InStepRecovery, StepStrategy, chain_owners
 
-__all__ = ["MAX_ATTEMPTS", "BelowMinReplicas", "Chain", "GradAccess", "InStepRecovery",
+__all__ = ["MAX_ATTEMPTS", "BelowMinReplicas", "Chain", "ExactGrads", "GradAccess",
+           "InStepRecovery",
            "RecoveryError", "StepEngine", "StepResult", "StepStrategy", "TensorGrad",
            "chain_owners"]

@@ -108,6 +108,7 @@ class StepResult:
     recovered: list[int] = field(default_factory=list)  # ids this step recomputed after a fault
     recovery_s: float = 0.0
     attempts: int = 1
+    redo: bool = False  # exact mode: the step overflowed its fixed point; run it again
 
 
 class _CountingStore:
@@ -170,15 +171,21 @@ class StepEngine:
         # One gradient-sized scratch buffer, reused by every reduce unless an abandoned
         # operation may still write into it (then a new one is made and this one dropped).
         self.reduce_dtype = reduce_dtype or self.grads.dtype
+        # Per-replica trailer values a GradAccess may ask for (exact mode: maxima, overflow).
+        self._slots = int(getattr(self.grads, "slots", 0))
         self._scratch: torch.Tensor | None = None
 
     # -- the step --------------------------------------------------------------------------
-    def run(self, step: int, compute: Callable[[int, int], float]) -> StepResult:
+    def run(self, step: int, compute: Callable[[int, int], float],
+            round_: int = 0) -> StepResult:
         """Compute, reduce and agree on step `step`; on return the gradient holds the reduced sum.
 
         `compute(id, j)` accumulates microbatch `id`'s gradient into the local gradient and returns
         its loss; `j` counts this replica's microbatches within the step (for fault injection).
+        `round_` > 0 runs the same step again from scratch (exact mode after an overflow), with
+        its own keys in the store.
         """
+        tag: int | str = step if round_ == 0 else f"{step}.{round_}"
         chain: Chain = []
         held: list[int] = []
         settled: set[int] = set()  # generations this rank reported an outcome in (multi-rank)
@@ -191,9 +198,9 @@ class StepEngine:
                 raise BelowMinReplicas(f"{len(members)} live replica(s) {members} < "
                                        f"--min-replicas {self.min_replicas}")
             before = len(chain)
-            chain = self._sync_chain(step, chain, g, members)
+            chain = self._sync_chain(step, tag, chain, g, members)
             if self.positions > 1:
-                self._mark_skipped(step, chain, settled)
+                self._mark_skipped(tag, chain, settled)
             if not self.strategy.keeps_work and before and len(chain) > before:
                 self.grads.zero()  # the strategy discards the attempt: start the step over
                 held, loss_sum = [], 0.0
@@ -223,7 +230,7 @@ class StepEngine:
             settled.add(entry_gen)
             t0 = time.monotonic()
             with record_function("recover.decide"):
-                decision = self._decide(step, entry_gen, ok)
+                decision = self._decide(tag, entry_gen, ok)
             self.stats["decide_s"] += time.monotonic() - t0
             if decision == keys.COMMIT:
                 count = int(trailer[0])
@@ -231,7 +238,11 @@ class StepEngine:
                 if scale != 1.0:
                     out.mul_(scale)
                 self.grads.assign(out)
-                self.speeds = {r: v for r, v in enumerate(trailer[HEAD:].tolist()) if v > 0}
+                reps = self.member.replicas
+                self.speeds = {r: v for r, v in enumerate(trailer[HEAD:HEAD + reps].tolist())
+                               if v > 0}
+                redo = bool(self._slots) and self.grads.agree(  # type: ignore[attr-defined]
+                    trailer[HEAD + reps:].view(reps, self._slots))
                 self._record_speed(compute_s, len(held))
                 self.stats["steps"] += 1
                 quotas: dict[int, int] = {}
@@ -242,7 +253,7 @@ class StepEngine:
                 return StepResult(step, entry_gen, self.member.members(entry_gen),
                                   dict(sorted(quotas.items())), float(trailer[3]) / count, count,
                                   recovered, time.monotonic() - t_fault if t_fault else 0.0,
-                                  attempt)
+                                  attempt, redo)
             t_fault = t_fault or time.monotonic()
             if self.member.generation() == entry_gen:
                 self.member.wait_newer(entry_gen, self.timeout_s)
@@ -255,12 +266,17 @@ class StepEngine:
         holds exactly `expect_ids` of this step from every member of g."""
         out = self._scratch_buffer()
         self.grads.pack(out)
-        trailer = torch.zeros(HEAD + self.member.replicas, dtype=torch.float64,
+        reps = self.member.replicas
+        trailer = torch.zeros(HEAD + reps * (1 + self._slots), dtype=torch.float64,
                               device=out.device)
         trailer[:HEAD] = torch.tensor([len(held), id_checksum(held), step + 1, loss_sum],
                                       dtype=torch.float64)
         if self.mb_time is not None:
             trailer[HEAD + self.me] = self.mb_time
+        if self._slots:  # one row per replica: adding zeros keeps every value exact
+            row = HEAD + reps + self.me * self._slots
+            trailer[row: row + self._slots] = torch.tensor(
+                self.grads.slot_values(), dtype=torch.float64)  # type: ignore[attr-defined]
         try:
             self.comm.reduce_([out, trailer], g,
                               on_issued=lambda: self.hook("reduce", step, len(held)))
@@ -286,7 +302,7 @@ class StepEngine:
     def _leaf(self, replica: int, position: int) -> str:
         return keys.outcome_leaf(replica, position, self.positions)
 
-    def _mark_skipped(self, step: int, chain: Chain, settled: set[int]) -> None:
+    def _mark_skipped(self, step: int | str, chain: Chain, settled: set[int]) -> None:
         """Decide 'redo' for every generation of the chain this rank moved past without reducing.
 
         Another position of the same generation may have completed its reduce; without this its
@@ -300,7 +316,7 @@ class StepEngine:
                 settled.add(g)
                 self.store.compare_set(keys.decision_key(step, g), "", keys.REDO)
 
-    def _decide(self, step: int, g: int, ok: bool) -> bytes:
+    def _decide(self, step: int | str, g: int, ok: bool) -> bytes:
         """Commit iff every position of every surviving member of g holds a verified result;
         decided once, by compare-and-set of the attempt's decision key.
 
@@ -322,7 +338,7 @@ class StepEngine:
             return decided
         return self._decide_on_evidence(step, g, dkey)
 
-    def _decide_on_evidence(self, step: int, g: int, dkey: str) -> bytes:
+    def _decide_on_evidence(self, step: int | str, g: int, dkey: str) -> bytes:
         # A sibling position may legitimately take barrier + build + reduce (3 timeouts) first.
         self.store.set(keys.outcome_key(step, g, self._leaf(self.me, self.position)), keys.OK)
         deadline = time.monotonic() + 3 * self.timeout_s
@@ -347,7 +363,8 @@ class StepEngine:
             time.sleep(pause)  # the fault path only: the others are a moment behind
             pause = min(2 * pause, 0.05)
 
-    def _sync_chain(self, step: int, chain: Chain, g: int, members: list[int]) -> Chain:
+    def _sync_chain(self, step: int, tag: int | str, chain: Chain, g: int, members: list[int]
+                    ) -> Chain:
         """Read the agreed ownership chain up to an entry of generation >= g, extending it if
         nobody has yet. Entry 0, the step's plan, is proposed by one rank (position 0 of the
         lowest member); the others block on it. Later entries (after a fault) are proposed by
@@ -355,7 +372,7 @@ class StepEngine:
         chain = list(chain)
         deadline = time.monotonic() + 3 * self.timeout_s
         while not chain or chain[-1]["gen"] < g:
-            key = keys.chain_key(step, len(chain))
+            key = keys.chain_key(tag, len(chain))
             proposer = bool(chain) or (self.position == 0 and self.me == min(members))
             if proposer:
                 raw = self.store.compare_set(key, "", json.dumps(self._propose(step, chain, g,

@@ -59,7 +59,8 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
     rep = Replica(rm.module, n, mesh=rm.mesh, tied=rm.tied, coordinator=f"{host}:{port}",
                   replica=replica, min_replicas=cfg.min_replicas, timeout_s=cfg.reduce_timeout_s,
                   join_timeout_s=cfg.join_timeout_s, heartbeat_s=cfg.heartbeat_s,
-                  hook=faults.at, speed_aware=cfg.speed_aware, strategy=_strategy(cfg))
+                  hook=faults.at, speed_aware=cfg.speed_aware, strategy=_strategy(cfg),
+                  exact=cfg.exact)
     store = rep.member.store
     evals = eval_batches(corpus.val, m.block_size, cfg.microbatch_size, cfg.seed,
                          cfg.eval_microbatches)
@@ -108,7 +109,7 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
     except BelowMinReplicas as e:
         log(f"stopping: {e}")
         if rep.is_leader:
-            saved = "checkpoint at step" if can_save else "no checkpoint (multi-rank layout) at"
+            saved = "checkpoint at" if can_save else "no checkpoint (multi-rank layout) at"
             if can_save:
                 save(applied)  # committed steps only: the failed step was never applied
             store.set(keys.RUN_STOPPED, f"{e}; {saved} step {applied}")

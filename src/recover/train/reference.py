@@ -23,6 +23,32 @@ def max_rel_loss_diff(run: list[dict[str, Any]], ref: list[dict[str, Any]]) -> f
     return max(abs(a - b) / max(abs(b), 1e-12) for a, b in common)
 
 
+def compare_final_params(run_dir: Path, ref_dir: Path) -> tuple[bool, float]:
+    """(bitwise equal, relative L2 distance) of every final parameter file of a run against the
+    reference's lowest replica with the same rank (`final/replica{r}[.rank{k}].pt`)."""
+    import torch
+
+    ref_files: dict[str, Path] = {}
+    for f in sorted((ref_dir / "final").glob("replica*.pt")):
+        ref_files.setdefault(_rank_of(f), f)
+    run_files = sorted((run_dir / "final").glob("replica*.pt"))
+    if not run_files or not ref_files:
+        raise ValueError(f"no final parameters to compare in {run_dir} and {ref_dir}")
+    equal, num, den = True, 0.0, 0.0
+    for f in run_files:
+        a = torch.load(f, weights_only=True)
+        b = torch.load(ref_files[_rank_of(f)], weights_only=True)
+        equal &= a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        num += sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a)
+        den += sum(float(b[k].double().pow(2).sum()) for k in b)
+    return equal, (num / max(den, 1e-300)) ** 0.5
+
+
+def _rank_of(path: Path) -> str:
+    parts = path.stem.split(".")
+    return parts[1] if len(parts) > 1 else "rank0"
+
+
 def plot_trajectory(run: list[dict[str, Any]], ref: list[dict[str, Any]], path: Path) -> None:
     """Both loss curves, the fault moments, and the per-step relative difference."""
     ref_by_step = {r["step"]: r["loss"] for r in ref}

@@ -1,0 +1,152 @@
+"""Exact mode: the step's gradient is bitwise independent of grouping, order and faults.
+
+Unit tests fold integer-exact and random per-id gradients in different groupings through
+`ExactGrads`; the process tests compare whole runs bit for bit (losses at every step, final
+parameters), with real SIGKILLs, and against the default mode's order noise.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from _run import bitwise_equal, recover_train
+from recover.recovery.exact import ExactGrads
+
+
+class _Parts:
+    """A minimal layout: a few float32 tensors, as a FlatGrads/ShardedGrads would give them."""
+
+    def __init__(self, shapes: list[int]) -> None:
+        self.tensors = [torch.zeros(s) for s in shapes]
+        self.sizes = shapes
+        self.device = torch.device("cpu")
+        self.assigned: list[torch.Tensor] = []
+
+    def parts(self) -> list[torch.Tensor]:
+        return self.tensors
+
+    def assign_parts(self, parts: list[torch.Tensor]) -> None:
+        self.assigned = [p.float() for p in parts]
+
+    def zero(self) -> None:
+        for t in self.tensors:
+            t.zero_()
+
+
+def _grads(n: int, shapes: list[int], seed: int = 0) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    # Widely spread magnitudes: float32 sums of these depend on their order.
+    return [[torch.randn(s, generator=g) * 10.0 ** torch.randint(-6, 3, (s,), generator=g)
+             for s in shapes] for _ in range(n)]
+
+
+def _reduce(groups: list[list[int]], grads: list[list[torch.Tensor]], shapes: list[int],
+            n: int, table_rows: int = 4) -> tuple[list[torch.Tensor], bool]:
+    """Fold each group's ids on its own 'replica', sum the accumulators (the all-reduce), assign."""
+    accs, reps = [], []
+    for ids in groups:
+        inner = _Parts(shapes)
+        ex = ExactGrads(inner, n)
+        reps.append((inner, ex))
+        for i in ids:
+            for t, v in zip(inner.tensors, grads[i], strict=True):
+                t.add_(v)
+            ex.fold(loss=float(i) / 7)
+        accs.append(ex.acc.clone())
+    total = torch.stack(accs).sum(0)
+    table = torch.zeros(table_rows, 1 + len(shapes), dtype=torch.float64)
+    for r, (_, ex) in enumerate(reps):
+        table[r] = torch.tensor(ex.slot_values(), dtype=torch.float64)
+    inner, ex = reps[0]
+    ex.assign(total)
+    return inner.assigned, ex.agree(table)
+
+
+def test_any_grouping_and_order_gives_the_same_bits() -> None:
+    shapes, n = [33, 1, 250], 8
+    grads = _grads(n, shapes)
+    ids = list(range(n))
+    groupings = [[ids[0:2], ids[2:4], ids[4:6], ids[6:8]], [ids[0:3], ids[3:6], ids[6:8]],
+                 [ids], [[7, 3, 1], [0, 6], [5, 2, 4]]]
+    results = [_reduce(gr, grads, shapes, n)[0] for gr in groupings]
+    for r in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], r, strict=True))
+    # The float32 sum in different orders is NOT bitwise stable on these values (so the test
+    # above could fail), yet the exact sum stays within float32 rounding of the float64 sum.
+    orders = [ids, ids[::-1], random.Random(1).sample(ids, n)]
+    f32 = [sum((grads[i][2] for i in o), torch.zeros(shapes[2])) for o in orders]
+    assert not all(torch.equal(f32[0], x) for x in f32[1:])
+    exact64 = sum((grads[i][2].double() for i in ids), torch.zeros(shapes[2], dtype=torch.float64))
+    rel = (results[0][2].double() - exact64).abs() / exact64.abs().clamp_min(1e-30)
+    assert float(rel.max()) <= 2.0**-23  # one float32 rounding of the exact sum
+
+
+def test_overflow_is_detected_and_widened() -> None:
+    shapes, n = [16], 4
+    grads = _grads(n, shapes, seed=3)
+    grads[2][0][5] = 2.0**40  # far past the first step's assumed bound (2^10) + headroom
+    _, overflowed = _reduce([[0, 1], [2, 3]], grads, shapes, n)
+    assert overflowed
+    # Redo with the exponents agreed from what was seen: no overflow, and the exact sum.
+    inner = _Parts(shapes)
+    ex = ExactGrads(inner, n)
+    ex.max_seen, ex.shifts = [2.0**40], ex._shifts([2.0**40])
+    for i in range(n):
+        inner.tensors[0].add_(grads[i][0])
+        ex.fold(0.0)
+    assert ex.overflow == 0
+    ex.assign(ex.acc.clone())
+    want = sum((g[0].double() for g in grads), torch.zeros(16, dtype=torch.float64))
+    # Fixed point keeps (62 - log2 N - headroom) bits below the tensor's largest value: each
+    # of the N terms is off by at most half a quantum, then one float32 rounding.
+    quantum = 2.0 ** -ex.shifts[0]
+    err = (inner.assigned[0].double() - want).abs()
+    assert bool((err <= n * quantum / 2 + want.abs() * 2.0**-24).all())
+
+
+# -- whole runs: real processes, real SIGKILLs ------------------------------------------------
+EXACT = ["--preset", "debug", "--exact", "--steps", "200", "--eval-every", "0",
+         "--n-layer", "1", "--n-embd", "32", "--dump-final-params"]
+
+
+@pytest.fixture(scope="module")
+def exact_ref(corpus: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    run = recover_train(tmp_path_factory.mktemp("exact") / "ref", *EXACT, "--no-speed-aware",
+                        data=corpus, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_faults_are_bitwise_the_failure_free_run(exact_ref, corpus: Path,  # type: ignore[no-untyped-def]
+                                                  tmp_path: Path) -> None:
+    run = recover_train(tmp_path / "run", *EXACT, "--no-speed-aware",
+                        "--fault", "kill:replica=1,step=30,phase=backward",
+                        "--fault", "kill:replica=2,step=90,phase=reduce",
+                        "--fault", "kill:replica=3,step=150,phase=commit",
+                        data=corpus, timeout=500)
+    assert run.returncode == 0, run.stderr[-3000:]
+    recs = run.metrics()
+    assert recs[-1]["live_replicas"] == 1 and sum(len(r["recovered"]) for r in recs) > 0
+    assert run.losses() == exact_ref.losses()  # bitwise, every step
+    assert bitwise_equal(run.final(0), exact_ref.final(0))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_different_quotas_are_bitwise_equal(exact_ref, corpus: Path,  # type: ignore[no-untyped-def]
+                                             tmp_path: Path) -> None:
+    # Speed-aware quotas with a 3x straggler give replica 0 fewer microbatches than the equal
+    # split of the reference: the same N ids, grouped and ordered differently.
+    run = recover_train(tmp_path / "run", *EXACT, "--fault", "slow:replica=0,factor=3",
+                        data=corpus, timeout=500)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert any(r["quotas"] != {"0": 2, "1": 2, "2": 2, "3": 2} for r in run.metrics())
+    assert run.losses() == exact_ref.losses()
+    for r in range(4):
+        assert bitwise_equal(run.final(r), exact_ref.final(0))
