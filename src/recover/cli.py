@@ -41,6 +41,12 @@ _TRAIN_FLAGS: list[tuple[str, str, type, str]] = [
     ("--tp", "tp", int, "tp, tp,pp: tensor-parallel ranks per replica (per stage)"),
     ("--stages", "stages", int, "pp, tp,pp: pipeline stages per replica"),
     ("--policy", "policy", str, "reaction to a lost replica: recover, or shrink-batch (baseline)"),
+    ("--dtype", "dtype", str, "autocast dtype of forward/backward: fp32, bf16 or fp16 "
+     "(parameters and optimiser stay fp32)"),
+    ("--reduce-dtype", "reduce_dtype", str, "dtype of the cross-replica reduce (default: the "
+     "gradient's, fp32)"),
+    ("--device", "device", str, "cpu or cuda (one GPU per process; plain layout)"),
+    ("--backend", "backend", str, "cross-replica communicator: gloo, or nccl (with --device cuda)"),
 ]
 _MODEL_FLAGS: list[tuple[str, str, type, str]] = [
     ("--block-size", "block_size", int, "sequence length"),

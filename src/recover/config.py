@@ -65,6 +65,12 @@ class RunConfig:
     speed_aware: bool = True  # quotas follow measured microbatch times (off: equal quotas)
     # Exact mode: fixed-point gradient sums, bitwise independent of grouping and faults.
     exact: bool = False
+    # Precision and hardware: autocast dtype of forward/backward (parameters and optimiser stay
+    # fp32), dtype the cross-replica reduce travels in ("" = the gradient's), device, backend.
+    dtype: str = "fp32"
+    reduce_dtype: str = ""
+    device: str = "cpu"
+    backend: str = "gloo"
     # Reaction to a lost replica: "recover" (in-step recovery, batch stays N) or "shrink-batch"
     # (baseline, recover.baselines.shrink: the faulted step is discarded, the batch shrinks).
     policy: str = "recover"
@@ -111,7 +117,8 @@ class RunConfig:
         d = asdict(self)
         for k in ("replicas", "out", "resume", "faults", "reference", "ckpt_every", "min_replicas",
                   "heartbeat_s", "stale_s", "reduce_timeout_s", "join_timeout_s", "layout",
-                  "shards", "stages", "tp", "stop_at", "preset", "dump_final", "speed_aware"):
+                  "shards", "stages", "tp", "stop_at", "preset", "dump_final", "speed_aware",
+                  "device", "backend"):
             d.pop(k)
         return d
 
@@ -154,6 +161,15 @@ class RunConfig:
              f"{', '.join(POLICIES)}")
         need(self.policy == "recover" or self.layout == "plain",
              f"--policy {self.policy} supports --layout plain only")
+        need(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}")
+        need(self.reduce_dtype in ("", *DTYPES),
+             f"--reduce-dtype must be one of {', '.join(DTYPES)}")
+        need(self.device in ("cpu", "cuda"), "--device must be cpu or cuda")
+        need(self.backend in ("gloo", "nccl"), "--backend must be gloo or nccl")
+        need(self.backend == "gloo" or self.device == "cuda", "--backend nccl needs --device cuda")
+        need(self.device == "cpu" or self.layout == "plain",
+             "--device cuda is implemented for --layout plain only")
+        need(not (self.exact and self.reduce_dtype), "--exact reduces int64: drop --reduce-dtype")
         need(not self.exact or self.layout in ("plain", "hsdp"),
              f"--exact supports --layout plain and hsdp only (got {self.layout}): TP and pipeline "
              "ranks split a microbatch's reductions in layout-dependent ways")
@@ -191,6 +207,7 @@ class RunConfig:
 
 
 LAYOUTS = ("plain", "hsdp", "tp", "pp", "tp,pp")
+DTYPES = ("fp32", "bf16", "fp16")
 POLICIES = ("recover", "shrink-batch")  # reactions to a lost replica (see `policy`)
 
 PRESETS: dict[str, dict[str, Any]] = {

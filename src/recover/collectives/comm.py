@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo
@@ -61,10 +62,13 @@ class FaultTolerantComm:
     """The cross-replica communicator of one position (a shard index, a (tp, pp) rank, or 0)."""
 
     def __init__(self, member: Member, position: int = 0, timeout_s: float = 60.0,
-                 poll_s: float = 0.002, backend: str = "gloo", recheck_s: float = 0.1) -> None:
+                 poll_s: float = 0.002, backend: str = "gloo", recheck_s: float = 0.1,
+                 device: torch.device | None = None) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"unknown backend {backend!r}")
-        self.backend = backend
+        if backend == "nccl" and (device is None or device.type != "cuda"):
+            raise ValueError("the nccl backend needs device=torch.device('cuda', i)")
+        self.backend, self.device = backend, device
         self.member, self.position = member, position
         # poll_s paces the barrier and the build wait; recheck_s bounds a reduce's sleep between
         # wake-ups (a missed event costs at most this much, never a hang).
@@ -94,21 +98,26 @@ class FaultTolerantComm:
             return
         pg = self._group(g, members)
         t0 = time.monotonic()
-        futs = [pg.allreduce([t]).get_future() for t in tensors]
+        works = [pg.allreduce([t]) for t in tensors]
+        done = self._completion(works)
         # One event for "every op finished or the membership changed": the thread sleeps until
         # either happens instead of waking every few ms to compare generations.
         wake = threading.Event()
+        futs = [w.get_future() for w in works]
         for fut in futs:
             fut.add_done_callback(lambda _: wake.set())
         self.member.notify_on_change(wake)
         if on_issued is not None:
             on_issued()
         deadline = time.monotonic() + self.timeout_s
+        # NCCL's futures may complete before the device does (no host callback at the end), so
+        # its completion is polled from device events at the fine pace.
+        pace = self.poll_s if self.backend == "nccl" else self.recheck_s
         try:
-            while not all(f.done() for f in futs):
-                wake.wait(min(self.recheck_s, max(0.0, deadline - time.monotonic())))
+            while not done():
+                wake.wait(min(pace, max(0.0, deadline - time.monotonic())))
                 wake.clear()
-                if all(f.done() for f in futs):
+                if done():
                     break
                 if self.member.generation() != g:
                     self._abandon(pg, futs, tensors)
@@ -133,6 +142,22 @@ class FaultTolerantComm:
         self._reap()
         self.stats["reduces"] += 1
         self.stats["reduce_s"] += time.monotonic() - t0
+
+    def _completion(self, works: list[Any]) -> Callable[[], bool]:
+        """A non-blocking test of "every op is complete", never a host read of a result before
+        that: gloo completes its futures when the op is done; NCCL's work is known complete only
+        when a device event recorded after it has passed (a host watchdog, `reduce_`'s loop,
+        aborts the communicator on a timeout or a newer generation instead of waiting)."""
+        if self.backend != "nccl":
+            futs = [w.get_future() for w in works]
+            return lambda: all(f.done() for f in futs)
+        events = []
+        for w in works:
+            w.wait()  # only orders the current stream after the collective; does not block
+            ev = torch.cuda.Event()
+            ev.record()
+            events.append(ev)
+        return lambda: all(ev.query() for ev in events)
 
     def in_use(self, tensor: torch.Tensor) -> bool:
         """Whether an abandoned operation may still write into `tensor`'s memory."""
@@ -171,7 +196,10 @@ class FaultTolerantComm:
 
         def build() -> None:
             try:
-                box["pg"] = _new_group(self.backend, store, rank, size, self.timeout_s)
+                pg = _new_group(self.backend, store, rank, size, self.timeout_s)
+                if self.backend == "nccl":  # connect now, inside the abandonable build, not
+                    pg.eager_connect_single_device(self.device)  # lazily at the first reduce
+                box["pg"] = pg
             except Exception as e:
                 box["err"] = e
 
@@ -216,7 +244,8 @@ class FaultTolerantComm:
             # (ncclCommAbort), after which the buffer is no longer written.
             with contextlib.suppress(Exception):
                 pg.abort()  # type: ignore[attr-defined]
-        self._holding.append(_Held(pg, futs, list(bufs)))
+        # After an NCCL abort nothing writes into the buffers any more: only gloo's are held.
+        self._holding.append(_Held(pg, futs, [] if self.backend == "nccl" else list(bufs)))
         if self._pg is pg:
             self._pg, self._pg_gen = None, -1
 

@@ -59,7 +59,7 @@ class Replica:
                  join_timeout_s: float = 120.0, heartbeat_s: float = 0.1,
                  hook: Hook | None = None, speed_aware: bool = True,
                  strategy: StepStrategy | None = None, exact: bool = False,
-                 reduce_dtype: torch.dtype | None = None) -> None:
+                 reduce_dtype: torch.dtype | None = None, backend: str = "gloo") -> None:
         self.module, self.mesh, self.n = module, mesh, microbatches
         self._left = False
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -94,7 +94,8 @@ class Replica:
                              timeout_s=join_timeout_s)
         self.member.join()
         atexit.register(self.leave)  # a clean exit says goodbye even without an explicit leave()
-        self.comm = FaultTolerantComm(self.member, position=self.rank, timeout_s=timeout_s)
+        self.comm = FaultTolerantComm(self.member, position=self.rank, timeout_s=timeout_s,
+                                      backend=backend, device=self.grads.device)
         self.engine = StepEngine(self.member, self.comm, self.grads, microbatches,
                                  min_replicas=min_replicas, timeout_s=timeout_s, hook=hook,
                                  speed_aware=speed_aware, positions=self.nranks,
@@ -135,7 +136,7 @@ class Replica:
         for a one-rank replica. An intra-replica collective: call it inside `guard()`."""
         if self.nranks == 1:
             return value
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor([value], dtype=torch.float64, device=self.grads.device)
         dist.all_reduce(t)
         return float(t)
 
@@ -146,7 +147,7 @@ class Replica:
         grads = [local_tensor(p.grad) for p in self.params if p.grad is not None]
         owned = [local_tensor(p.grad) for p, o in zip(self.params, self._norm_owned, strict=True)
                  if o and p.grad is not None]
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=self.grads.device)
         for g in owned:
             sq += g.double().pow(2).sum()
         if self.nranks > 1:

@@ -9,6 +9,7 @@ helpers of `recover.parallel` wrap it, and only the ranks of one replica share i
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,12 +31,35 @@ class RankModel:
     evaluate: Callable[[Tensor, Tensor], float] = lambda x, y: 0.0
 
 
+AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, **AMP}
+
+
+def device_of(cfg: RunConfig, replica: int, rank: int) -> torch.device:
+    """cpu, or one GPU per process (replicas sharing a host share its GPUs round-robin)."""
+    if cfg.device == "cpu":
+        return torch.device("cpu")
+    idx = (replica * cfg.ranks_per_replica() + rank) % max(1, torch.cuda.device_count())
+    return torch.device("cuda", idx)
+
+
+Amp = Callable[[], contextlib.AbstractContextManager]
+
+
+def autocast(cfg: RunConfig, device: torch.device) -> Amp:
+    """The forward's precision: autocast to --dtype; parameters and optimiser stay fp32."""
+    if cfg.dtype == "fp32":
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=AMP[cfg.dtype])
+
+
 def build(cfg: RunConfig, host: str, port: int, replica: int, rank: int) -> RankModel:
     """This rank's model in the run's layout (multi-rank layouts: joins the replica's group)."""
-    model = build_model(cfg.model, cfg.seed)
-    n = cfg.microbatches
+    device = device_of(cfg, replica, rank)
+    model = build_model(cfg.model, cfg.seed).to(device)
+    n, amp = cfg.microbatches, autocast(cfg, device)
     if cfg.layout == "plain":
-        return _dense(model, n, None, lambda t: t)
+        return _dense(model, n, None, lambda t: t.to(device), amp)
     from recover.parallel import init_replica_group, replica_mesh  # DTensor/FSDP2: seconds
     from recover.parallel.hsdp import local_rows, shard_model
     from recover.parallel.pp import Pipeline
@@ -49,28 +73,31 @@ def build(cfg: RunConfig, host: str, port: int, replica: int, rank: int) -> Rank
     if cfg.layout == "hsdp":
         shard_model(model, mesh)
     if "pp" not in parts:
-        return _dense(model, n, mesh, lambda t: local_rows(t, mesh))
+        return _dense(model, n, mesh, lambda t: local_rows(t, mesh), amp)
     pipe = Pipeline(model, mesh, n)
 
     def fb_pipe(x: Tensor, y: Tensor, before_backward: Callable[[], None]) -> float:
         pipe.module.on_backward = before_backward  # fires when the backward reaches this stage
-        return pipe.forward_backward(x, y)
+        with amp():
+            return pipe.forward_backward(x, y)
 
     return RankModel(model, pipe.module, mesh, pipe.module.tied(), fb_pipe, pipe.evaluate)
 
 
-def _dense(model: nn.Module, n: int, mesh: object | None,
-           rows: Callable[[Tensor], Tensor]) -> RankModel:
+def _dense(model: nn.Module, n: int, mesh: object | None, rows: Callable[[Tensor], Tensor],
+           amp: Amp) -> RankModel:
     """plain, hsdp, tp: the whole model on each rank, on `rows` of each microbatch."""
 
     def fb(x: Tensor, y: Tensor, before_backward: Callable[[], None]) -> float:
-        _, loss = model(rows(x), rows(y))
+        with amp():  # the forward in --dtype; backward follows autocast's recorded casts
+            _, loss = model(rows(x), rows(y))
         before_backward()
         (loss / n).backward()  # constant N, never the live replica count
         return float(loss.detach())
 
     def ev(x: Tensor, y: Tensor) -> float:
-        return float(model(rows(x), rows(y))[1])
+        with amp():
+            return float(model(rows(x), rows(y))[1])
 
     return RankModel(model, model, mesh, [], fb, ev)
 

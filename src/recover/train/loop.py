@@ -60,7 +60,8 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
                   replica=replica, min_replicas=cfg.min_replicas, timeout_s=cfg.reduce_timeout_s,
                   join_timeout_s=cfg.join_timeout_s, heartbeat_s=cfg.heartbeat_s,
                   hook=faults.at, speed_aware=cfg.speed_aware, strategy=_strategy(cfg),
-                  exact=cfg.exact)
+                  exact=cfg.exact, backend=cfg.backend,
+                  reduce_dtype=layout.DTYPES.get(cfg.reduce_dtype))
     store = rep.member.store
     evals = eval_batches(corpus.val, m.block_size, cfg.microbatch_size, cfg.seed,
                          cfg.eval_microbatches)
