@@ -109,9 +109,9 @@ class Interleave:
             store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=120))
             dist.init_process_group("gloo", store=dist.PrefixStore("bench-ddp", store),
-                                    rank=replica, world_size=cfg["replicas"],
+                                    rank=replica, world_size=cfg["layout"]["replicas"],
                                     timeout=datetime.timedelta(seconds=120))
-            self.trainer = DDPTrainer(run_dir, replica, cfg["replicas"], bucket_mb)
+            self.trainer = DDPTrainer(run_dir, replica, cfg["layout"]["replicas"], bucket_mb)
             dist.barrier()
         self.first.append(len(self.trainer.rec["end"]))
         for _ in range(self.block):
@@ -179,7 +179,7 @@ def profiled_run(cfg, timeout_s: float, ddp_block: int = 0, bucket_mb: float = 2
     from recover.train.launch import prepare_run
 
     cfg, _ = prepare_run(cfg)
-    out = Path(cfg.out)
+    out = Path(cfg.run.out)
     port_file = out / "coordinator.port"
     procs: list[subprocess.Popen] = []
     samples: list[tuple[float, float]] = []
@@ -189,8 +189,8 @@ def profiled_run(cfg, timeout_s: float, ddp_block: int = 0, bucket_mb: float = 2
                else ["-m", "recover.collectives.coordinator"])
         coord = subprocess.Popen(
             [sys.executable, *exe, "--replicas",
-             str(cfg.replicas), "--port", "0", "--port-file", str(port_file), "--stale-s",
-             str(cfg.stale_s), "--log", str(out / "coordinator.jsonl")],
+             str(cfg.layout.replicas), "--port", "0", "--port-file", str(port_file),
+             "--stale-s", str(cfg.ft.stale_s), "--log", str(out / "coordinator.jsonl")],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         procs.append(coord)
         deadline = time.monotonic() + 60
@@ -200,7 +200,7 @@ def profiled_run(cfg, timeout_s: float, ddp_block: int = 0, bucket_mb: float = 2
             time.sleep(0.05)
         port = int(port_file.read_text())
         workers = []
-        for r in range(cfg.replicas):
+        for r in range(cfg.layout.replicas):
             log = open(out / "logs" / f"replica{r}.log", "ab")
             workers.append(subprocess.Popen(
                 [sys.executable, str(BENCH_DIR / "_profile.py"), "--run-dir", str(out),
@@ -221,7 +221,7 @@ def profiled_run(cfg, timeout_s: float, ddp_block: int = 0, bucket_mb: float = 2
         end(procs[1:])
         end(procs[:1])
     return ([json.loads((out / "prof" / f"replica{r}.json").read_text())
-             for r in range(cfg.replicas)], samples)
+             for r in range(cfg.layout.replicas)], samples)
 
 
 def worker_main() -> int:

@@ -45,47 +45,49 @@ EXIT_COORDINATOR_LOST = 5
 def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
     torch.set_num_threads(1)
     cfg = RunConfig.load(run_dir / "config.json")
-    nranks = cfg.ranks_per_replica()
+    nranks = cfg.layout.ranks_per_replica()
 
     def log(msg: str) -> None:
         print(f"[replica {replica} rank {rank}] {msg}", file=sys.stderr, flush=True)
 
     if not 0 <= rank < nranks:
-        log(f"rank {rank} is not in [0, {nranks}) for --layout {cfg.layout}")
+        log(f"rank {rank} is not in [0, {nranks}) for --layout {cfg.layout.name}")
         return 2
     corpus = load_data(run_dir / "data")
-    m, n = cfg.model, cfg.microbatches
-    init_replica_group(host, port, replica, rank, nranks, cfg.reduce_timeout_s)
-    mesh = replica_mesh(cfg.layout, cfg.shards, cfg.tp, cfg.stages)
-    model = build_model(m, cfg.seed)
+    m, n = cfg.model, cfg.data.microbatches
+    init_replica_group(host, port, replica, rank, nranks, cfg.ft.reduce_timeout_s)
+    mesh = replica_mesh(cfg.layout.name, cfg.layout.shards, cfg.layout.tp, cfg.layout.stages)
+    model = build_model(m, cfg.run.seed)
     pipe: Pipeline | None = None
     tied: list[nn.Parameter] = []
-    if "tp" in cfg.layout.split(","):
+    if "tp" in cfg.layout.name.split(","):
         parallelize(model, mesh)
-    if cfg.layout == "hsdp":
+    if cfg.layout.name == "hsdp":
         shard_model(model, mesh)
     module: nn.Module = model
-    if "pp" in cfg.layout.split(","):
+    if "pp" in cfg.layout.name.split(","):
         pipe = Pipeline(model, mesh, n)
         module, tied = pipe.module, pipe.module.tied()
     opt = build_optimizer(module, cfg)
-    faults = FaultInjector(validate_faults(cfg.faults, cfg.replicas, cfg.steps, nranks), replica,
+    faults = FaultInjector(validate_faults(cfg.ft.faults, cfg.layout.replicas, cfg.run.steps,
+                                           nranks), replica,
                            rank, nranks)
     rep = Replica(module, n, mesh=mesh, tied=tied, coordinator=f"{host}:{port}", replica=replica,
-                  min_replicas=cfg.min_replicas, timeout_s=cfg.reduce_timeout_s,
-                  join_timeout_s=cfg.join_timeout_s, heartbeat_s=cfg.heartbeat_s,
-                  hook=faults.at, speed_aware=cfg.speed_aware)
-    evals = eval_batches(corpus.val, m.block_size, cfg.microbatch_size, cfg.seed,
-                         cfg.eval_microbatches)
+                  min_replicas=cfg.ft.min_replicas, timeout_s=cfg.ft.reduce_timeout_s,
+                  join_timeout_s=cfg.ft.join_timeout_s, heartbeat_s=cfg.ft.heartbeat_s,
+                  hook=faults.at, speed_aware=cfg.ft.speed_aware)
+    evals = eval_batches(corpus.val, m.block_size, cfg.data.microbatch_size, cfg.run.seed,
+                         cfg.data.eval_microbatches)
     step = 0
     busy = [0.0, 0]
 
     def compute(mb_id: int, j: int) -> float:
         """This rank's part of microbatch `mb_id`: gradients += its share of grad(loss)/N."""
         t0 = time.perf_counter()
-        x, y = microbatch(corpus.train, m.block_size, cfg.microbatch_size, cfg.seed, mb_id)
+        x, y = microbatch(corpus.train, m.block_size, cfg.data.microbatch_size, cfg.run.seed,
+                          mb_id)
         with torch.random.fork_rng(devices=[], enabled=m.dropout > 0):
-            torch.manual_seed(id_seed(cfg.seed, mb_id, stream=1))
+            torch.manual_seed(id_seed(cfg.run.seed, mb_id, stream=1))
             faults.at("forward", step, j)
             if pipe is not None:
                 pipe.module.on_backward = lambda: faults.at("backward", step, j)
@@ -116,7 +118,7 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
         return float(t)
 
     try:
-        end = cfg.steps
+        end = cfg.run.steps
         for step in range(end):
             t0 = time.time()
             lr = lr_at(step, cfg)
@@ -125,7 +127,7 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
             busy[:] = [0.0, 0]
             res = rep.step(step, compute)  # COMPUTE -> REDUCE (per position) -> agreed COMMIT
             faults.at("optimizer", step, 0)
-            grad_norm = rep.clip_grad_norm_(cfg.grad_clip)
+            grad_norm = rep.clip_grad_norm_(cfg.optim.grad_clip)
             opt.step()
             rec = {"step": step, "loss": res.loss, "lr": lr, "grad_norm": grad_norm,
                    "microbatches": res.microbatches, "live_replicas": len(res.members),
@@ -134,21 +136,21 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
                    "recovery_s": round(res.recovery_s, 4), "attempts": res.attempts,
                    "step_time_s": round(time.time() - t0, 4), "t_commit": time.time(),
                    "mb_time_s": round(busy[0] / max(1, busy[1]), 5)}
-            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step == end - 1:
+            if (cfg.data.eval_every and (step + 1) % cfg.data.eval_every == 0) or step == end - 1:
                 rec["val_loss"] = evaluate()
             if rank == 0:  # every replica's rank 0 offers the record; the first one lands
                 rep.member.store.compare_set(f"rec/{step}", "", json.dumps(rec))
     except BelowMinReplicas as e:
         log(f"stopping: {e}")
         if rep.is_leader:
-            rep.member.store.set("run/stopped", f"{e}; no checkpoint (layout {cfg.layout} "
+            rep.member.store.set("run/stopped", f"{e}; no checkpoint (layout {cfg.layout.name} "
                                  "has no checkpoints yet)")
         rep.leave()
         return EXIT_BELOW_MIN
     except (CoordinatorLost, DistError) as e:
         log(f"stopping: the coordinator is unreachable ({str(e).splitlines()[0]})")
         return EXIT_COORDINATOR_LOST
-    if cfg.dump_final:
+    if cfg.run.dump_final:
         (run_dir / "final").mkdir(exist_ok=True)
         local = {k: local_tensor(v.detach()).clone() for k, v in module.state_dict().items()}
         torch.save(local, run_dir / "final" / f"replica{replica}.rank{rank}.pt")

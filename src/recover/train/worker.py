@@ -42,11 +42,11 @@ def run(run_dir: Path, replica: int, host: str, port: int) -> int:
     cfg = RunConfig.load(run_dir / "config.json")
     corpus = load_data(run_dir / "data")
     m = cfg.model
-    model = build_model(m, cfg.seed)
+    model = build_model(m, cfg.run.seed)
     opt = build_optimizer(model, cfg)
     start = 0
     ckpt_root = run_dir / "ckpt"
-    if cfg.resume:
+    if cfg.run.resume:
         from recover.train.checkpoint import latest_checkpoint, load_checkpoint
 
         path = latest_checkpoint(ckpt_root)
@@ -56,30 +56,32 @@ def run(run_dir: Path, replica: int, host: str, port: int) -> int:
     # accumulates straight into the buffer the cross-replica reduction reads.
     grad = flat_grad_buffer(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    faults = FaultInjector(validate_faults(cfg.faults, cfg.replicas, cfg.steps), replica)
-    member = Member(host, port, replica, heartbeat_s=cfg.heartbeat_s,
-                    timeout_s=cfg.join_timeout_s)
+    faults = FaultInjector(validate_faults(cfg.ft.faults, cfg.layout.replicas, cfg.run.steps),
+                           replica)
+    member = Member(host, port, replica, heartbeat_s=cfg.ft.heartbeat_s,
+                    timeout_s=cfg.ft.join_timeout_s)
     member.join()
-    comm = FaultTolerantComm(member, timeout_s=cfg.reduce_timeout_s)
-    engine = _engine_class(cfg.policy)(member, comm, grad, cfg.microbatches,
-                                       min_replicas=cfg.min_replicas,
-                                       timeout_s=cfg.reduce_timeout_s, hook=faults.at,
-                                       speed_aware=cfg.speed_aware)
-    evals = eval_batches(corpus.val, m.block_size, cfg.microbatch_size, cfg.seed,
-                         cfg.eval_microbatches)
+    comm = FaultTolerantComm(member, timeout_s=cfg.ft.reduce_timeout_s)
+    engine = _engine_class(cfg.ft.policy)(member, comm, grad, cfg.data.microbatches,
+                                          min_replicas=cfg.ft.min_replicas,
+                                          timeout_s=cfg.ft.reduce_timeout_s, hook=faults.at,
+                                          speed_aware=cfg.ft.speed_aware)
+    evals = eval_batches(corpus.val, m.block_size, cfg.data.microbatch_size, cfg.run.seed,
+                         cfg.data.eval_microbatches)
     step = start
     busy = [0.0, 0]  # this step's compute seconds and microbatches (all attempts)
 
     def compute(mb_id: int, j: int) -> float:
         """Forward + backward of one microbatch, accumulating grad(loss)/N into `grad`."""
         t0 = time.perf_counter()
-        x, y = microbatch(corpus.train, m.block_size, cfg.microbatch_size, cfg.seed, mb_id)
+        x, y = microbatch(corpus.train, m.block_size, cfg.data.microbatch_size, cfg.run.seed,
+                          mb_id)
         with torch.random.fork_rng(devices=[], enabled=m.dropout > 0):
-            torch.manual_seed(id_seed(cfg.seed, mb_id, stream=1))  # dropout is the id's own
+            torch.manual_seed(id_seed(cfg.run.seed, mb_id, stream=1))  # dropout is the id's own
             faults.at("forward", step, j)
             _, loss = model(x, y)
             faults.at("backward", step, j)
-            (loss / cfg.microbatches).backward()  # constant N, never the live replica count
+            (loss / cfg.data.microbatches).backward()  # constant N, never the live replica count
         slow = faults.slow_factor(step)
         if slow > 1:
             time.sleep((slow - 1) * (time.perf_counter() - t0))
@@ -92,11 +94,11 @@ def run(run_dir: Path, replica: int, host: str, port: int) -> int:
         from recover.train.checkpoint import save_checkpoint
 
         save_checkpoint(ckpt_root, at_step, model, opt,
-                        {"next_microbatch_id": at_step * cfg.microbatches,
+                        {"next_microbatch_id": at_step * cfg.data.microbatches,
                          "trajectory": cfg.trajectory_key()})
 
     try:
-        end = cfg.stop_at or cfg.steps
+        end = cfg.run.stop_at or cfg.run.steps
         for step in range(start, end):
             t0 = time.time()
             lr = lr_at(step, cfg)
@@ -106,7 +108,7 @@ def run(run_dir: Path, replica: int, host: str, port: int) -> int:
             busy[:] = [0.0, 0]
             res = engine.run(step, compute)  # COMPUTE -> REDUCE -> agreed COMMIT
             faults.at("optimizer", step, 0)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip))
             opt.step()
             rec = {"step": step, "loss": res.loss, "lr": lr, "grad_norm": grad_norm,
                    "microbatches": res.microbatches, "live_replicas": len(res.members),
@@ -116,12 +118,12 @@ def run(run_dir: Path, replica: int, host: str, port: int) -> int:
                    "step_time_s": round(time.time() - t0, 4), "t_commit": time.time(),
                    "mb_time_s": round(busy[0] / max(1, busy[1]), 5)}
             last = step == end - 1
-            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last:
+            if (cfg.data.eval_every and (step + 1) % cfg.data.eval_every == 0) or last:
                 rec["val_loss"] = evaluate(model, evals)
             # Every survivor offers the record; the first one lands (all agree on the numbers).
             member.store.compare_set(f"rec/{step}", "", json.dumps(rec))
             leader = min(member.members()) == replica
-            if leader and ((cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0) or last):
+            if leader and ((cfg.run.ckpt_every and (step + 1) % cfg.run.ckpt_every == 0) or last):
                 save(step + 1)
                 member.store.set(f"ckpt/{step + 1}", "saved")
     except BelowMinReplicas as e:
@@ -137,7 +139,7 @@ def run(run_dir: Path, replica: int, host: str, port: int) -> int:
             log(replica, f"saving a checkpoint at step {step}")
             save(step)
         return EXIT_COORDINATOR_LOST
-    if cfg.dump_final:
+    if cfg.run.dump_final:
         (run_dir / "final").mkdir(exist_ok=True)
         torch.save(model.state_dict(), run_dir / "final" / f"replica{replica}.pt")
     member.leave()
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
               "RECOVER_COORDINATOR", file=sys.stderr)
         return 2
     host, port = args.coordinator.rsplit(":", 1)
-    if RunConfig.load(Path(args.run_dir) / "config.json").layout != "plain":
+    if RunConfig.load(Path(args.run_dir) / "config.json").layout.name != "plain":
         from recover.train.multirank import run as run_ranks  # hsdp, tp, pp, tp,pp
 
         return run_ranks(Path(args.run_dir), args.replica, args.rank, host, int(port))
