@@ -42,16 +42,16 @@ class DDPTrainer:
         self.cfg = RunConfig.load(run_dir / "config.json")
         self.corpus = load_data(run_dir / "data")
         self.rank, self.world = rank, world
-        self.model = build_model(self.cfg.model, self.cfg.seed)
+        self.model = build_model(self.cfg.model, self.cfg.run.seed)
         self.opt = build_optimizer(self.model, self.cfg)
         self.ddp = DDP(self.model, gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.rec: dict = {k: [] for k in KEYS}
-        self.rec["quota"] = max(len(v) for v in plan(0, self.cfg.microbatches,
+        self.rec["quota"] = max(len(v) for v in plan(0, self.cfg.data.microbatches,
                                                      list(range(world))).values())
 
     def step(self, step: int) -> None:
-        cfg, m, n = self.cfg, self.cfg.model, self.cfg.microbatches
+        cfg, m, n = self.cfg, self.cfg.model, self.cfg.data.microbatches
         t0, c0 = time.perf_counter(), time.thread_time()
         set_lr(self.opt, lr_at(step, cfg))
         self.model.train()
@@ -62,13 +62,14 @@ class DDPTrainer:
             sync = j == len(ids) - 1
             if sync:
                 t_last, c_last = time.perf_counter(), time.thread_time()
-            x, y = microbatch(self.corpus.train, m.block_size, cfg.microbatch_size, cfg.seed, i)
+            x, y = microbatch(self.corpus.train, m.block_size, cfg.data.microbatch_size,
+                              cfg.run.seed, i)
             with contextlib.nullcontext() if sync else self.ddp.no_sync():
                 _, loss = self.ddp(x, y)
                 (loss * (self.world / n)).backward()  # DDP divides by R: net (1/N) * sum
             float(loss.detach())
         t1, c1 = time.perf_counter(), time.thread_time()
-        torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip)
         self.opt.step()
         t2, c2 = time.perf_counter(), time.thread_time()
         for k, v in (("end", time.time()), ("cpu", time.process_time()), ("step_s", t2 - t0),
@@ -94,7 +95,7 @@ def main() -> int:
                             timeout=datetime.timedelta(seconds=args.timeout_s))
     trainer = DDPTrainer(Path(args.run_dir), args.rank, args.world, args.bucket_mb)
     dist.barrier()
-    for step in range(trainer.cfg.steps):
+    for step in range(trainer.cfg.run.steps):
         trainer.step(step)
     dist.barrier()
     Path(args.result).write_text(json.dumps(trainer.rec))

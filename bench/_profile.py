@@ -115,9 +115,9 @@ class Interleave:
             store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=120))
             dist.init_process_group("gloo", store=dist.PrefixStore("bench-ddp", store),
-                                    rank=replica, world_size=cfg["replicas"],
+                                    rank=replica, world_size=cfg["layout"]["replicas"],
                                     timeout=datetime.timedelta(seconds=120))
-            self.trainer = DDPTrainer(run_dir, replica, cfg["replicas"], bucket_mb)
+            self.trainer = DDPTrainer(run_dir, replica, cfg["layout"]["replicas"], bucket_mb)
             dist.barrier()
         self.first.append(len(self.trainer.rec["end"]))
         for _ in range(self.block):
@@ -179,13 +179,13 @@ def profiled_run(cfg: Any, timeout_s: float, ddp_block: int = 0, bucket_mb: floa
     from recover.train.launch import prepare_run
 
     cfg, _ = prepare_run(cfg)
-    out = Path(cfg.out)
+    out = Path(cfg.run.out)
     port_file = out / "coordinator.port"
     samples: list[tuple[float, float]] = []
     env = dict(os.environ, OMP_NUM_THREADS="1")
     coord = start([sys.executable, "-m", "recover.collectives.coordinator", "--replicas",
-                   str(cfg.replicas), "--port", "0", "--port-file", str(port_file), "--stale-s",
-                   str(cfg.stale_s), "--log", str(out / "coordinator.jsonl")],
+                   str(cfg.layout.replicas), "--port", "0", "--port-file", str(port_file),
+                   "--stale-s", str(cfg.ft.stale_s), "--log", str(out / "coordinator.jsonl")],
                   out / "logs" / "coordinator.log")
     workers = []
     try:
@@ -195,7 +195,7 @@ def profiled_run(cfg: Any, timeout_s: float, ddp_block: int = 0, bucket_mb: floa
                 raise RuntimeError("the coordinator did not start")
             time.sleep(0.05)
         port = int(port_file.read_text())
-        for r in range(cfg.replicas):
+        for r in range(cfg.layout.replicas):
             workers.append(start(
                 [sys.executable, str(BENCH_DIR / "_profile.py"), "--run-dir", str(out),
                  "--replica", str(r), "--coordinator", f"127.0.0.1:{port}", "--ddp-block",
@@ -214,7 +214,7 @@ def profiled_run(cfg: Any, timeout_s: float, ddp_block: int = 0, bucket_mb: floa
         stop_all(workers)
         stop(coord)
     return ([json.loads((out / "prof" / f"replica{r}.json").read_text())
-             for r in range(cfg.replicas)], samples)
+             for r in range(cfg.layout.replicas)], samples)
 
 
 def worker_main() -> int:

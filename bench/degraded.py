@@ -61,13 +61,13 @@ def main() -> int:
                          " - 3")
     root = out_dir(a.out, "degraded")
     cfg = preset(name)
-    n = cfg.microbatches
+    n = cfg.data.microbatches
     naive = reps / (reps - k)
     ideal = min(reps, ncores) / min(reps - k, ncores)
     bound = math.ceil(n / (reps - k)) / (n / (reps - k))
     victims = list(range(reps - 1, reps - 1 - k, -1))
     faults = [f"kill:replica={v},step={f},phase=forward" for v in victims]
-    say(f"degraded: preset {name}, N={n} B={cfg.microbatch_size}, R={reps}, lose k={k} "
+    say(f"degraded: preset {name}, N={n} B={cfg.data.microbatch_size}, R={reps}, lose k={k} "
         f"(replicas {victims}) at step {f} of {steps}; before = steps {a.warmup}..{f - 1}, after "
         f"= steps {f + 1 + a.settle}..{steps - 1}; baseline run: {baseline}; out {root}")
     say(f"assumptions: {ncores} CPU core(s); ideal slowdown R/(R-k) = {naive:.3f}"

@@ -24,7 +24,6 @@ order. Last lines: `cpu_overhead_ratio=<x>` and `overhead_ratio=<recover/ddp wal
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -52,16 +51,16 @@ from recover.train.launch import prepare_run
 
 
 def ddp_run(cfg, run: Path, bucket_mb: float, timeout_s: float) -> list[dict]:
-    cfg = dataclasses.replace(cfg, out=str(run))
-    cfg.model = dataclasses.replace(cfg.model)
+    cfg = cfg.replace(run={"out": str(run)})
     prepare_run(cfg)
     procs: list[subprocess.Popen] = []
     env = dict(os.environ, OMP_NUM_THREADS="1")
     try:
-        for r in range(cfg.replicas):
+        for r in range(cfg.layout.replicas):
             procs.append(start(
                 [sys.executable, str(BENCH_DIR / "_ddp.py"), "--run-dir", str(run), "--rank",
-                 str(r), "--world", str(cfg.replicas), "--store-file", str(run / "filestore"),
+                 str(r), "--world", str(cfg.layout.replicas), "--store-file",
+                 str(run / "filestore"),
                  "--result", str(run / f"rank{r}.json"), "--bucket-mb", str(bucket_mb)],
                 run / f"rank{r}.log", env=env))
         deadline = time.monotonic() + timeout_s
@@ -71,7 +70,7 @@ def ddp_run(cfg, run: Path, bucket_mb: float, timeout_s: float) -> list[dict]:
             raise RuntimeError(f"DDP ranks exited {[p.returncode for p in procs]}; see {run}")
     finally:
         stop_all(procs)
-    return [json.loads((run / f"rank{r}.json").read_text()) for r in range(cfg.replicas)]
+    return [json.loads((run / f"rank{r}.json").read_text()) for r in range(cfg.layout.replicas)]
 
 
 def ddp_periods(rec: dict, lo: int, hi: int) -> list[float]:
@@ -139,20 +138,22 @@ def main() -> int:
     sep = (not a.quick) if a.separate is None else a.separate
     root = out_dir(a.out, "overhead")
     cfg = preset(name)
-    cfg.replicas, cfg.steps, cfg.eval_every, cfg.stale_s = a.replicas, steps, 0, a.stale_s
-    cfg.out = str(root / "interleaved")
-    cfg.speed_aware = not a.no_speed_aware
+    cfg.layout.replicas, cfg.run.steps = a.replicas, steps
+    cfg.data.eval_every, cfg.ft.stale_s = 0, a.stale_s
+    cfg.run.out = str(root / "interleaved")
+    cfg.ft.speed_aware = not a.no_speed_aware
     m = cfg.model
     say(f"overhead: recover vs DDP(no_sync), preset {name}: d={m.n_embd} L={m.n_layer} "
-        f"T={m.block_size}, N={cfg.microbatches} B={cfg.microbatch_size} R={cfg.replicas}; "
+        f"T={m.block_size}, N={cfg.data.microbatches} B={cfg.data.microbatch_size} "
+        f"R={cfg.layout.replicas}; "
         f"{steps} recover steps interleaved with DDP in blocks of {a.block}; out {root}")
-    say(f"assumptions: {cores()} CPU core(s) for {cfg.replicas} replica processes + the "
+    say(f"assumptions: {cores()} CPU core(s) for {cfg.layout.replicas} replica processes + the "
         f"coordinator (load average now {loadavg():.1f}); torch.set_num_threads(1); gloo on "
         f"127.0.0.1; eval/checkpoint only after the last step; DDP bucket_cap_mb={a.bucket_mb}, "
         f"gradient_as_bucket_view=True; a step = the whole loop (recover: commit to commit incl. "
         f"the step record; DDP: lr..optimizer); first {a.warmup} recover steps, DDP's first "
         f"block and the first step of every block untimed; recover --stale-s {a.stale_s} (no "
-        f"per-step cost); recover speed-aware quotas: {cfg.speed_aware}")
+        f"per-step cost); recover speed-aware quotas: {cfg.ft.speed_aware}")
     say("interleaved: the unmodified recover worker in R processes, each also running DDP "
         "blocks between recover's steps, so noise and load hit both alike; recover's phases "
         "come from the library's public counters (bench/_profile.py)")
@@ -163,8 +164,9 @@ def main() -> int:
     if sep:
         say("\nseparate runs: `recover train` (launcher + coordinator + workers) vs "
             "bench/_ddp.py, ABBA")
-        flags = ["--replicas", str(cfg.replicas), "--steps", str(steps), "--eval-every", "0",
-                 "--stale-s", str(a.stale_s)] + ["--no-speed-aware"] * a.no_speed_aware
+        flags = ["--replicas", str(cfg.layout.replicas), "--steps", str(steps),
+                 "--eval-every", "0", "--stale-s", str(a.stale_s)]
+        flags += ["--no-speed-aware"] * a.no_speed_aware
         separate(cfg, name, root, a, steps, flags)
     say(f"\ngoal <= 1.03; load average now {loadavg():.1f} on {cores()} core(s)"
         + (" -- wall times on an overloaded machine reflect the scheduler's sharing"

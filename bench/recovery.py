@@ -170,7 +170,7 @@ def main() -> int:
     ap.add_argument("--compute-s", type=float, default=0.0, help="busy compute between reduces")
     ap.add_argument("--warm", type=int, default=2, help="reduces each replica completes first")
     ap.add_argument("--window", type=float, default=1.0, help="kill at uniform(0, window) s after")
-    ap.add_argument("--stale-s", type=float, default=RunConfig().stale_s,
+    ap.add_argument("--stale-s", type=float, default=RunConfig().ft.stale_s,
                     help="heartbeat silence = lost (default: recover's own default)")
     ap.add_argument("--timeout-s", type=float, default=30.0, help="reduce timeout (backstop)")
     ap.add_argument("--seed", type=int, default=0)

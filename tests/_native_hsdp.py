@@ -29,10 +29,11 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     cfg = RunConfig.load(run_dir / "config.json")
-    n, b, reps, k = cfg.microbatches, cfg.microbatch_size, cfg.replicas, cfg.shards
+    n, b = cfg.data.microbatches, cfg.data.microbatch_size
+    reps, k = cfg.layout.replicas, cfg.layout.shards
     corpus = load_data(run_dir / "data")
     mesh = init_device_mesh("cpu", (reps, k), mesh_dim_names=("replicate", "shard"))
-    model = build_model(cfg.model, cfg.seed)
+    model = build_model(cfg.model, cfg.run.seed)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -40,16 +41,16 @@ def main() -> None:
     r, s = mesh.get_local_rank("replicate"), mesh.get_local_rank("shard")
     per, rows = n // reps, b // k
     losses = []
-    for step in range(cfg.steps):
+    for step in range(cfg.run.steps):
         set_lr(opt, lr_at(step, cfg))
         local = torch.zeros((), dtype=torch.float64)
         for i in range(step * n + r * per, step * n + (r + 1) * per):
-            x, y = microbatch(corpus.train, cfg.model.block_size, b, cfg.seed, i)
+            x, y = microbatch(corpus.train, cfg.model.block_size, b, cfg.run.seed, i)
             _, loss = model(x[s * rows:(s + 1) * rows], y[s * rows:(s + 1) * rows])
             # FSDP2 averages over all R*K ranks: scaling by R/N makes it (1/N) sum_i grad(loss_i).
             (loss / per).backward()
             local += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         opt.step()
         opt.zero_grad()
         dist.all_reduce(local)

@@ -76,8 +76,8 @@ def test_shrink_batch_discards_and_shrinks(corpus: Path, tmp_path: Path) -> None
 @pytest.mark.timeout(300)
 def test_abort_on_loss_tears_the_job_down(corpus: Path, tmp_path: Path) -> None:
     cfg = preset("debug")
-    cfg.replicas, cfg.steps, cfg.eval_every, cfg.data = 3, 10, 0, str(corpus)
-    cfg.out, cfg.faults = str(tmp_path / "run"), ["kill:replica=1,step=4,phase=forward"]
+    cfg.layout.replicas, cfg.run.steps, cfg.data.eval_every, cfg.data.path = 3, 10, 0, str(corpus)
+    cfg.run.out, cfg.ft.faults = str(tmp_path / "run"), ["kill:replica=1,step=4,phase=forward"]
     res = launch(cfg, quiet=True, abort_on_loss=True)
     assert not res.ok and res.aborted == [1], res.message
     assert res.exit_codes[1] == -9 and all(c is not None for c in res.exit_codes.values())

@@ -13,7 +13,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from recover.config import ModelConfig, RunConfig
+from recover.config import (
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    RunConfig,
+    RunSettings,
+)
 from recover.errors import CheckpointError
 from recover.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from recover.train.data import microbatch
@@ -22,7 +28,8 @@ from recover.train.optim import build_optimizer, lr_at, set_lr
 from recover.workload.ids import id_seed, step_ids
 
 MODEL = ModelConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
-CFG = RunConfig(model=MODEL, microbatches=3, microbatch_size=4, steps=8, warmup_steps=2, seed=5)
+CFG = RunConfig(model=MODEL, data=DataConfig(microbatches=3, microbatch_size=4),
+                optim=OptimConfig(warmup_steps=2), run=RunSettings(steps=8, seed=5))
 TOKENS = (np.arange(4000) * 37 % 256).astype("<u2")
 
 
@@ -45,13 +52,13 @@ def _train(model: GPT, opt: torch.optim.AdamW, start: int, stop: int) -> None:
     """The trainer's step, in miniature: per-id data and dropout seeds, mean over N, clip, AdamW."""
     model.train()
     for step in range(start, stop):
-        for i in step_ids(step, CFG.microbatches):
-            x, y = microbatch(TOKENS, MODEL.block_size, CFG.microbatch_size, CFG.seed, i)
+        for i in step_ids(step, CFG.data.microbatches):
+            x, y = microbatch(TOKENS, MODEL.block_size, CFG.data.microbatch_size, CFG.run.seed, i)
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(id_seed(CFG.seed, i, stream=1))
+                torch.manual_seed(id_seed(CFG.run.seed, i, stream=1))
                 _, loss = model(x, y)
-            (loss / CFG.microbatches).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CFG.grad_clip)
+            (loss / CFG.data.microbatches).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CFG.optim.grad_clip)
         set_lr(opt, lr_at(step, CFG))
         opt.step()
         opt.zero_grad(set_to_none=True)

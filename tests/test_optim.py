@@ -6,15 +6,14 @@ import math
 
 import pytest
 
-from recover.config import ModelConfig, RunConfig
+from recover.config import ModelConfig, OptimConfig, RunConfig, RunSettings
 from recover.train.model import build_model
 from recover.train.optim import build_optimizer, lr_at, set_lr
 
 
-def _cfg(**kw: object) -> RunConfig:
-    base = dict(lr=1e-3, min_lr=1e-4, warmup_steps=4, steps=20)
-    base.update(kw)
-    return RunConfig(**base)  # type: ignore[arg-type]
+def _cfg(steps: int = 20, **optim: float) -> RunConfig:
+    kw = {"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 4, **optim}
+    return RunConfig(optim=OptimConfig(**kw), run=RunSettings(steps=steps))  # type: ignore[arg-type]
 
 
 def test_warmup_is_linear_from_lr_over_w() -> None:
@@ -25,13 +24,13 @@ def test_warmup_is_linear_from_lr_over_w() -> None:
 def test_cosine_decays_to_min_lr_at_steps() -> None:
     cfg = _cfg()
     lrs = [lr_at(s, cfg) for s in range(4, 25)]
-    assert lrs[0] == pytest.approx(cfg.lr)
+    assert lrs[0] == pytest.approx(cfg.optim.lr)
     assert all(a >= b for a, b in zip(lrs[:-1], lrs[1:], strict=True))  # monotone non-increasing
     mid = 4 + (20 - 4) // 2
-    assert lr_at(mid, cfg) == pytest.approx((cfg.lr + cfg.min_lr) / 2)
-    assert lr_at(20, cfg) == pytest.approx(cfg.min_lr)
-    assert lr_at(100, cfg) == pytest.approx(cfg.min_lr)
-    assert lr_at(19, cfg) > cfg.min_lr  # the last trained step is not yet at the floor
+    assert lr_at(mid, cfg) == pytest.approx((cfg.optim.lr + cfg.optim.min_lr) / 2)
+    assert lr_at(20, cfg) == pytest.approx(cfg.optim.min_lr)
+    assert lr_at(100, cfg) == pytest.approx(cfg.optim.min_lr)
+    assert lr_at(19, cfg) > cfg.optim.min_lr  # the last trained step is not yet at the floor
 
 
 def test_no_warmup_and_degenerate_configs() -> None:

@@ -1,6 +1,6 @@
 """Baselines the benchmarks compare `recover` against (DESIGN.md section 7), and `recover bench`.
 
-- `shrink`: the shrink-batch (torchft) step engine, selected by `RunConfig.policy`.
+- `shrink`: the shrink-batch (torchft) step engine, selected by `RunConfig.ft.policy`.
 - `ckpt_restart`: checkpoint every K steps (Young-Daly), tear down and relaunch on every fault.
 - `bench`: `recover bench`, every system under one fault schedule, and the simulator's validation.
 

@@ -60,20 +60,20 @@ def _say(msg: str) -> None:
 
 def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     base = preset(args.preset)
-    base.replicas = args.replicas or (QUICK["replicas"] if args.quick else 8)
-    base.steps = args.steps or (QUICK["steps"] if args.quick else base.steps)
-    base.data = args.data
-    base.join_timeout_s = 600.0  # R processes importing torch on a busy machine can take minutes
+    base.layout.replicas = args.replicas or (QUICK["replicas"] if args.quick else 8)
+    base.run.steps = args.steps or (QUICK["steps"] if args.quick else base.run.steps)
+    base.data.path = args.data
+    base.ft.join_timeout_s = 600.0  # R processes importing torch on a busy machine: minutes
     # A SIGKILL is seen at once (the liveness socket closes); the heartbeat threshold only catches
     # hangs, and at 1 s it fired falsely on this 2-core machine under other jobs' load (a replica
     # "lost" that was alive), which would give one system an extra fault. Same for every system.
-    base.stale_s = 5.0
+    base.ft.stale_s = 5.0
     base.validate()
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     if any((out / s).exists() for s in ("reference", "recover", "ckpt-restart", "shrink-batch")):
         raise RecoverError(f"{out} already holds a bench; choose another --out")
     out.mkdir(parents=True, exist_ok=True)
-    faults = bench_schedule(base.replicas, base.steps, args.seed, args.kills)
+    faults = bench_schedule(base.layout.replicas, base.run.steps, args.seed, args.kills)
     print(f"fault schedule (seed {args.seed}): {describe(faults)}", flush=True)
     t_bench = time.time()
     load0 = os.getloadavg()[0]
@@ -82,7 +82,7 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     _say("running the failure-free reference ...")
     ref = run_once("reference", base, out / "reference", [])
     step_s = step_period(ref)
-    k = young_daly_k(c_pre, step_s, base.steps, len(faults))
+    k = young_daly_k(c_pre, step_s, base.run.steps, len(faults))
     runs = {}
     _say("running recover ...")
     runs["recover"] = run_once("recover", base, out / "recover", faults)
@@ -92,7 +92,7 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     runs["shrink-batch"] = run_once("shrink-batch", base, out / "shrink-batch", faults,
                                     policy="shrink-batch")
     budget = args.budget_s or ref.wall_s
-    target = min(base.steps, args.target_step or max(1, (3 * base.steps) // 4))
+    target = min(base.run.steps, args.target_step or max(1, (3 * base.run.steps) // 4))
     rows = [summarize(r, ref, budget, target) for r in (*runs.values(), ref)]
     dump_runs(out / "bench_runs.json", [*runs.values(), ref])
     calib = calibration(runs, ref, faults, c_pre)
@@ -111,13 +111,13 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
                 f"{x['redone_steps']} step(s) redone; back where it was {x['total_s']:.1f}s "
                 "after the fault"
                 for i, x in enumerate(runs["ckpt-restart"].extra["restarts"])]
-    info = {"command": "recover bench " + " ".join(argv), "replicas": base.replicas,
-            "microbatches": base.microbatches, "microbatch_size": base.microbatch_size,
-            "block_size": base.model.block_size, "steps": base.steps, "preset": args.preset,
+    info = {"command": "recover bench " + " ".join(argv), "replicas": base.layout.replicas,
+            "microbatches": base.data.microbatches, "microbatch_size": base.data.microbatch_size,
+            "block_size": base.model.block_size, "steps": base.run.steps, "preset": args.preset,
             "seed": args.seed, "cores": os.cpu_count(),
             "load": (load0, os.getloadavg()[0]), "schedule": describe(faults),
             "ckpt_every": k, "ckpt_cost_pre_s": c_pre, "ckpt_cost_s": calib["ckpt_cost_s"],
-            "mtbf_s": base.steps * step_s / max(1, len(faults)), "step_time_s": step_s,
+            "mtbf_s": base.run.steps * step_s / max(1, len(faults)), "step_time_s": step_s,
             "kills": len(faults), "budget_s": budget, "target_step": target,
             "restart_lines": restarts, "ratio": ratio, "ratio_incl_startup": ratio_incl}
     write_md(out / "bench.md", rows, info, validation, pooled)

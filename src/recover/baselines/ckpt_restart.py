@@ -37,15 +37,16 @@ def young_daly_k(ckpt_cost_s: float, step_time_s: float, steps: int, kills: int)
 
 def run_ckpt_restart(base: RunConfig, out: Path, faults: list[Fault], k: int) -> SystemRun:
     """Run to the last step through every fault of `faults`; one launch per fault plus one."""
-    alive = list(range(base.replicas))
+    alive = list(range(base.layout.replicas))
     pending = list(faults)
-    run = SystemRun("ckpt-restart", config_for(base, out, ckpt_every=k))
+    run = SystemRun("ckpt-restart", config_for(base, out, run={"ckpt_every": k}))
     run.extra["ckpt_every"] = k
     resume, start = False, 0
     for _ in range(len(faults) + 1):
-        cfg = config_for(base, out, replicas=len(alive), faults=[str(f) for f in
-                                                                 remap(pending, alive)],
-                         ckpt_every=k, resume=resume, min_replicas=1, policy="recover")
+        cfg = config_for(base, out, layout={"replicas": len(alive)},
+                         ft={"faults": [str(f) for f in remap(pending, alive)],
+                             "min_replicas": 1, "policy": "recover"},
+                         run={"ckpt_every": k, "resume": resume})
         t = time.time()
         res = launch(cfg, quiet=True, abort_on_loss=True)
         run.attempts.append(Attempt(list(alive), start, t, res))
@@ -73,7 +74,7 @@ def restart_costs(run: SystemRun) -> list[dict[str, Any]]:
     """Per restart: detection, relaunch (-> first step again), redone steps and their time."""
     out = []
     losses = run.loss_times()
-    log = Path(run.cfg.out) / "coordinator.jsonl"
+    log = Path(run.cfg.run.out) / "coordinator.jsonl"
     events = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
     for i in range(1, len(run.attempts)):
         prev, cur = run.attempts[i - 1], run.attempts[i]

@@ -22,7 +22,7 @@ from recover.train.reference import max_rel_loss_diff
 
 def summarize(run: SystemRun, ref: SystemRun, budget_s: float, target_step: int) -> dict[str, Any]:
     cfg = run.cfg
-    tok_mb = cfg.microbatch_size * cfg.model.block_size
+    tok_mb = cfg.data.microbatch_size * cfg.model.block_size
     commit = run.commit_abs()
     wall = run.wall_s
     counted = sum(r["microbatches"] for r in run.records)
@@ -96,7 +96,7 @@ def _after_ckpt(run: SystemRun, k: int, typical: dict[int, float]) -> list[float
 
 def step_period(run: SystemRun) -> float:
     """Mean seconds per clean step (commit to commit) of a run with all its replicas."""
-    return statistics.mean(_periods(run, run.cfg.replicas))
+    return statistics.mean(_periods(run, run.cfg.layout.replicas))
 
 
 _PHASE_OFFSET = {"forward": 0.0, "reduce": 1.0, "commit": 1.0, "optimizer": 1.0}
@@ -106,7 +106,7 @@ def calibration(runs: dict[str, SystemRun], ref: SystemRun, faults: list[Fault],
                 ckpt_cost_pre_s: float) -> dict[str, Any]:
     """The bench.json of `recover.sim.calibrate` from this bench's measurements."""
     cfg = ref.cfg
-    n, r0 = cfg.microbatches, cfg.replicas
+    n, r0 = cfg.data.microbatches, cfg.layout.replicas
     rec, ckr = runs["recover"], runs["ckpt-restart"]
     # Clean steps with all R replicas, pooled over every run (they all compute N/R each then);
     # with r < R, recover's and ckpt-restart's steps (both spread N over r, as the simulator does).
@@ -131,7 +131,7 @@ def calibration(runs: dict[str, SystemRun], ref: SystemRun, faults: list[Fault],
         offsets.append(_PHASE_OFFSET.get(f.phase, 0.5 / q))
         alive -= 1
     return {
-        "schema": "recover.bench/1", "replicas": r0, "microbatches": n, "steps": cfg.steps,
+        "schema": "recover.bench/1", "replicas": r0, "microbatches": n, "steps": cfg.run.steps,
         "step_time_s": step, "microbatch_time_s": mb, "allreduce_s": allreduce,
         "step_time_by_replicas_s": {str(r): t for r, t in sorted(table.items()) if r != r0},
         "ckpt_cost_s": max(0.0, ckpt_cost), "ckpt_cost_premeasured_s": ckpt_cost_pre_s,
@@ -139,13 +139,13 @@ def calibration(runs: dict[str, SystemRun], ref: SystemRun, faults: list[Fault],
         "restart_cost_s": max(0.0, statistics.mean(restart)) if restart else 0.0,
         "restart_detect_s": (max(0.0, statistics.mean(x["detect_s"] for x in restarts))
                              if restarts else 0.0),
-        "detect_s": _detect_s(Path(rec.cfg.out) / "coordinator.jsonl"),
+        "detect_s": _detect_s(Path(rec.cfg.run.out) / "coordinator.jsonl"),
         "rebuild_s": _rebuild_s(rec, table, allreduce, n),
         "fault_steps": [f.step for f in faults],
         "fault_offset_frac": statistics.mean(offsets) if offsets else 0.5,
         "startup_s": 0.0,  # wall_s starts at the first step; the one-off launch is apart:
         "startup_measured_s": {s.name: s.startup_s for s in (*runs.values(), ref)},
-        "tokens_per_microbatch": cfg.microbatch_size * cfg.model.block_size,
+        "tokens_per_microbatch": cfg.data.microbatch_size * cfg.model.block_size,
         "wall_s": {name: s.wall_s for name, s in runs.items()},
         "per_system": {name: _own_step_times(s, table, allreduce, n) for name, s in runs.items()},
     }
@@ -167,7 +167,7 @@ def _own_step_times(run: SystemRun, pooled: dict[int, float], allreduce: float, 
             own[r] = pooled[r]
             continue
         c = math.ceil(n / r)
-        q = math.ceil(n / r0) if run.cfg.policy == "shrink-batch" else c  # its fixed share
+        q = math.ceil(n / r0) if run.cfg.ft.policy == "shrink-batch" else c  # its fixed share
         own[r] = max((c * statistics.mean(p) - allreduce * (c - q)) / q, allreduce * 1.01)
     return {"step_time_s": own[r0],
             "step_time_by_replicas_s": {str(r): t for r, t in sorted(own.items()) if r != r0}}

@@ -10,7 +10,6 @@ each moment since the first step, rollbacks included.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 import statistics
@@ -92,7 +91,7 @@ class SystemRun:
 
     def loss_times(self) -> list[float]:
         """Seconds since t0 at which a replica was lost (the coordinator's evidence of it)."""
-        events = _lost_evidence(Path(self.cfg.out) / "coordinator.jsonl")
+        events = _lost_evidence(Path(self.cfg.run.out) / "coordinator.jsonl")
         out = []
         for i, a in enumerate(self.attempts):
             stop = (self.attempts[i + 1].t_call if i + 1 < len(self.attempts) else float("inf"))
@@ -118,20 +117,20 @@ def _lost_evidence(log: Path) -> list[float]:
     return out
 
 
-def config_for(base: RunConfig, out: Path, **changes: Any) -> RunConfig:
-    cfg = dataclasses.replace(base, out=str(out), **changes)
-    cfg.model = dataclasses.replace(base.model)
-    return cfg
+def config_for(base: RunConfig, out: Path, **sections: dict[str, Any]) -> RunConfig:
+    """A copy of `base` writing to `out`, with `sections` changed (see `RunConfig.replace`)."""
+    run = {"out": str(out), **sections.pop("run", {})}
+    return base.replace(run=run, **sections)
 
 
 def run_once(name: str, base: RunConfig, out: Path, faults: list[Fault],
              policy: str = "recover") -> SystemRun:
     """A system that survives faults in place (recover, shrink-batch) or a failure-free run."""
-    cfg = config_for(base, out, faults=[str(f) for f in faults], policy=policy)
+    cfg = config_for(base, out, ft={"faults": [str(f) for f in faults], "policy": policy})
     run = SystemRun(name, cfg)
     t = time.time()
     res = launch(cfg, quiet=True)
-    run.attempts.append(Attempt(list(range(cfg.replicas)), 0, t, res))
+    run.attempts.append(Attempt(list(range(cfg.layout.replicas)), 0, t, res))
     if not res.ok:
         raise RecoverError(f"bench: {name} failed: {res.message}")
     run.records = read_metrics(out / "metrics.jsonl")
@@ -141,7 +140,7 @@ def run_once(name: str, base: RunConfig, out: Path, faults: list[Fault],
 def measure_ckpt_cost(base: RunConfig, repeats: int = 3) -> float:
     """Median seconds of one blocking DCP save of this model and its AdamW state (in-process)."""
     torch.set_num_threads(1)
-    model = build_model(base.model, base.seed)
+    model = build_model(base.model, base.run.seed)
     opt = build_optimizer(model, base)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -176,7 +175,7 @@ def load_runs(path: Path) -> dict[str, SystemRun]:
         run = SystemRun(d["name"], RunConfig.from_dict(d["config"]), records=d["records"],
                         extra=d["extra"])
         for a in d["attempts"]:
-            res = RunResult(ok=not a["aborted"], out=Path(run.cfg.out), records=a["records"],
+            res = RunResult(ok=not a["aborted"], out=Path(run.cfg.run.out), records=a["records"],
                             aborted=a["aborted"], t_abort=a["t_abort"], t_start=a["t_start"])
             run.attempts.append(Attempt(a["replicas"], a["start_step"], a["t_call"], res))
         out[run.name] = run

@@ -20,7 +20,7 @@ from typing import Any
 from rich.console import Console
 
 from recover.collectives import connect_store, keys, try_get
-from recover.config import RunConfig
+from recover.config import RunConfig, flatten
 from recover.errors import CheckpointError, ConfigError, RecoverError
 from recover.faults import validate_faults
 from recover.procs import stop_all as _end
@@ -52,33 +52,34 @@ class RunResult:
 def prepare_run(cfg: RunConfig) -> tuple[RunConfig, int]:
     """Validate, lay out DIR, prepare data, write config.json; return (cfg, first step)."""
     cfg.validate()
-    validate_faults(cfg.faults, cfg.replicas, cfg.steps, cfg.ranks_per_replica())
-    out = Path(cfg.out)
+    validate_faults(cfg.ft.faults, cfg.layout.replicas, cfg.run.steps,
+                    cfg.layout.ranks_per_replica())
+    out = Path(cfg.run.out)
     start = 0
-    if cfg.resume:
+    if cfg.run.resume:
         from recover.train.checkpoint import latest_checkpoint, verify_checkpoint
 
         ckpt = latest_checkpoint(out / "ckpt") if out.exists() else None
         if ckpt is None:
             raise CheckpointError(f"--resume: no checkpoint found in {out / 'ckpt'}")
         saved = RunConfig.load(out / "config.json")
-        old, new = saved.trajectory_key(), cfg.trajectory_key()
-        old_model = old.get("model", {})
-        new["model"]["vocab_size"] = old_model.get("vocab_size", new["model"]["vocab_size"])
-        diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        old, new = flatten(saved.trajectory_key()), flatten(cfg.trajectory_key())
+        # The vocabulary grows to fit the data when it is prepared (below), after this check.
+        new["model.vocab_size"] = old.get("model.vocab_size", new["model.vocab_size"])
+        diff = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
         if diff:
             raise ConfigError(f"--resume: settings differ from the saved run in {out}: "
                               f"{', '.join(diff)} (a resumed run must keep its trajectory; "
                               "--steps is the LR schedule's horizon)")
         start = int(verify_checkpoint(ckpt)["step"])  # a corrupt one is refused here
-        if start >= cfg.steps:
+        if start >= cfg.run.steps:
             raise ConfigError(f"--resume: the run in {out} already completed all {start} steps")
     elif (out / "metrics.jsonl").exists() or (out / "ckpt").exists():
         raise ConfigError(f"{out} already holds a run; use --resume to continue it or choose "
                           "another --out")
     out.mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
-    meta = prepare_data(cfg.data, out / "data", cfg.val_fraction, cfg.model.block_size)
+    meta = prepare_data(cfg.data.path, out / "data", cfg.data.val_fraction, cfg.model.block_size)
     if meta["vocab_size"] > cfg.model.vocab_size:
         cfg.model.vocab_size = int(meta["vocab_size"])
     tmp = out / "config.json.tmp"
@@ -92,9 +93,10 @@ def _start_coordinator(cfg: RunConfig, out: Path, port: int = 0) -> tuple[subpro
     port_file.unlink(missing_ok=True)
     log = open(out / "logs" / "coordinator.log", "ab")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "recover.collectives.coordinator", "--replicas", str(cfg.replicas),
-         "--port", str(port), "--port-file", str(port_file), "--stale-s", str(cfg.stale_s),
-         "--join-timeout-s", str(cfg.join_timeout_s), "--log", str(out / "coordinator.jsonl")],
+        [sys.executable, "-m", "recover.collectives.coordinator", "--replicas",
+         str(cfg.layout.replicas), "--port", str(port), "--port-file", str(port_file),
+         "--stale-s", str(cfg.ft.stale_s),
+         "--join-timeout-s", str(cfg.ft.join_timeout_s), "--log", str(out / "coordinator.jsonl")],
         stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
     while not port_file.exists():
@@ -126,7 +128,7 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
     """
     console = console or Console(stderr=True)
     cfg, start = prepare_run(cfg)
-    out = Path(cfg.out)
+    out = Path(cfg.run.out)
     metrics = out / "metrics.jsonl"
     truncate_metrics(metrics, start)
     t_start = time.time()
@@ -136,8 +138,8 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
     try:
         store = connect_store("127.0.0.1", port, 30.0)
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        for r in range(0 if external_workers else cfg.replicas):
-            for k in range(cfg.ranks_per_replica()):  # a multi-rank replica: one process per rank
+        for r in range(0 if external_workers else cfg.layout.replicas):
+            for k in range(cfg.layout.ranks_per_replica()):  # multi-rank: a process per rank
                 name = f"replica{r}.log" if k == 0 else f"replica{r}.rank{k}.log"
                 log = open(out / "logs" / name, "ab")
                 procs[(r, k)] = subprocess.Popen(
@@ -147,14 +149,15 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
             workers[r] = procs[(r, 0)]
         everyone = dict(enumerate(procs.values()))
         watch = _AbortWatch(workers) if abort_on_loss else None
-        end = cfg.stop_at or cfg.steps
-        tokens = cfg.microbatches * cfg.microbatch_size * cfg.model.block_size
+        end = cfg.run.stop_at or cfg.run.steps
+        tokens = cfg.data.microbatches * cfg.data.microbatch_size * cfg.model.block_size
         sink = MetricsSink(store, metrics, start, end, tokens, t_start, console, quiet)
         if not quiet:
-            console.print(f"recover: {cfg.replicas} replicas, N={cfg.microbatches} microbatches "
-                          f"x {cfg.microbatch_size} x {cfg.model.block_size} tokens, steps "
+            console.print(f"recover: {cfg.layout.replicas} replicas, N={cfg.data.microbatches} "
+                          f"microbatches x {cfg.data.microbatch_size} x {cfg.model.block_size} "
+                          "tokens, steps "
                           f"{start}..{end - 1}, out {out}", highlight=False)
-        stall_limit = cfg.join_timeout_s + cfg.reduce_timeout_s + 60
+        stall_limit = cfg.ft.join_timeout_s + cfg.ft.reduce_timeout_s + 60
         try:
             message = _supervise(store, sink, end, everyone, external_workers, stall_limit)
         except Exception as e:  # the store is gone: the coordinator process died
@@ -165,7 +168,7 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
         if watch is not None:
             watch.stop()
         # Let survivors write the final checkpoint and leave; hung or fenced ones are ended.
-        hang_s = max([float(s.split("seconds=")[1].split(",")[0]) for s in cfg.faults
+        hang_s = max([float(s.split("seconds=")[1].split(",")[0]) for s in cfg.ft.faults
                       if "seconds=" in s] or [0.0])
         deadline = time.monotonic() + 30 + hang_s
         while time.monotonic() < deadline and any(p.poll() is None for p in procs.values()):
@@ -183,7 +186,7 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
         (out / "exit_codes.json").write_text(json.dumps(rank_codes) + "\n")
     ok = sink.next >= end
     if not ok and not message:
-        shown = codes if cfg.ranks_per_replica() == 1 else rank_codes
+        shown = codes if cfg.layout.ranks_per_replica() == 1 else rank_codes
         message = (f"training stopped at step {sink.next}: replica exits "
                    f"{ {r: EXIT_MEANING.get(c, c) for r, c in shown.items()} }; "
                    f"see {out / 'logs'}")

@@ -37,9 +37,9 @@ DTYPES = {"fp32": torch.float32, **AMP}
 
 def device_of(cfg: RunConfig, replica: int, rank: int) -> torch.device:
     """cpu, or one GPU per process (replicas sharing a host share its GPUs round-robin)."""
-    if cfg.device == "cpu":
+    if cfg.compute.device == "cpu":
         return torch.device("cpu")
-    idx = (replica * cfg.ranks_per_replica() + rank) % max(1, torch.cuda.device_count())
+    idx = (replica * cfg.layout.ranks_per_replica() + rank) % max(1, torch.cuda.device_count())
     return torch.device("cuda", idx)
 
 
@@ -48,29 +48,30 @@ Amp = Callable[[], contextlib.AbstractContextManager]
 
 def autocast(cfg: RunConfig, device: torch.device) -> Amp:
     """The forward's precision: autocast to --dtype; parameters and optimiser stay fp32."""
-    if cfg.dtype == "fp32":
+    if cfg.compute.dtype == "fp32":
         return contextlib.nullcontext
-    return lambda: torch.autocast(device.type, dtype=AMP[cfg.dtype])
+    return lambda: torch.autocast(device.type, dtype=AMP[cfg.compute.dtype])
 
 
 def build(cfg: RunConfig, host: str, port: int, replica: int, rank: int) -> RankModel:
     """This rank's model in the run's layout (multi-rank layouts: joins the replica's group)."""
     device = device_of(cfg, replica, rank)
-    model = build_model(cfg.model, cfg.seed).to(device)
-    n, amp = cfg.microbatches, autocast(cfg, device)
-    if cfg.layout == "plain":
+    model = build_model(cfg.model, cfg.run.seed).to(device)
+    n, amp = cfg.data.microbatches, autocast(cfg, device)
+    if cfg.layout.name == "plain":
         return _dense(model, n, None, lambda t: t.to(device), amp)
     from recover.parallel import init_replica_group, replica_mesh  # DTensor/FSDP2: seconds
     from recover.parallel.hsdp import local_rows, shard_model
     from recover.parallel.pp import Pipeline
     from recover.parallel.tp import parallelize
 
-    init_replica_group(host, port, replica, rank, cfg.ranks_per_replica(), cfg.reduce_timeout_s)
-    mesh = replica_mesh(cfg.layout, cfg.shards, cfg.tp, cfg.stages)
-    parts = cfg.layout.split(",")
+    lay = cfg.layout
+    init_replica_group(host, port, replica, rank, lay.ranks_per_replica(), cfg.ft.reduce_timeout_s)
+    mesh = replica_mesh(lay.name, lay.shards, lay.tp, lay.stages)
+    parts = cfg.layout.name.split(",")
     if "tp" in parts:
         parallelize(model, mesh)
-    if cfg.layout == "hsdp":
+    if cfg.layout.name == "hsdp":
         shard_model(model, mesh)
     if "pp" not in parts:
         return _dense(model, n, mesh, lambda t: local_rows(t, mesh), amp)

@@ -33,47 +33,47 @@ EXIT_OK, EXIT_USAGE, EXIT_BELOW_MIN, EXIT_COORDINATOR_LOST = 0, 2, 4, 5
 def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
     torch.set_num_threads(1)  # measured: 2 threads x 4 processes on 2 cores is 10x slower
     cfg = RunConfig.load(run_dir / "config.json")
-    nranks = cfg.ranks_per_replica()
+    nranks = cfg.layout.ranks_per_replica()
 
     def log(msg: str) -> None:
         who = f"replica {replica}" + (f" rank {rank}" if nranks > 1 else "")
         print(f"[{who}] {msg}", file=sys.stderr, flush=True)
 
     if not 0 <= rank < nranks:
-        log(f"rank {rank} is not in [0, {nranks}) for --layout {cfg.layout}")
+        log(f"rank {rank} is not in [0, {nranks}) for --layout {cfg.layout.name}")
         return EXIT_USAGE
     corpus = load_data(run_dir / "data")
-    m, n = cfg.model, cfg.microbatches
+    m, ft, seed = cfg.model, cfg.ft, cfg.run.seed
+    n, b = cfg.data.microbatches, cfg.data.microbatch_size
     rm = layout.build(cfg, host, port, replica, rank)
     opt = build_optimizer(rm.module, cfg)
     ckpt_root = run_dir / "ckpt"
     applied = 0  # optimizer steps in the parameters: the only label a checkpoint may carry
-    if cfg.resume:  # plain only (validated): one process holds the whole state
+    if cfg.run.resume:  # plain only (validated): one process holds the whole state
         from recover.train.checkpoint import latest_checkpoint, load_checkpoint
 
         path = latest_checkpoint(ckpt_root)
         applied = int(load_checkpoint(path, rm.module, opt)["step"])
         log(f"resumed from {path.name} at step {applied}")
-    faults = FaultInjector(validate_faults(cfg.faults, cfg.replicas, cfg.steps, nranks), replica,
-                           rank, nranks)
+    faults = FaultInjector(validate_faults(ft.faults, cfg.layout.replicas, cfg.run.steps, nranks),
+                           replica, rank, nranks)
     rep = Replica(rm.module, n, mesh=rm.mesh, tied=rm.tied, coordinator=f"{host}:{port}",
-                  replica=replica, min_replicas=cfg.min_replicas, timeout_s=cfg.reduce_timeout_s,
-                  join_timeout_s=cfg.join_timeout_s, heartbeat_s=cfg.heartbeat_s,
-                  hook=faults.at, speed_aware=cfg.speed_aware, strategy=_strategy(cfg),
-                  exact=cfg.exact, backend=cfg.backend,
-                  reduce_dtype=layout.DTYPES.get(cfg.reduce_dtype))
+                  replica=replica, min_replicas=ft.min_replicas, timeout_s=ft.reduce_timeout_s,
+                  join_timeout_s=ft.join_timeout_s, heartbeat_s=ft.heartbeat_s,
+                  hook=faults.at, speed_aware=ft.speed_aware, strategy=_strategy(cfg),
+                  exact=cfg.compute.exact, backend=cfg.compute.backend,
+                  reduce_dtype=layout.DTYPES.get(cfg.compute.reduce_dtype))
     store = rep.member.store
-    evals = eval_batches(corpus.val, m.block_size, cfg.microbatch_size, cfg.seed,
-                         cfg.eval_microbatches)
+    evals = eval_batches(corpus.val, m.block_size, b, seed, cfg.data.eval_microbatches)
     timer = StepTimer()
     step = applied
 
     def compute(mb_id: int, j: int) -> float:
         """This rank's part of microbatch `mb_id`: gradients += its share of grad(loss)/N."""
         with timer.microbatch(faults.slow_factor(step)):
-            x, y = microbatch(corpus.train, m.block_size, cfg.microbatch_size, cfg.seed, mb_id)
+            x, y = microbatch(corpus.train, m.block_size, b, seed, mb_id)
             with torch.random.fork_rng(devices=[], enabled=m.dropout > 0):
-                torch.manual_seed(id_seed(cfg.seed, mb_id, stream=1))  # dropout is the id's own
+                torch.manual_seed(id_seed(seed, mb_id, stream=1))  # dropout is the id's own
                 faults.at("forward", step, j)
                 return rm.forward_backward(x, y, lambda: faults.at("backward", step, j))
 
@@ -84,8 +84,8 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
         save_checkpoint(ckpt_root, at, rm.module, opt,
                         {"next_microbatch_id": at * n, "trajectory": cfg.trajectory_key()})
 
-    can_save = cfg.layout == "plain"  # distributed checkpoints of multi-rank layouts: not yet
-    end = cfg.stop_at or cfg.steps
+    can_save = cfg.layout.name == "plain"  # distributed checkpoints of multi-rank layouts: not yet
+    end = cfg.run.stop_at or cfg.run.steps
     try:
         for step in range(applied, end):
             timer.start()
@@ -94,18 +94,18 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
             rm.module.train()
             res = rep.step(step, compute)  # COMPUTE -> REDUCE -> agreed COMMIT
             faults.at("optimizer", step, 0)
-            grad_norm = rep.clip_grad_norm_(cfg.grad_clip)
+            grad_norm = rep.clip_grad_norm_(cfg.optim.grad_clip)
             opt.step()
             applied = step + 1
             rec = step_record(res, lr, grad_norm, timer)
             last = step == end - 1
-            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last:
+            if (cfg.data.eval_every and (step + 1) % cfg.data.eval_every == 0) or last:
                 with rep.guard():  # a multi-rank evaluation is an intra-replica collective
                     rec["val_loss"] = rep.replica_sum(layout.evaluate(rm, evals) * rep.loss_weight)
             if rank == 0:  # every survivor offers the record; the first one lands (all agree)
                 store.compare_set(keys.record_key(step), "", json.dumps(rec))
             if can_save and rep.is_leader and (
-                    (cfg.ckpt_every and applied % cfg.ckpt_every == 0) or last):
+                    (cfg.run.ckpt_every and applied % cfg.run.ckpt_every == 0) or last):
                 save(applied)
     except BelowMinReplicas as e:
         log(f"stopping: {e}")
@@ -122,7 +122,7 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
             log(f"saving a checkpoint at step {applied}")
             save(applied)
         return EXIT_COORDINATOR_LOST
-    if cfg.dump_final:
+    if cfg.run.dump_final:
         _dump_final(run_dir, rm.module, replica, rank, nranks)
     rep.leave()
     return EXIT_OK
@@ -130,10 +130,10 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
 
 def _strategy(cfg: RunConfig) -> StepStrategy | None:
     """`recover`: in-step recovery (the engine's default); `shrink-batch`: the torchft baseline."""
-    if cfg.policy == "shrink-batch":
+    if cfg.ft.policy == "shrink-batch":
         from recover.baselines.shrink import ShrinkBatch
 
-        return ShrinkBatch(range(cfg.replicas))
+        return ShrinkBatch(range(cfg.layout.replicas))
     return None
 
 

@@ -22,13 +22,14 @@ def build_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.AdamW:
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": decay, "weight_decay": cfg.optim.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
     # fused=False: the fused kernel is a separate implementation whose rounding may differ from
     # the reference path; foreach is left to torch (single-tensor on CPU, foreach on CUDA), both of
     # which are deterministic elementwise code, so same device + same inputs = same update.
-    return torch.optim.AdamW(groups, lr=lr_at(0, cfg), betas=(cfg.beta1, cfg.beta2), eps=1e-8,
+    o = cfg.optim
+    return torch.optim.AdamW(groups, lr=lr_at(0, cfg), betas=(o.beta1, o.beta2), eps=1e-8,
                              fused=False)
 
 
@@ -36,15 +37,16 @@ def lr_at(step: int, cfg: RunConfig) -> float:
     """Learning rate of 0-based iteration `step`.
 
     Linear warmup lr/W, 2lr/W, ..., lr over the first W = warmup_steps iterations, then a cosine
-    from lr (at step W) down to min_lr (reached at step == cfg.steps, and held after it).
+    from lr (at step W) down to min_lr (reached at step == cfg.run.steps, and held after it).
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
-    w = cfg.warmup_steps
+    o = cfg.optim
+    w = o.warmup_steps
     if step < w:
-        return cfg.lr * (step + 1) / w
-    progress = min(1.0, (step - w) / max(1, cfg.steps - w))
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+        return o.lr * (step + 1) / w
+    progress = min(1.0, (step - w) / max(1, cfg.run.steps - w))
+    return o.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (o.lr - o.min_lr)
 
 
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
