@@ -27,6 +27,7 @@ class _Helper:
         self.requests: queue.SimpleQueue[tuple[str, float, dict[str, Any], threading.Event]] = (
             queue.SimpleQueue())
         self.busy = False
+        self.dead = False
         threading.Thread(target=self._loop, name="recover-keywait", daemon=True).start()
 
     def _loop(self) -> None:
@@ -36,7 +37,12 @@ class _Helper:
                 self.store.set_timeout(datetime.timedelta(seconds=timeout_s))
                 box["value"] = self.store.get(key)
             except Exception as e:  # a timeout, or the store is gone
+                # The server may still answer the timed-out wait later, on this connection: a
+                # client that timed out is never used again, or it could read that stale reply.
                 box["error"] = e
+                self.dead = True
+                done.set()
+                return
             self.busy = False
             done.set()
 
@@ -71,6 +77,7 @@ class KeyWaiter:
 
     def _idle(self) -> _Helper:
         with self._lock:
+            self._helpers = [h for h in self._helpers if not h.dead]
             for h in self._helpers:
                 if not h.busy:
                     h.busy = True

@@ -24,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -109,6 +110,11 @@ class StepResult:
     recovery_s: float = 0.0
     attempts: int = 1
     redo: bool = False  # exact mode: the step overflowed its fixed point; run it again
+
+
+def _log(msg: str) -> None:
+    """The fault path's account, on stderr (the replica's log): one line per failed attempt."""
+    print(f"recover: {msg}", file=sys.stderr, flush=True)
 
 
 class _CountingStore:
@@ -255,6 +261,10 @@ class StepEngine:
                                   recovered, time.monotonic() - t_fault if t_fault else 0.0,
                                   attempt, redo)
             t_fault = t_fault or time.monotonic()
+            _log(f"replica {self.me} position {self.position}: step {tag} attempt {attempt} in "
+                 f"generation {entry_gen}: reduce {'ok' if ok else 'failed'}, decision "
+                 f"{decision.decode(errors='replace')}; newest generation "
+                 f"{self.member.generation()}")
             if self.member.generation() == entry_gen:
                 self.member.wait_newer(entry_gen, self.timeout_s)
         raise RecoveryError(f"step {step} did not commit after {MAX_ATTEMPTS} attempts")
