@@ -83,7 +83,7 @@ def test_no_failures_equal_except_checkpoints() -> None:
     assert res["shrink-batch"].wall_s == pytest.approx(1000 * p.step_time_s)
     assert res["ckpt-restart"].wall_s == pytest.approx(1000 * p.step_time_s + 10 * p.ckpt_cost_s)
     for r in res.values():
-        assert r.committed_mb == r.processed_mb == 1000 * p.microbatches
+        assert r.committed_mb == r.processed_mb == 1000 * p.n_microbatches
         assert r.finished
 
 
@@ -340,3 +340,59 @@ def test_invariants_hold(replicas: int, per: int, faults: list, spares: int, ckp
         assert r.gpu_hours <= (p.gpus + spares * 2) * r.wall_s / 3600 + 1e-9
         if name != "shrink-batch":  # its survivors may hold smaller quotas than the busiest
             assert r.wall_s >= r.steps * p.step_time_s - 1e-6
+
+
+def test_weak_scaling_keeps_every_replica_busy() -> None:
+    assert SimParams().n_microbatches == 256  # 512 GPUs: the paper's N, unchanged
+    big = SimParams(gpus=100_000)
+    assert big.n_microbatches >= big.replicas == 12_500
+    assert big.mb_time_s == pytest.approx(SimParams().mb_time_s)  # same step, same microbatch
+    assert SimParams(gpus=100_000, microbatches=256).n_microbatches == 256  # given: kept
+    with pytest.raises(ConfigError):
+        SimParams(microbatches_per_replica=0).validate()
+
+
+def test_control_plane_is_charged_per_step_to_recover_and_shrink_batch() -> None:
+    p = SimParams(per_gpu_mttf_h=None, total_steps=100, control_plane_s=0.25)
+    res = simulate(p)
+    assert res["recover"].wall_s == pytest.approx(100 * 5.25)
+    assert res["shrink-batch"].wall_s == pytest.approx(100 * 5.25)
+    assert res["ckpt-restart"].wall_s == pytest.approx(100 * 5.0)  # never checkpoints here
+
+
+def test_curve_fits_and_checks(tmp_path) -> None:
+    from recover.sim.curve import COLUMNS, fit, load_curve
+
+    lin = fit([4, 16, 64], [1.0, 4.0, 16.0], "linear")
+    assert (lin.a, lin.b) == pytest.approx((0.0, 0.25)) and lin(1024) == pytest.approx(256.0)
+    lg = fit([4, 16, 64], [2.0, 4.0, 6.0], "log2")
+    assert lg(1024) == pytest.approx(10.0)
+    falling = fit([4, 16], [3.0, 1.0], "linear")  # noise, not a cost that shrinks with size
+    assert falling.b == 0.0 and falling(10**6) == pytest.approx(2.0)
+    shipped = load_curve()
+    assert shipped.source and set(shipped.values) == set(COLUMNS)
+    doc = {"source": "s", "ranks": [4, 8], **{c: [0.1, 0.2] for c in COLUMNS}}
+    for broken in (
+        {k: v for k, v in doc.items() if k != "rebuild_s"},
+        {**doc, "agree_s": [0.1]},
+        {**doc, "detect_s": [0.1, -1.0]},
+        {**doc, "ranks": [8, 4]},
+    ):
+        path = tmp_path / "c.json"
+        path.write_text(json.dumps(broken))
+        with pytest.raises(ConfigError):
+            load_curve(path)
+    with pytest.raises(ConfigError):
+        load_curve(tmp_path / "absent.json")
+
+
+def test_scale_models() -> None:
+    from recover.sim.scale import RESTART_ANCHORS, restart_fit, target_weights
+
+    for gpus, seconds, _ in RESTART_ANCHORS:
+        assert restart_fit()(gpus) == pytest.approx(seconds)
+    w, how = target_weights([65536, 131072, 1024])
+    assert w[65536] + w[131072] == pytest.approx(1.0) and w[131072] > 0.5
+    assert "interpolated" in how
+    assert target_weights([100_000, 131072])[0] == {100_000: 1.0}
+    assert target_weights([1024, 2048])[0] == {2048: 1.0}  # nearest when not bracketed

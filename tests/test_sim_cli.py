@@ -173,3 +173,66 @@ def test_flags_reach_the_simulation(capsys: pytest.CaptureFixture[str]) -> None:
     assert "64 GPUs, 4 GPUs per replica -> 16 replicas" in out
     assert "every 10 steps (given)" in out and "restart 42.0 s" in out
     assert "2 replica kill(s) at steps [3, 50]" in out
+
+
+def test_paper_figures_unchanged(capsys: pytest.CaptureFixture[str]) -> None:
+    # The paper scenario's two figures as of the scale scenario's arrival (weak scaling keeps N).
+    assert run_cli(["--scenario", "paper"]) == 0
+    assert capsys.readouterr().out.endswith(
+        "throughput_ratio=2.695\nextra_tokens_pct_at_234_gpu_hours=119.4\n"
+    )
+
+
+def test_scale_scenario_quick(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    t0 = time.monotonic()
+    argv = ["--scenario", "scale", "--quick", "--out", str(tmp_path / "o")]
+    assert run_cli(argv) == 0
+    elapsed = time.monotonic() - t0
+    out = capsys.readouterr().out
+    assert elapsed < 60.0
+    m = re.search(r"ettr_recover_at_100k=([0-9.]+)\n$", out)
+    assert m is not None, out[-500:]
+    assert 0.0 < float(m[1]) <= 1.0
+    for needle in ("Llama 3", "419", "FT-HSDP", "2602.00277", "source: ", "interpolated"):
+        assert needle in out, needle
+    doc = json.loads((tmp_path / "o" / "results.json").read_text())
+    sizes = doc["sizes"]
+    assert [s["gpus"] for s in sizes] == [1024, 8192, 65536, 131072]
+    for s in sizes:
+        for name, v in s["ettr"].items():
+            assert 0.0 < v <= 1.0, (s["gpus"], name, v)
+        assert s["params"]["microbatches"] >= s["gpus"] // s["params"]["gpus_per_replica"]
+    ck = [s["ettr"]["ckpt-restart"] for s in sizes]
+    assert ck == sorted(ck, reverse=True) and ck[0] > ck[-1]
+    assert (tmp_path / "o" / "ettr_vs_gpus.png").stat().st_size > 1000
+
+
+def test_scale_scenario_reads_the_curve_file(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from recover.sim.curve import COLUMNS
+
+    curve = {"source": "measured by a test", "ranks": [4, 128], **{c: [0.0, 0.0] for c in COLUMNS}}
+    path = tmp_path / "curve.json"
+    path.write_text(json.dumps(curve))
+    argv = ["--scenario", "scale", "--sizes", "1024,2048", "--seeds", "1", "--budget-h", "24"]
+    assert run_cli([*argv, "--curve", str(path), "--plot", str(tmp_path / "p.png")]) == 0
+    out = capsys.readouterr().out
+    assert "source: measured by a test" in out
+    assert "the nearest size, 2,048 GPUs" in out
+    assert re.search(r"ettr_recover_at_100k=([0-9.]+)\n$", out)
+    path.write_text(json.dumps({**curve, "reduce_s": [0.1]}))
+    assert "reduce_s" in _bad([*argv, "--curve", str(path)], capsys)
+    assert "drop --gpus" in _bad(["--scenario", "scale", "--gpus", "1024"], capsys)
+    assert "needs --scenario scale" in _bad(["--quick"], capsys)
+    _bad(["--scenario", "scale", "--sizes", "1000"], capsys)  # not whole 128-GPU replicas
+    _bad(["--scenario", "scale", "--sensitivity"], capsys)
+
+
+def test_default_run_at_100k_gpus_keeps_every_replica_busy(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert run_cli(["--gpus", "100000", "--total-steps", "200"]) == 0
+    out = capsys.readouterr().out
+    replicas = int(re.search(r"-> ([0-9,]+) replicas", out)[1].replace(",", ""))
+    n = int(re.search(r"batch: N = ([0-9,]+) microbatches", out)[1].replace(",", ""))
+    assert replicas == 12_500 and n >= replicas
+    assert LAST_LINES.search(out)

@@ -7,8 +7,10 @@ computed from stated assumptions (printed by `recover simulate`), never typed in
 Modules: `params` (SimParams, defaults and their sources, Young-Daly), `faults` (failure sequences,
 trace format), `job` (the event core: `Job`, `replica_quotas`), `policies` (the three event
 loops), `engine` (`simulate`, the runner registry; imports run engine -> policies -> job),
-`results` (metrics), `scenario` (the paper scenario), `calibrate` (bench.json schema,
-`predict_wall_times`), `sensitivity`, `report`, `cli`.
+`results` (metrics), `scenario` (the paper scenario), `scale` (the scale scenario: ETTR by job
+size) with `curve` (recover's measured scale curve, `data/scale_curve.json`, and its fits) and
+`scale_report`, `calibrate` (bench.json schema, `predict_wall_times`), `sensitivity`, `report`,
+`cli`.
 """
 
 from recover.sim.calibrate import calib_params, load_calibration, predict_wall_times

@@ -4,7 +4,8 @@ Invariant: user mistakes (bad flag, negative value, missing or malformed file, G
 into replicas) end as one `recover simulate: error: ...` line on stderr and exit status 2, never a
 traceback; a run ends with exactly two lines, `throughput_ratio=<x>` and
 `extra_tokens_pct_at_234_gpu_hours=<y>` (definitions in `recover.sim.results`), printed after every
-assumption they rest on.
+assumption they rest on. `--scenario scale` is its own run (`recover.sim.scale_report`), ending
+with `ettr_recover_at_100k=<x>`.
 
 Precedence of parameters: SimParams defaults < `--scenario paper` < `--calibrate bench.json` <
 explicit flags. With `--calibrate` alone the bench's own run (replicas, N, steps, fault steps) is
@@ -22,12 +23,16 @@ from typing import Any, NoReturn
 
 from recover.errors import ConfigError, RecoverError
 from recover.sim.calibrate import COST_KEYS, calib_params, load_calibration, validation_rows
+from recover.sim.curve import FIT_MODES
 from recover.sim.faults import build_schedule
 from recover.sim.flags import FLAGS, SCENARIO_OWNS, non_negative
 from recover.sim.params import POLICIES, SimParams
 from recover.sim.report import assumptions, fmt, table, throughput_lines, write_outputs
+from recover.sim.scale_report import run_scale_cli
 from recover.sim.scenario import PAPER_GPU_HOURS, ScenarioSpec, paper_base, pooled, scenario_params
 from recover.sim.sensitivity import paper_thresholds, sensitivity_rows
+
+SCALE_ONLY = ("quick", "sizes", "curve", "curve_fit")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,7 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for name, (parse, hlp) in FLAGS.items():
         ap.add_argument("--" + name.replace("_", "-"), dest=name, type=parse, help=hlp)
-    ap.add_argument("--scenario", choices=["paper"], help="512 GPUs, 256 lost over the run")
+    ap.add_argument(
+        "--scenario",
+        choices=["paper", "scale"],
+        help="paper: 512 GPUs, 256 lost over the run; scale: ETTR from 1,024 to 131,072 GPUs",
+    )
     ap.add_argument(
         "--fault-every-min",
         type=non_negative(float),
@@ -62,10 +71,31 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--calibrate", metavar="BENCH_JSON", help="parameters measured by recover bench"
     )
-    ap.add_argument("--plot", metavar="PNG", help="plot committed tokens vs GPU-hours")
+    ap.add_argument("--quick", action="store_true", help="scale: 4 sizes, 48 h, 1 seed")
+    ap.add_argument(
+        "--sizes", type=_sizes, help="scale: comma-separated GPU counts (default 1,024..131,072)"
+    )
+    ap.add_argument(
+        "--curve", metavar="JSON", help="scale: recover's measured scale curve (default shipped)"
+    )
+    ap.add_argument(
+        "--curve-fit",
+        choices=list(FIT_MODES),
+        help="scale: extrapolation of the curve (default mixed; see recover.sim.curve)",
+    )
+    ap.add_argument(
+        "--plot", metavar="PNG", help="plot (paper: tokens vs GPU-hours; scale: ETTR vs GPUs)"
+    )
     ap.add_argument("--sensitivity", action="store_true", help="vary MTTF, ckpt interval, restart")
     ap.add_argument("--out", metavar="DIR", help="write results.json (and the plot) there")
     return ap
+
+
+def _sizes(s: str) -> tuple[int, ...]:
+    sizes = tuple(sorted({non_negative(int)(x) for x in s.split(",") if x.strip()}))
+    if not sizes or sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"expected GPU counts >= 1, got {s!r}")
+    return sizes
 
 
 def run_cli(argv: list[str]) -> int:
@@ -82,6 +112,11 @@ def run_cli(argv: list[str]) -> int:
 def _run(argv: list[str]) -> int:
     a = vars(build_parser().parse_args(argv))
     flags = {k: v for k, v in a.items() if k in FLAGS}
+    if a.get("scenario") == "scale":
+        return run_scale_cli(a, flags)
+    for key in SCALE_ONLY:
+        if a.get(key, False) is not False:  # store_true options are always present
+            raise ConfigError(f"--{key.replace('_', '-')} needs --scenario scale")
     scenario = a.get("scenario") == "paper"
     base = paper_base() if scenario else SimParams()
     calib = load_calibration(a["calibrate"]) if "calibrate" in a else None

@@ -64,7 +64,15 @@ FLAGS: dict[str, tuple[Callable[[str], Any], str]] = {
         non_negative(float, True),
         "one microbatch on one replica (default derived)",
     ),
-    "microbatches": (non_negative(int), "N, microbatches per step (default 256)"),
+    "microbatches": (
+        non_negative(int, True),
+        "N, microbatches per step (default: 256, or microbatches-per-replica x replicas when "
+        "larger: weak scaling)",
+    ),
+    "microbatches_per_replica": (
+        non_negative(int),
+        "weak scaling: N is at least this many per replica unless --microbatches is given (4)",
+    ),
     "tokens_per_microbatch": (non_negative(int), "tokens per microbatch (default 8192)"),
     "ckpt_interval_steps": (
         non_negative(int, True),
@@ -84,6 +92,10 @@ FLAGS: dict[str, tuple[Callable[[str], Any], str]] = {
     "step_time_by_replicas": (_steps_table, "measured step times by replica count, '4:0.2,3:0.18'"),
     "rebuild_s": (non_negative(float), "new communicator generation, recover/shrink-batch (5 s)"),
     "allreduce_s": (non_negative(float), "cross-replica all-reduce inside the step time (0.5 s)"),
+    "control_plane_s": (
+        non_negative(float),
+        "per-step agreement after the all-reduce, recover and shrink-batch (default 0)",
+    ),
     "spares": (non_negative(int), "spare replicas allocated from the start (default 0)"),
     "replace_delay_s": (non_negative(float), "loss -> spare joined, recover/shrink-batch (600 s)"),
     "total_steps": (non_negative(int, True), "committed steps to reach, 'none' = until the budget"),

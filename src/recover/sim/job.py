@@ -56,10 +56,10 @@ class Job:
             processed_mb=0,
             gpu_hours=0.0,
             tokens_per_microbatch=p.tokens_per_microbatch,
-            microbatches=p.microbatches,
+            microbatches=p.n_microbatches,
             gpus_per_replica=p.gpus_per_replica,
             n_slots=r + p.spares,
-            min_batch_mb=p.microbatches,
+            min_batch_mb=p.n_microbatches,
         )
         self.record()
 
@@ -145,11 +145,15 @@ class Job:
         return self.p.gpus_per_replica * (self.res.n_slots * t - lost) / 3600.0
 
     def free_steps(self, st: float) -> int:
-        """Whole steps of length `st` that surely run untouched (no fault, join, or end)."""
-        if self.joining:
-            return 0
+        """Whole steps of length `st` that surely run untouched (no fault, join, or end).
+
+        A pending join bounds them like a fault: the steps end at or before its ready time, so the
+        spare is admitted at the same step boundary as when stepping one by one (large jobs have a
+        join pending much of the time).
+        """
         f = self._next()
-        limit = min(self.end, f.time_s if f is not None else math.inf)
+        joins = min((t for t, _ in self.joining), default=math.inf)
+        limit = min(self.end, f.time_s if f is not None else math.inf, joins)
         if math.isinf(limit):
             m = 10**12
         else:

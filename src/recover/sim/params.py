@@ -27,6 +27,9 @@ Sources of the defaults (each is an assumption; `recover simulate` prints them a
   microbatches of one 8,192-token sequence (2.1M tokens per step), 5 s per step with all replicas of
   which 0.5 s is the cross-replica all-reduce. These set the time scale only; results depend on the
   ratios of the costs to the step time and to the time between faults.
+- Weak scaling: unless N is given, N = max(256, 4 microbatches per replica x R), so at 512 GPUs
+  N = 256 as above and a larger job keeps every replica busy with the same step time (at 100,000
+  GPUs a fixed N = 256 would leave 12,244 of 12,500 replicas idle).
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ from recover.errors import ConfigError
 LLAMA3_PER_GPU_MTTF_H = 16_384 * 54 * 24 / 419
 
 POLICIES = ("recover", "ckpt-restart", "shrink-batch")
+
+#: N when neither `microbatches` is given nor `microbatches_per_replica * replicas` is larger.
+DEFAULT_MICROBATCHES = 256
 
 
 @dataclass
@@ -59,7 +65,9 @@ class SimParams:
     # Measured failure-free step time with r replicas (N spread over r), where it is not simply
     # ceil(N / r) microbatches (e.g. processes sharing CPU cores run faster when fewer are left).
     step_time_by_replicas: dict[int, float] | None = None
-    microbatches: int = 256  # N, constant per step for recover and ckpt-restart
+    # N, constant per step for recover and ckpt-restart; None: weak scaling (`n_microbatches`).
+    microbatches: int | None = None
+    microbatches_per_replica: int = 4  # weak scaling: N >= this many per replica when N is None
     tokens_per_microbatch: int = 8192
     ckpt_interval_steps: int | None = None  # None: Young-Daly from the job's MTBF
     ckpt_cost_s: float = 60.0
@@ -68,6 +76,9 @@ class SimParams:
     restart_detect_s: float | None = None  # ckpt-restart's detection; None: detect_s
     rebuild_s: float = 5.0
     allreduce_s: float = 0.5
+    # Failure-free control-plane time per step (commit agreement) of recover and shrink-batch;
+    # 0 by default (the paper scenario); the scale scenario charges the measured curve's.
+    control_plane_s: float = 0.0
     spares: int = 0  # spare replicas (of gpus_per_replica GPUs each), allocated from the start
     replace_delay_s: float = 600.0  # a spare's time from a loss to joining (recover, shrink-batch)
     total_steps: int | None = 10_000  # committed steps to reach; None: run until the budget
@@ -81,18 +92,26 @@ class SimParams:
         return self.gpus // self.gpus_per_replica
 
     @property
+    def n_microbatches(self) -> int:
+        """N: `microbatches` if given, else max(256, microbatches_per_replica * replicas)."""
+        if self.microbatches is not None:
+            return self.microbatches
+        return max(DEFAULT_MICROBATCHES, self.microbatches_per_replica * self.replicas)
+
+    @property
     def mb_time_s(self) -> float:
         """Time of one microbatch (forward + backward) on one replica."""
         if self.microbatch_time_s is not None:
             return self.microbatch_time_s
-        return (self.step_time_s - self.allreduce_s) / math.ceil(self.microbatches / self.replicas)
+        per_replica = math.ceil(self.n_microbatches / self.replicas)
+        return (self.step_time_s - self.allreduce_s) / per_replica
 
     def mb_time(self, r: int) -> float:
         """Time of one microbatch on one replica while `r` replicas run."""
         t = (self.step_time_by_replicas or {}).get(r)
         if t is None:
             return self.mb_time_s
-        return (t - self.allreduce_s) / math.ceil(self.microbatches / r)
+        return (t - self.allreduce_s) / math.ceil(self.n_microbatches / r)
 
     def step_time(self, max_quota: int, r: int | None = None) -> float:
         """Step time when the busiest of `r` replicas (default R) computes `max_quota` microbatches.
@@ -102,8 +121,8 @@ class SimParams:
         """
         table = self.step_time_by_replicas or {}
         if r is not None and r in table:
-            return table[r] + (max_quota - math.ceil(self.microbatches / r)) * self.mb_time(r)
-        base = math.ceil(self.microbatches / self.replicas)
+            return table[r] + (max_quota - math.ceil(self.n_microbatches / r)) * self.mb_time(r)
+        base = math.ceil(self.n_microbatches / self.replicas)
         return self.step_time_s + (max_quota - base) * self.mb_time_s
 
     @property
@@ -120,8 +139,14 @@ class SimParams:
                 raise ConfigError(
                     f"{f.name.replace('_', '-')} must be a finite value >= 0, got {v}"
                 )
-        for name in ("gpus", "gpus_per_replica", "microbatches", "tokens_per_microbatch"):
-            if getattr(self, name) < 1:
+        for name in (
+            "gpus",
+            "gpus_per_replica",
+            "microbatches",
+            "microbatches_per_replica",
+            "tokens_per_microbatch",
+        ):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 1")
         if self.gpus % self.gpus_per_replica:
             raise ConfigError(

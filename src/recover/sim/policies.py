@@ -10,6 +10,8 @@ Invariant (what each policy promises, and what the simulator checks):
   unless given); a loss during a checkpoint or a restart discards it.
 - shrink-batch (torchft): the faulted step is discarded, the survivors keep their own per-replica
   quota, so the global batch shrinks to their share (the failure-free trajectory is not preserved).
+recover and shrink-batch pay `control_plane_s` after every step's all-reduce (their per-step
+agreement); ckpt-restart has none (plain synchronous training between checkpoints).
 """
 
 from __future__ import annotations
@@ -21,15 +23,15 @@ from recover.sim.results import PolicyResult
 
 def run_recover(job: Job) -> PolicyResult:
     """In-step recovery: the faulted step completes on the survivors; the batch stays N."""
-    p, n = job.p, job.p.microbatches
+    p, n, cp = job.p, job.p.n_microbatches, job.p.control_plane_s
     while not job.done():
         job.admit()
         quotas = replica_quotas(job.active, n)
-        st = p.step_time(max(quotas.values()), len(job.active))
+        st = p.step_time(max(quotas.values()), len(job.active)) + cp
         if (m := job.free_steps(st)) > 0:
             job.advance(m, st, n)
             continue
-        compute_s = st - p.allreduce_s
+        compute_s = st - p.allreduce_s - cp
         job.inject(job.steps, compute_s)
         compute_end, end, lost = job.t + compute_s, job.t + st, 0
         while (hit := job.next_loss(end)) is not None:
@@ -40,7 +42,7 @@ def run_recover(job: Job) -> PolicyResult:
                 job.t = f.time_s
                 return job.result()
             redo = ceil_div(lost, len(job.active)) * p.mb_time(len(job.active))
-            end = max(compute_end, f.time_s + p.detect_s) + p.rebuild_s + redo + p.allreduce_s
+            end = max(compute_end, f.time_s + p.detect_s) + p.rebuild_s + redo + p.allreduce_s + cp
         if job.over_budget(end):
             break
         job.t = end
@@ -55,14 +57,15 @@ def _ckpt_interval(job: Job) -> int:
     p = job.p
     if p.ckpt_interval_steps is not None:
         return p.ckpt_interval_steps
-    st = p.step_time(max(replica_quotas(job.active, p.microbatches).values()), len(job.active))
+    n = p.n_microbatches
+    st = p.step_time(max(replica_quotas(job.active, n).values()), len(job.active))
     mtbf = job.sched.mtbf_s(len(job.active) * p.gpus_per_replica)
     return young_daly_steps(p.ckpt_cost_s, mtbf, st)
 
 
 def run_ckpt_restart(job: Job) -> PolicyResult:
     """Checkpoint every K steps; on a loss, roll back to the last checkpoint and restart the job."""
-    p, n = job.p, job.p.microbatches
+    p, n = job.p, job.p.n_microbatches
     last = 0  # committed steps held by the last checkpoint
     detect = p.detect_s if p.restart_detect_s is None else p.restart_detect_s
     k = _ckpt_interval(job)
@@ -117,7 +120,7 @@ def run_shrink_batch(job: Job) -> PolicyResult:
     """Discard the faulted step; survivors continue with their own quotas (the batch shrinks)."""
     p = job.p
     # Per slot and fixed for the run; a spare inherits its predecessor's quota.
-    quota = replica_quotas(job.active, p.microbatches)
+    quota = replica_quotas(job.active, p.n_microbatches)
 
     def lose(slot: int, t: float) -> None:
         spare = job.request_spare(t)
@@ -127,8 +130,8 @@ def run_shrink_batch(job: Job) -> PolicyResult:
     while not job.done():
         job.admit()
         batch = sum(quota[s] for s in job.active)
-        st = p.step_time(max(quota[s] for s in job.active), len(job.active))
-        compute_s = st - p.allreduce_s
+        st = p.step_time(max(quota[s] for s in job.active), len(job.active)) + p.control_plane_s
+        compute_s = st - p.allreduce_s - p.control_plane_s
         m, hit = job.free_steps(st), None
         if m == 0:
             job.inject(job.steps, compute_s)

@@ -50,7 +50,7 @@ def assumptions(p: SimParams, sched: FaultSchedule) -> list[str]:
         f"spares: {p.spares} replica(s), joining {fmt(p.replace_delay_s, 0)} s after a loss "
         "(recover, shrink-batch) or at the restart (ckpt-restart)",
         f"failures: {sched.source}; a failed GPU takes its whole replica (its GPUs are released)",
-        f"step: {fmt(p.step_time_s, 3)} s with {r} replicas = {-(-p.microbatches // r)} "
+        f"step: {fmt(p.step_time_s, 3)} s with {r} replicas = {-(-p.n_microbatches // r)} "
         f"microbatch(es) x {fmt(p.mb_time_s, 4)} s + {fmt(p.allreduce_s, 3)} s all-reduce; "
         "with r replicas the busiest does ceil(N/r)"
         + (
@@ -58,13 +58,23 @@ def assumptions(p: SimParams, sched: FaultSchedule) -> list[str]:
             if p.step_time_by_replicas
             else ""
         ),
-        f"batch: N = {p.microbatches} microbatches x {p.tokens_per_microbatch:,} tokens = "
-        f"{p.microbatches * p.tokens_per_microbatch:,} tokens per step",
+        f"batch: N = {p.n_microbatches:,} microbatches x {p.tokens_per_microbatch:,} tokens = "
+        f"{p.n_microbatches * p.tokens_per_microbatch:,} tokens per step"
+        + (
+            f" (weak scaling: max(256, {p.microbatches_per_replica} per replica x {r}))"
+            if p.microbatches is None
+            else " (given)"
+        ),
         f"end: {' or '.join(x for x in end if x)}; job stops below {p.min_replicas} replica(s)",
         f"detection: {fmt(p.detect_s, 3)} s (recover, shrink-batch), {fmt(rd, 3)} s "
         f"(ckpt-restart); startup: {fmt(p.startup_s, 1)} s once",
         f"recover: rebuild {fmt(p.rebuild_s, 3)} s + recompute of the lost quota on the survivors; "
-        "batch stays N; no checkpoints",
+        "batch stays N; no checkpoints"
+        + (
+            f"; control plane {fmt(p.control_plane_s, 4)} s per step (also shrink-batch)"
+            if p.control_plane_s
+            else ""
+        ),
         f"ckpt-restart: checkpoint cost {fmt(p.ckpt_cost_s, 1)} s, interval {ck_txt}; restart "
         f"{fmt(p.restart_cost_s, 1)} s (teardown, launch, rendezvous, load) + redo since the "
         "last checkpoint; resumes on the survivors",

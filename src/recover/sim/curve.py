@@ -1,0 +1,122 @@
+"""recover's measured control-plane scale curve, and its extrapolation to a job's size.
+
+Invariant: every per-rank cost the scale scenario charges recover comes from the curve file's
+columns through one stated fit per column; nothing is typed in here. A fit never lets a cost fall
+as the job grows (a negative slope is clamped to 0, i.e. the mean), and never goes below 0.
+
+The file (written by `bench/scale.py --write-curve`; a placeholder ships until then) is JSON:
+`{"source": "...", "ranks": [...], "store_ops_per_rank_step": [...], "control_plane_s": [...],
+"detect_s": [...], "agree_s": [...], "rebuild_s": [...], "reduce_s": [...]}`, one entry per
+measured scale (ranks = R x P processes), times in seconds:
+- control_plane_s: failure-free, last reduce returns -> commit known on every rank (per step);
+- detect_s, agree_s, rebuild_s, reduce_s: SIGKILL of one replica -> coordinator's new generation,
+  -> survivors agreed, -> communicator rebuilt, -> redone reduce returned.
+
+Fits (least squares; `x` is the job's ranks, one per GPU):
+- `mixed` (default): detect, agree and control plane as a + b*log2(x) (the protocol does O(1) store
+  round trips per rank, and a crash is seen by one socket closing); rebuild and reduce as a + b*x
+  (gloo connects a full mesh, so each rank's rebuild and first collective touch every other rank).
+- `log2` / `linear`: every column with that one form (bounds for a sensitivity check).
+Extrapolating in total ranks is conservative: recover's communicators are per position, of R
+members, not R x P.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from recover.errors import ConfigError
+
+DEFAULT_CURVE = Path(__file__).parent / "data" / "scale_curve.json"
+COST_COLUMNS = ("control_plane_s", "detect_s", "agree_s", "rebuild_s", "reduce_s")
+COLUMNS = ("store_ops_per_rank_step", *COST_COLUMNS)
+MIXED = {
+    "store_ops_per_rank_step": "log2",
+    "control_plane_s": "log2",
+    "detect_s": "log2",
+    "agree_s": "log2",
+    "rebuild_s": "linear",
+    "reduce_s": "linear",
+}
+FIT_MODES = ("mixed", "log2", "linear")
+
+
+@dataclass(frozen=True)
+class Fit:
+    """y = a + b * x, x = log2(ranks) (`log2`) or ranks (`linear`); never below 0."""
+
+    kind: str
+    a: float
+    b: float
+
+    def __call__(self, ranks: float) -> float:
+        x = math.log2(ranks) if self.kind == "log2" else float(ranks)
+        return max(0.0, self.a + self.b * x)
+
+    def describe(self) -> str:
+        x = "log2(ranks)" if self.kind == "log2" else "ranks"
+        return f"{self.a:.4g} + {self.b:.4g}*{x}"
+
+
+def fit(ranks: list[int], ys: list[float], kind: str) -> Fit:
+    """Least-squares line of `ys` over log2(ranks) or ranks; slope clamped at >= 0."""
+    xs = [math.log2(r) if kind == "log2" else float(r) for r in ranks]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx > 0 else 0.0
+    if b < 0:  # a cost that falls with size is noise; hold its mean instead
+        b = 0.0
+    return Fit(kind, my - b * mx, b)
+
+
+@dataclass(frozen=True)
+class ScaleCurve:
+    """The measured columns by scale, and where they came from."""
+
+    path: str
+    source: str
+    ranks: list[int]
+    values: dict[str, list[float]]
+
+    def fits(self, mode: str = "mixed") -> dict[str, Fit]:
+        kinds = MIXED if mode == "mixed" else dict.fromkeys(COLUMNS, mode)
+        return {c: fit(self.ranks, self.values[c], kinds[c]) for c in COLUMNS}
+
+
+def load_curve(path: str | Path | None = None) -> ScaleCurve:
+    """Read and check a curve file (default: the one shipped in `recover/sim/data`)."""
+    p = Path(path) if path is not None else DEFAULT_CURVE
+    try:
+        doc = json.loads(p.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read scale curve {p}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"scale curve {p} is not valid JSON: {e.msg} (line {e.lineno})") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"scale curve {p}: expected a JSON object")
+    missing = [k for k in ("ranks", *COLUMNS) if k not in doc]
+    if missing:
+        raise ConfigError(f"scale curve {p}: missing {', '.join(missing)}")
+    ranks = doc["ranks"]
+    if (
+        not isinstance(ranks, list)
+        or not ranks
+        or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in ranks)
+        or sorted(set(ranks)) != ranks
+    ):
+        raise ConfigError(f"scale curve {p}: ranks must be increasing integers >= 1")
+    values: dict[str, list[float]] = {}
+    for c in COLUMNS:
+        col = doc[c]
+        if not isinstance(col, list) or len(col) != len(ranks):
+            raise ConfigError(f"scale curve {p}: {c} must list one value per entry of ranks")
+        for v in col:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+            if not ok or not math.isfinite(v) or v < 0:
+                raise ConfigError(f"scale curve {p}: {c} values must be finite and >= 0, got {v!r}")
+        values[c] = [float(v) for v in col]
+    source = str(doc.get("source") or "(the file names no source)")
+    return ScaleCurve(str(p), source, list(ranks), values)
