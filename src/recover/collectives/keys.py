@@ -125,6 +125,12 @@ def try_get(store: TCPStore, key: str) -> bytes | None:
     return None if v == _ABSENT.encode() else v
 
 
+def generation_members(store: TCPStore, g: int) -> list[int] | None:
+    """Generation g's members, or None if it was never published."""
+    raw = try_get(store, members_key(g))
+    return None if raw is None else decode_members(raw)
+
+
 def newest_members(store: TCPStore) -> list[int] | None:
     """The newest published generation's members, or None before the first one."""
     count = store_int(store, GEN_COUNT)

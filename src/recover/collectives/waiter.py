@@ -33,9 +33,19 @@ class _Helper:
     def _loop(self) -> None:
         while True:
             key, timeout_s, box, done = self.requests.get()
+            deadline = time.monotonic() + timeout_s
             try:
-                self.store.set_timeout(datetime.timedelta(seconds=timeout_s))
-                box["value"] = self.store.get(key)
+                value = b""
+                while not value:
+                    # A blocked get also wakes when another client compare_sets the missing key
+                    # without setting it (a `try_get`), and then returns b"" (measured, torch
+                    # 2.13): recover never stores an empty value, so b"" means "not yet".
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"{key!r} not set within {timeout_s:.0f}s")
+                    self.store.set_timeout(datetime.timedelta(seconds=left))
+                    value = self.store.get(key)
+                box["value"] = value
             except Exception as e:  # a timeout, or the store is gone
                 # The server may still answer the timed-out wait later, on this connection: a
                 # client that timed out is never used again, or it could read that stale reply.

@@ -344,8 +344,11 @@ class StepEngine:
         if self.store.add(keys.count_key(step, g), 1) == total:
             return self.store.compare_set(dkey, "", keys.COMMIT)
         decided = self.waiter.get(dkey, g, 3 * self.timeout_s)
-        if decided is not None:
+        if decided in (keys.COMMIT, keys.REDO):
             return decided
+        if decided is not None:
+            _log(f"step {step} generation {g}: unexpected decision value {decided!r} from the "
+                 f"waiter; reading it again")
         return self._decide_on_evidence(step, g, dkey)
 
     def _decide_on_evidence(self, step: int | str, g: int, dkey: str) -> bytes:
@@ -357,8 +360,10 @@ class StepEngine:
         pause = 0.001
         while True:
             decided = keys.try_get(self.store, dkey)
-            if decided is not None:
+            if decided in (keys.COMMIT, keys.REDO):
                 return decided
+            if decided is not None:
+                _log(f"step {step} generation {g}: unexpected decision value {decided!r}")
             live = set(self.member.members(self.member.generation()))
             for r in ranks:
                 if r[0] in live and r not in known and keys.try_get(

@@ -53,7 +53,9 @@ def step_record(res: StepResult, lr: float, grad_norm: float, timer: StepTimer) 
 
 class MetricsSink:
     def __init__(self, store: Any, path: Path, start_step: int, steps: int, tokens_per_step: int,
-                 run_start: float, console: Console, quiet: bool = False) -> None:
+                 run_start: float, console: Console, quiet: bool = False,
+                 positions: int = 1) -> None:
+        self.positions = positions  # ranks per replica (outcome keys are per rank)
         self.store, self.path = store, path
         self.next, self.steps = start_step, steps
         self.tokens_per_step = tokens_per_step
@@ -81,7 +83,31 @@ class MetricsSink:
             self._show(rec)
             self.next += 1
             n += 1
+            self._forget(rec["step"] - 2)
         return n
+
+    def _forget(self, step: int) -> None:
+        """Delete the store keys of `step`, which no live replica can read any more: a record
+        of step + 2 exists, so every live replica has reduced step + 1 and left `step` behind.
+        Keeps the store's size flat over any number of failure-free steps (a step redone in
+        exact mode, `{t}.{round}`, leaves its few keys behind)."""
+        by_step = {r["step"]: r for r in self.records[-4:]}
+        if step not in by_step:
+            return
+        first = by_step[step - 1]["generation"] if step - 1 in by_step else 0
+        for g in range(first, by_step[step]["generation"] + 1):
+            self.store.delete_key(keys.count_key(step, g))
+            self.store.delete_key(keys.decision_key(step, g))
+            if g != first or by_step[step]["attempts"] > 1:  # outcomes exist only after faults
+                members = keys.generation_members(self.store, g) or []
+                for m in members:
+                    for p in range(self.positions):
+                        leaf = keys.outcome_leaf(m, p, self.positions)
+                        self.store.delete_key(keys.outcome_key(step, g, leaf))
+        k = 0
+        while self.store.delete_key(keys.chain_key(step, k)):
+            k += 1
+        self.store.delete_key(keys.record_key(step))
 
     def _show(self, rec: dict[str, Any]) -> None:
         if self.quiet:
