@@ -179,10 +179,6 @@ class RunConfig:
         need(self.microbatch_size % self.stages == 0,
              f"--microbatch-size ({self.microbatch_size}) must be divisible by --stages "
              f"({self.stages}): each microbatch is split into that many pipeline chunks")
-        if lay != "plain":
-            need(not self.resume and self.ckpt_every == 0 and self.stop_at == 0,
-                 f"--layout {lay}: checkpoints (--ckpt-every, --stop-at, --resume) are "
-                 "implemented for the plain layout only")
 
 
 LAYOUTS = ("plain", "hsdp", "tp", "pp", "tp,pp")
