@@ -1,10 +1,13 @@
-"""Tests for recover.train.checkpoint: exact resume, latest pointer, pruning, and error cases."""
+"""Tests for recover.train.checkpoint: exact resume, safe publishing, authentication, errors."""
 
 from __future__ import annotations
 
 import json
 import random
 import shutil
+import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from _run import Run, max_rel, recover_train
 from recover.config import (
     DataConfig,
     ModelConfig,
@@ -20,8 +24,10 @@ from recover.config import (
     RunConfig,
     RunSettings,
 )
-from recover.errors import CheckpointError
+from recover.errors import CheckpointError, ConfigError
+from recover.runtoken import run_token
 from recover.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from recover.train.ckpt_files import advance_latest, find_latest, write_manifest
 from recover.train.data import microbatch
 from recover.train.model import GPT, build_model
 from recover.train.optim import build_optimizer, lr_at, set_lr
@@ -31,6 +37,7 @@ MODEL = ModelConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=3
 CFG = RunConfig(model=MODEL, data=DataConfig(microbatches=3, microbatch_size=4),
                 optim=OptimConfig(warmup_steps=2), run=RunSettings(steps=8, seed=5))
 TOKENS = (np.arange(4000) * 37 % 256).astype("<u2")
+KEY = b"this run's token"
 
 
 @pytest.fixture(autouse=True)
@@ -76,12 +83,12 @@ def test_resume_continues_bitwise(tmp_path: Path, stop_at: int) -> None:
 
     model, opt = _fresh()
     _train(model, opt, 0, stop_at)
-    path = save_checkpoint(tmp_path, stop_at, model, opt, {"data_pos": stop_at * 3})
+    path = save_checkpoint(tmp_path, stop_at, model, opt, {"data_pos": stop_at * 3}, key=KEY)
     _train(model, opt, stop_at, 6)  # saving must not perturb the run that saved
     _assert_same(ref, model)
 
     resumed, resumed_opt = _fresh(seed=99)  # different init: everything must come from disk
-    meta = load_checkpoint(path, resumed, resumed_opt)
+    meta = load_checkpoint(path, resumed, resumed_opt, key=KEY)
     assert meta["step"] == stop_at and meta["extra"] == {"data_pos": stop_at * 3}
     _train(resumed, resumed_opt, meta["step"], 6)
     _assert_same(ref, resumed)
@@ -89,7 +96,7 @@ def test_resume_continues_bitwise(tmp_path: Path, stop_at: int) -> None:
         s_ref, s = ref_opt.state[p_ref], resumed_opt.state[p]
         assert set(s_ref) == set(s) and all(torch.equal(s_ref[k], s[k]) for k in s_ref)
     # Rolling back an optimizer that already has (later) state works the same way.
-    load_checkpoint(path, model, opt)
+    load_checkpoint(path, model, opt, key=KEY)
     _train(model, opt, stop_at, 6)
     _assert_same(ref, model)
     assert not dist.is_initialized()  # DCP ran without creating a process group
@@ -100,47 +107,147 @@ def test_rng_states_restored(tmp_path: Path) -> None:
     torch.manual_seed(3)
     np.random.seed(3)
     random.seed(3)
-    path = save_checkpoint(tmp_path, 1, model, opt, {})
+    path = save_checkpoint(tmp_path, 1, model, opt, {}, key=KEY)
     expected = (torch.rand(3), np.random.rand(3), random.random())
-    load_checkpoint(path, model, opt)
+    load_checkpoint(path, model, opt, key=KEY)
     got = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(expected[0], got[0]) and np.array_equal(expected[1], got[1])
     assert expected[2] == got[2]
 
 
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", ""])
+    proc.wait(timeout=60)
+    return proc.pid  # reaped: no process has this PID now (reuse within the test is negligible)
+
+
 def test_latest_pointer_and_keep_three(tmp_path: Path) -> None:
-    assert latest_checkpoint(tmp_path) is None
+    assert latest_checkpoint(tmp_path, KEY) is None
     model, opt = _fresh()
-    (tmp_path / ".tmp_step_00000009_1").mkdir()  # leftover of a crashed save
+    host = socket.gethostname()
+    (tmp_path / f".tmp_step_00000009_{host}_{_dead_pid()}").mkdir()  # a crashed save's leftover
     for step in range(1, 6):
-        save_checkpoint(tmp_path, step, model, opt, {"s": step})
-    names = sorted(p.name for p in tmp_path.iterdir())
+        save_checkpoint(tmp_path, step, model, opt, {"s": step}, key=KEY)
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name != ".latest.lock")
     assert names == ["latest", "step_00000003", "step_00000004", "step_00000005"]
-    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000005"
-    # Re-saving an earlier step (a run resumed from it): it is kept and becomes latest.
-    save_checkpoint(tmp_path, 2, model, opt, {})
-    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000002"
+    assert latest_checkpoint(tmp_path, KEY) == tmp_path / "step_00000005"
+    # Re-saving an earlier step (a run resumed from it): it is kept, `latest` stays put.
+    save_checkpoint(tmp_path, 2, model, opt, {}, key=KEY)
+    assert (tmp_path / "latest").read_text() == "step_00000005\n"
     assert sorted(p.name for p in tmp_path.glob("step_*")) == [
         "step_00000002", "step_00000004", "step_00000005"]
-    # Re-saving the same step replaces it.
-    save_checkpoint(tmp_path, 5, model, opt, {"again": True})
-    assert load_checkpoint(tmp_path / "step_00000005", model, opt)["extra"] == {"again": True}
-    # A stale pointer falls back to the newest complete directory.
+    # A stale pointer falls back to the newest verified directory.
     (tmp_path / "latest").write_text("step_00000099\n")
-    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000005"
+    assert latest_checkpoint(tmp_path, KEY) == tmp_path / "step_00000005"
+
+
+def test_latest_never_moves_back(tmp_path: Path) -> None:
+    model, opt = _fresh()
+    save_checkpoint(tmp_path, 7, model, opt, {}, key=KEY)
+    save_checkpoint(tmp_path, 3, model, opt, {}, key=KEY)  # e.g. a late writer of an older step
+    assert (tmp_path / "latest").read_text() == "step_00000007\n"
+    assert not advance_latest(tmp_path, "step_00000006")
+    assert advance_latest(tmp_path, "step_00000008")  # forward is fine (even before it exists)
+    assert (tmp_path / "latest").read_text() == "step_00000008\n"
+
+
+def test_second_writer_of_a_step_keeps_the_first(tmp_path: Path) -> None:
+    model, opt = _fresh()
+    first = save_checkpoint(tmp_path, 4, model, opt, {"who": "first"}, key=KEY)
+    _train(model, opt, 0, 1)
+    save_checkpoint(tmp_path, 4, model, opt, {"who": "second"}, key=KEY)
+    assert load_checkpoint(first, *_fresh(), key=KEY)["extra"] == {"who": "first"}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp_")]
+    # ... unless the first one does not verify: then it is replaced.
+    _tamper_manifest(first)
+    save_checkpoint(tmp_path, 4, model, opt, {"who": "third"}, key=KEY)
+    assert load_checkpoint(first, *_fresh(), key=KEY)["extra"] == {"who": "third"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".latest.lock", "latest", first.name]
+
+
+def test_prune_leaves_a_live_writers_temp_dir(tmp_path: Path) -> None:
+    host = socket.gethostname()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        live = tmp_path / f".tmp_step_00000002_{host}_{sleeper.pid}"  # another writer, mid-save
+        remote = tmp_path / f".tmp_step_00000002_not-{host}_{_dead_pid()}"  # its PID means nothing
+        dead = tmp_path / f".tmp_step_00000002_{host}_{_dead_pid()}"
+        dead_pointer = tmp_path / f".latest.{host}_{_dead_pid()}.tmp"
+        for p in (live, remote, dead):
+            p.mkdir(parents=True)
+            (p / "__0_0.distcp").write_bytes(b"partial")
+        dead_pointer.write_text("step_00000002\n")
+        model, opt = _fresh()
+        save_checkpoint(tmp_path, 1, model, opt, {}, key=KEY)
+        assert (live / "__0_0.distcp").read_bytes() == b"partial" and remote.is_dir()
+        assert not dead.exists() and not dead_pointer.exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait(timeout=30)
+
+
+def _tamper_manifest(path: Path) -> None:
+    """Change the label inside an otherwise well-formed meta.json, keeping the old HMAC."""
+    outer = json.loads((path / "meta.json").read_text())
+    inner = json.loads(outer["manifest"])
+    inner["extra"] = {"who": "mallory"}
+    outer["manifest"] = json.dumps(inner, sort_keys=True)
+    (path / "meta.json").write_text(json.dumps(outer))
+
+
+def test_tampered_or_truncated_checkpoint_falls_back(tmp_path: Path) -> None:
+    model, opt = _fresh()
+    _train(model, opt, 0, 1)
+    good = save_checkpoint(tmp_path, 1, model, opt, {}, key=KEY)
+    _train(model, opt, 1, 2)
+    newer = save_checkpoint(tmp_path, 2, model, opt, {}, key=KEY)
+    _tamper_manifest(newer)
+    msg = _load_error(newer)
+    assert "fails authentication" in msg and str(newer / "meta.json") in msg
+    path, skipped = find_latest(tmp_path, KEY)
+    assert path == good and len(skipped) == 1 and "step_00000002" in skipped[0]
+    assert load_checkpoint(path, *_fresh(), key=KEY)["step"] == 1
+    # Another run's token authenticates nothing here; a truncated data file is named.
+    assert "fails authentication" in _load_error(good, key=b"another run")
+    data = good / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:100])
+    msg = _load_error(good)
+    assert "__0_0.distcp" in msg and "sha256" in msg
+    assert latest_checkpoint(tmp_path, KEY) is None
+
+
+def test_another_layout_is_refused(tmp_path: Path) -> None:
+    model, opt = _fresh()
+    hsdp = {"layout": "hsdp", "shards": 2, "tp": 1, "stages": 1}
+    path = save_checkpoint(tmp_path, 1, model, opt, {}, key=KEY, layout=hsdp)
+    with pytest.raises(CheckpointError, match="--layout hsdp --shards 2; this run is --layout "
+                                              "plain: resume with the same layout"):
+        load_checkpoint(path, *_fresh(), key=KEY)
+    assert load_checkpoint(path, *_fresh(), key=KEY, layout=hsdp)["step"] == 1
+
+
+def test_run_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RECOVER_RUN_TOKEN", raising=False)
+    with pytest.raises(ConfigError, match="no run token"):
+        run_token(tmp_path)
+    token = run_token(tmp_path, create=True)
+    assert len(token) == 64 and (tmp_path / "run.token").stat().st_mode & 0o777 == 0o600
+    assert run_token(tmp_path, create=True) == token == run_token(tmp_path)  # never rewritten
+    monkeypatch.setenv("RECOVER_RUN_TOKEN", "from-the-env")
+    assert run_token(tmp_path / "elsewhere") == b"from-the-env"
 
 
 def test_non_json_extra_writes_nothing(tmp_path: Path) -> None:
     model, opt = _fresh()
     with pytest.raises(TypeError):
-        save_checkpoint(tmp_path, 1, model, opt, {"bad": object()})
+        save_checkpoint(tmp_path, 1, model, opt, {"bad": object()}, key=KEY)
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
-def _load_error(path: Path, model_cfg: ModelConfig = MODEL) -> str:
+def _load_error(path: Path, model_cfg: ModelConfig = MODEL, key: bytes = KEY) -> str:
     model, opt = _fresh(model_cfg=model_cfg)
     with pytest.raises(CheckpointError) as e:
-        load_checkpoint(path, model, opt)
+        load_checkpoint(path, model, opt, key=key)
     msg = str(e.value)
     assert "\n" not in msg and str(path) in msg
     return msg
@@ -150,7 +257,7 @@ def _load_error(path: Path, model_cfg: ModelConfig = MODEL) -> str:
 def saved(tmp_path: Path) -> Path:
     model, opt = _fresh()
     _train(model, opt, 0, 1)
-    return save_checkpoint(tmp_path / "ckpt", 1, model, opt, {})
+    return save_checkpoint(tmp_path / "ckpt", 1, model, opt, {}, key=KEY)
 
 
 def test_missing_dir_and_meta(saved: Path) -> None:
@@ -178,9 +285,8 @@ def test_dcp_failure_from_inside_torch_is_wrapped(saved: Path) -> None:
     # (whose CheckpointException is a BaseException, not an Exception).
     data = saved / "__0_0.distcp"
     data.write_bytes(data.read_bytes()[:1000])
-    meta = json.loads((saved / "meta.json").read_text())
-    meta["files"].pop(data.name)
-    (saved / "meta.json").write_text(json.dumps(meta))
+    manifest = json.loads(json.loads((saved / "meta.json").read_text())["manifest"])
+    write_manifest(saved, manifest, KEY)  # re-signed by the key holder: digests now agree
     assert "cannot load checkpoint" in _load_error(saved)
 
 
@@ -197,4 +303,48 @@ def test_checkpoint_dir_copy_loads(saved: Path, tmp_path: Path) -> None:
     copy = tmp_path / "elsewhere" / saved.name
     shutil.copytree(saved, copy)  # nothing in a checkpoint depends on its absolute location
     model, opt = _fresh(seed=3)
-    assert load_checkpoint(copy, model, opt)["step"] == 1
+    assert load_checkpoint(copy, model, opt, key=KEY)["step"] == 1
+
+
+# -- multi-rank layouts, real processes ------------------------------------------------------
+STEPS = 6
+ARGS = ["--preset", "debug", "--steps", str(STEPS), "--eval-every", "0", "--warmup-steps", "3",
+        "--stale-s", "3"]
+LAYOUT = {"hsdp": ["--layout", "hsdp", "--shards", "2"], "tp": ["--layout", "tp", "--tp", "2"],
+          "pp": ["--layout", "pp", "--stages", "2"]}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """One plain replica, all steps: every layout follows its trajectory (tests/test_layouts)."""
+    run = recover_train(tmp_path_factory.mktemp("single") / "run", *ARGS, "--replicas", "1",
+                        data=corpus)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["hsdp", "tp", "pp"])
+def test_layout_stop_and_resume(uninterrupted: Run, corpus: Path, tmp_path: Path,
+                                layout: str) -> None:
+    """2 replicas x 2 ranks: --stop-at, then --resume past a tampered newest checkpoint."""
+    out, args = tmp_path / "run", [*ARGS, "--replicas", "2", *LAYOUT[layout]]
+    first = recover_train(out, *args, "--stop-at", "3", "--ckpt-every", "2", data=corpus)
+    assert first.returncode == 0, first.stderr[-3000:]
+    ckpt = out / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        ".latest.lock", "latest", "step_00000002", "step_00000003"]  # nothing half-written
+    # One copy, by the leader replica's two ranks together (a shard / stage file each).
+    assert sorted(p.name for p in (ckpt / "step_00000003").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json"]
+    _tamper_manifest(ckpt / "step_00000003")
+    second = recover_train(out, *args, "--resume", data=corpus)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "skipped step_00000003" in second.stderr and "fails authentication" in second.stderr
+    assert "--resume from step_00000002" in second.stderr
+    assert [r["step"] for r in second.metrics()] == list(range(STEPS))
+    assert max_rel(second.losses(), uninterrupted.losses()) < 1e-5
+    assert (ckpt / "latest").read_text() == f"step_{STEPS:08d}\n"
+    other = LAYOUT["tp" if layout == "hsdp" else "hsdp"]
+    third = recover_train(out, *args[:-len(other)], *other, "--resume", data=corpus)
+    assert third.returncode != 0 and "resume with the same layout" in third.stderr

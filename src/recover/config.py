@@ -345,11 +345,6 @@ class RunConfig:
         _need(b % lay.stages == 0,
               f"--microbatch-size ({b}) must be divisible by --stages ({lay.stages}): each "
               "microbatch is split into that many pipeline chunks")
-        r = self.run
-        if lay.name != "plain":
-            _need(not r.resume and r.ckpt_every == 0 and r.stop_at == 0,
-                  f"--layout {lay.name}: checkpoints (--ckpt-every, --stop-at, --resume) are "
-                  "implemented for the plain layout only")
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -23,6 +23,7 @@ from recover.baselines.schedule import remap
 from recover.config import RunConfig
 from recover.errors import RecoverError
 from recover.faults import Fault
+from recover.runtoken import run_token
 from recover.sim.params import young_daly_steps
 from recover.train.checkpoint import latest_checkpoint
 from recover.train.launch import launch
@@ -61,7 +62,7 @@ def run_ckpt_restart(base: RunConfig, out: Path, faults: list[Fault], k: int) ->
         pending = [f for f in pending if f.replica not in dead]  # a fired fault does not re-fire
         if not alive:
             raise RecoverError("bench: ckpt-restart lost every replica")
-        ckpt = latest_checkpoint(out / "ckpt")
+        ckpt = latest_checkpoint(out / "ckpt", run_token(out))
         resume = ckpt is not None
         if not resume:  # no checkpoint yet: the relaunch starts from step 0, as a fresh job
             (out / "metrics.jsonl").unlink(missing_ok=True)

@@ -1,20 +1,21 @@
-"""Atomic DCP checkpoints written and read by a single process, with no process group.
+"""DCP checkpoints of the training state: one process, or all ranks of one replica together.
 
 Invariant: `root/step_XXXXXXXX` either does not exist or is a complete checkpoint of the state after
-exactly XXXXXXXX committed steps (model, AdamW state, RNG states, and the caller's `extra`); it is
-built in a hidden temp folder and renamed into place, `root/latest` names a complete one, and
-loading it into a fresh model and optimiser continues training bitwise as if never stopped. Any
-problem reading one is a `CheckpointError` with one line naming the path.
+exactly XXXXXXXX committed steps (model, AdamW state, RNG states, the caller's `extra`, and the
+replica layout that wrote it), published atomically by one writer (`ckpt_files`: own temp folder,
+rename, authenticated manifest, `latest` never moves back). A multi-rank replica saves with DCP's
+collective save over its own process group: every rank writes its shards into the writer's temp
+folder, and the replica's rank 0 publishes it once DCP's final collective says every rank finished.
+Loading verifies the manifest (HMAC with the run token) and every file's sha256 before DCP reads
+anything, refuses another layout, and continues training bitwise as if never stopped. Any problem
+is a `CheckpointError` with one line naming the path.
 """
 
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
-import os
 import random
-import re
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -36,17 +38,17 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from recover.errors import CheckpointError
+from recover.train import ckpt_files as files
+from recover.train.ckpt_files import FORMAT, find_latest
 
-KEEP = 3
-_STEP_DIR = re.compile(r"^step_(\d{8,})$")
-_FORMAT = 1
+PLAIN = {"layout": "plain", "shards": 1, "tp": 1, "stages": 1}
 
 
 @contextmanager
-def _single_process() -> Iterator[None]:
-    # no_dist=True (passed by callers) keeps DCP off any process group even when one exists: only
-    # this process writes, so collectives on a default group would wait for peers that never come.
-    # DCP still warns on every call that it "assumes a single process"; that is the intent here.
+def _quiet_no_dist() -> Iterator[None]:
+    # no_dist=True (single-process saves) keeps DCP off any process group even when one exists:
+    # only this process writes, so collectives on a default group would wait for peers that never
+    # come. DCP still warns on every call that it "assumes a single process"; that is the intent.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
@@ -72,108 +74,94 @@ def _set_rng_state(rng: dict[str, Any]) -> None:
     random.setstate((version, tuple(state), py_gauss))
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def _state_for(model: nn.Module, optimizer: torch.optim.Optimizer, with_optimizer: bool,
+               scope: str) -> dict[str, Any]:
+    """The DCP state dict: parameters (and AdamW state) keyed by parameter name; under `scope`
+    (a pipeline stage) when ranks hold different modules whose names would clash."""
+    if not with_optimizer:
+        state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+    return {scope: state} if scope else state
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    # fsync before the rename: after a power loss the new name must not point at empty contents.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _unscoped(state: dict[str, Any], scope: str) -> dict[str, Any]:
+    return state[scope] if scope else state
 
 
-def _step_dirs(root: Path) -> list[tuple[int, Path]]:
-    found = []
-    for p in root.iterdir() if root.is_dir() else []:
-        m = _STEP_DIR.match(p.name)
-        if m and p.is_dir():
-            found.append((int(m.group(1)), p))
-    return sorted(found)
+def _bcast_text(text: str, group: dist.ProcessGroup) -> str:
+    """Rank 0's string on every rank of `group` (tensors only: nothing is unpickled)."""
+    data = text.encode()
+    if len(data) > 512:
+        raise ValueError(f"name too long to broadcast: {text[:40]}...")
+    buf = bytearray(512)
+    buf[:len(data)] = data
+    raw = torch.frombuffer(buf, dtype=torch.uint8)
+    dist.broadcast(raw, group_src=0, group=group)
+    return bytes(raw.tolist()).rstrip(b"\0").decode()
 
 
 def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    extra: dict[str, Any]) -> Path:
+                    extra: dict[str, Any], *, key: bytes, group: dist.ProcessGroup | None = None,
+                    scope: str = "", layout: dict[str, Any] | None = None) -> Path:
     """Write the state after `step` committed steps to `root/step_{step:08d}`; return that path.
 
-    Single writer per `root`: leftovers of interrupted saves and all but the newest `KEEP`
-    checkpoints are deleted.
+    `key`: the run token (authenticates the manifest). `group`: the replica's ranks, all of which
+    call this together (None: this process alone). `scope`: this rank's namespace (pipeline
+    stages). `layout`: recorded (None: plain), and required to match on load. If another writer
+    already published this step (and it verifies), theirs is kept and ours dropped.
     """
     root = Path(root)
-    final = root / f"step_{step:08d}"
-    meta = {"format": _FORMAT, "step": step, "extra": extra, "rng": _rng_state(),
-            "torch": torch.__version__}
+    rank = dist.get_rank(group) if group is not None else 0
+    final = files.step_dir(root, step)
+    meta = {"format": FORMAT, "step": step, "extra": extra, "rng": _rng_state(),
+            "torch": torch.__version__, "layout": layout or PLAIN, "scoped": bool(scope)}
     json.dumps(meta)  # fail on a non-JSON `extra` before anything is written
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".tmp_{final.name}_{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     # get_state_dict keys the optimizer state by parameter name (not by position) and, for an
     # optimizer that never stepped, "initialises" it with a zero-lr step that sets AdamW's step
     # count to 1, which would change the bias correction of every later step. So a never-stepped
     # optimizer is saved as "no state" and restored as such, never passed to get_state_dict.
-    state = _state_for(model, optimizer, with_optimizer=bool(optimizer.state))
-    meta["optimizer_state"] = "optim" in state
-    with _single_process():
-        dcp.save(state, checkpoint_id=tmp, no_dist=True)
-    # DCP has no checksums: a flipped byte would load silently. Record every file's digest.
-    meta["files"] = {f.name: _sha256(f) for f in sorted(tmp.iterdir()) if f.is_file()}
-    _write_atomic(tmp / "meta.json", json.dumps(meta))
-    if final.exists():
-        # Re-saving a step (e.g. after a resume). Directories cannot be replaced atomically; a crash
-        # between these renames leaves `latest` stale, and latest_checkpoint() then falls back to
-        # the newest complete step directory.
-        old = root / f".old_{final.name}_{os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    _write_atomic(root / "latest", final.name + "\n")
-    _prune(root, keep=final)
+    state = _state_for(model, optimizer, bool(optimizer.state), scope)
+    meta["optimizer_state"] = "optim" in _unscoped(state, scope)
+    tmp = root / f".tmp_{final.name}_{files.writer_tag()}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # our own leftover: the tag holds our PID
+        tmp.mkdir()
+    if group is not None:
+        tmp = root / _bcast_text(tmp.name, group)  # the writer's folder, on every rank
+    try:
+        if group is None:
+            with _quiet_no_dist():
+                dcp.save(state, checkpoint_id=tmp, no_dist=True)
+        else:
+            # DCP's last collective returns only after every rank's files and .metadata exist.
+            dcp.save(state, checkpoint_id=tmp, process_group=group)
+    except CheckpointException as e:  # a BaseException: callers' `except Exception` miss it
+        raise CheckpointError(f"cannot save checkpoint {final}: {_cause(e)}") from None
+    failed: Exception | None = None
+    if rank == 0:
+        try:
+            files.write_manifest(tmp, meta, key)
+            files.publish(root, tmp, final, key)
+        except Exception as e:  # raised after the barrier: the other ranks must not wait for us
+            failed = e
+    if group is not None:
+        dist.barrier(group=group)  # on return, the step is published for every rank
+    if failed is not None:
+        raise failed
     return final
 
 
-def _state_for(model: nn.Module, optimizer: torch.optim.Optimizer,
-               with_optimizer: bool) -> dict[str, Any]:
-    """The DCP state dict: parameters (and AdamW state) keyed by parameter name."""
-    if not with_optimizer:
-        return {"model": get_model_state_dict(model)}
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd}
+def latest_checkpoint(root: Path, key: bytes) -> Path | None:
+    """The newest checkpoint in `root` that verifies (see `find_latest` for what was skipped)."""
+    return find_latest(Path(root), key)[0]
 
 
-def _prune(root: Path, keep: Path) -> None:
-    # The checkpoint just written is kept even if older ones carry higher step numbers (a run
-    # resumed from an earlier checkpoint): `latest` names it.
-    others = [p for _, p in _step_dirs(root) if p != keep]
-    for p in others[:max(0, len(others) - (KEEP - 1))]:
-        shutil.rmtree(p, ignore_errors=True)
-    for p in root.iterdir():
-        if p.name.startswith((".tmp_step_", ".old_step_", ".latest.")):
-            shutil.rmtree(p, ignore_errors=True)
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The checkpoint `root/latest` names, else the newest complete `step_*` folder, else None."""
-    root = Path(root)
-    try:
-        name = (root / "latest").read_text().strip()
-    except OSError:
-        name = ""
-    if _STEP_DIR.match(name) and (root / name / "meta.json").is_file():
-        return root / name
-    # `latest` is missing or stale (a crash between renames): fall back to a directory scan.
-    complete = [p for _, p in _step_dirs(root) if (p / "meta.json").is_file()]
-    return complete[-1] if complete else None
+def verify_checkpoint(path: Path, key: bytes) -> dict[str, Any]:
+    """Authenticate a checkpoint's manifest and check every file without loading; return it."""
+    return files.verify(Path(path), key)
 
 
 def _cause(e: BaseException) -> str:
@@ -184,36 +172,28 @@ def _cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
-    try:
-        meta = json.loads((path / "meta.json").read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path} is incomplete: meta.json is missing") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path} has an unreadable meta.json: {_cause(e)}"
-                              ) from None
-    ok = (isinstance(meta, dict) and meta.get("format") == _FORMAT
-          and isinstance(meta.get("step"), int) and isinstance(meta.get("files"), dict)
-          and isinstance(meta.get("rng"), dict) and isinstance(meta.get("optimizer_state"), bool))
-    if not ok:
-        raise CheckpointError(f"checkpoint {path}: meta.json is not a recover checkpoint's")
-    return meta
+def describe(layout: dict[str, Any]) -> str:
+    """`--layout hsdp --shards 2`, as the user typed it."""
+    flags = [f"--layout {layout.get('layout')}"]
+    flags += [f"--{k} {layout[k]}" for k in ("shards", "tp", "stages") if layout.get(k, 1) != 1]
+    return " ".join(flags)
 
 
-def _verify_files(path: Path, meta: dict[str, Any]) -> None:
-    for name, digest in meta["files"].items():
-        f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
-        if _sha256(f) != digest:
-            raise CheckpointError(f"checkpoint {path} is corrupt: {name} does not match its sha256")
+def check_layout(path: Path, meta: dict[str, Any], layout: dict[str, Any]) -> None:
+    saved = meta.get("layout") or PLAIN
+    if saved != layout:
+        raise CheckpointError(f"checkpoint {path} was written by {describe(saved)}; this run is "
+                              f"{describe(layout)}: resume with the same layout (resharding is "
+                              "not supported)")
 
 
-def _check_shapes(path: Path, md: Metadata, model: nn.Module) -> None:
+def _check_shapes(path: Path, md: Metadata, model: nn.Module, scope: str) -> None:
     # DCP loads only the keys asked for and ignores the rest, so a checkpoint of a bigger model
-    # would load "successfully" into a smaller one. Compare both key sets and every shape first.
-    saved = {k[len("model."):]: v for k, v in md.state_dict_metadata.items()
-             if k.startswith("model.")}
+    # would load "successfully" into a smaller one. Compare both key sets and every shape first
+    # (a DTensor's shape is the global one, so this holds for every rank of a sharded layout).
+    prefix = f"{scope}.model." if scope else "model."
+    saved = {k[len(prefix):]: v for k, v in md.state_dict_metadata.items()
+             if k.startswith(prefix)}
     current = get_model_state_dict(model)
     if set(saved) != set(current):
         diff = sorted(set(saved) ^ set(current))
@@ -227,48 +207,71 @@ def _check_shapes(path: Path, md: Metadata, model: nn.Module) -> None:
                                   f"{got} in the checkpoint, {tuple(t.shape)} in the model")
 
 
-def verify_checkpoint(path: Path) -> dict[str, Any]:
-    """Check a checkpoint's meta and every file's sha256 without loading it; return its meta."""
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint not found: {path}")
-    meta = _read_meta(path)
-    _verify_files(path, meta)
-    return meta
-
-
-def load_checkpoint(path: Path, model: nn.Module,
-                    optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Restore model, optimizer and RNG states from `path`; return its meta (`step`, `extra`, ...).
-
-    Gradients are cleared. On a `CheckpointError` raised before the DCP read (missing, corrupt or
-    mismatched files) nothing was changed.
-    """
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint not found: {path}")
-    meta = _read_meta(path)
-    _verify_files(path, meta)
+def _checked(path: Path, model: nn.Module, key: bytes, scope: str,
+             layout: dict[str, Any] | None) -> dict[str, Any]:
+    """Everything that can refuse a checkpoint, in the order that keeps unpickling last."""
+    meta = files.verify(path, key)  # HMAC first, then every file's digest
+    for field, kind in (("rng", dict), ("optimizer_state", bool), ("extra", dict)):
+        if not isinstance(meta.get(field), kind):
+            raise CheckpointError(f"checkpoint {path}: its manifest lacks {field!r}")
+    check_layout(path, meta, layout or PLAIN)
+    if bool(meta.get("scoped")) != bool(scope):
+        raise CheckpointError(f"checkpoint {path} was written by another layout")
     try:
-        md = dcp.FileSystemReader(path).read_metadata()
+        md = dcp.FileSystemReader(path).read_metadata()  # a pickle: only after the checks above
     except Exception as e:
         raise CheckpointError(f"checkpoint {path} has unreadable DCP metadata: {_cause(e)}"
                               ) from None
-    _check_shapes(path, md, model)
+    _check_shapes(path, md, model, scope)
+    return meta
+
+
+def _agree(ok: bool, step: int, group: dist.ProcessGroup) -> bool:
+    """Every rank of the replica checked the same step and found it good (one collective)."""
+    t = torch.tensor([int(ok), step, -step], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return bool(t[0]) and int(t[1]) == -int(t[2])
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                    key: bytes, group: dist.ProcessGroup | None = None, scope: str = "",
+                    layout: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Restore model, optimizer and RNG states from `path`; return its manifest (`step`, `extra`).
+
+    With `group`, every rank of the replica calls this with the same path, `scope` and `layout`
+    as the save (None: plain; another layout is refused). Gradients are cleared.
+    On a `CheckpointError` raised before the DCP read (missing, corrupt, unauthenticated or
+    mismatched files; any rank's refusal) nothing was changed.
+    """
+    path = Path(path)
+    err: CheckpointError | None = None
+    try:
+        meta = _checked(path, model, key, scope, layout)
+    except CheckpointError as e:
+        err, meta = e, {"step": -1}
+    if group is not None and not _agree(err is None, int(meta["step"]), group) and err is None:
+        err = CheckpointError(f"checkpoint {path} was refused by another rank of this replica "
+                              "(see its log)")
+    if err is not None:
+        raise err
     # Without state, get_state_dict creates it by a zero step, but only when no gradient is set.
     optimizer.zero_grad(set_to_none=True)
-    state = _state_for(model, optimizer, with_optimizer=meta["optimizer_state"])
+    state = _state_for(model, optimizer, meta["optimizer_state"], scope)
     try:
-        with _single_process():
-            dcp.load(state, checkpoint_id=path, no_dist=True)
+        if group is None:
+            with _quiet_no_dist():
+                dcp.load(state, checkpoint_id=path, no_dist=True)
+        else:
+            dcp.load(state, checkpoint_id=path, process_group=group)
     except (Exception, CheckpointException) as e:
         # CheckpointException derives from BaseException, so `except Exception` alone misses it.
         raise CheckpointError(f"cannot load checkpoint {path}: {_cause(e)}") from None
+    own = _unscoped(state, scope)
     if meta["optimizer_state"]:
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=own["model"],
+                       optim_state_dict=own["optim"])
     else:
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, own["model"])
         optimizer.state.clear()  # back to "never stepped", exactly as it was saved
     try:
         _set_rng_state(meta["rng"])

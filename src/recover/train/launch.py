@@ -24,6 +24,7 @@ from recover.config import RunConfig, flatten
 from recover.errors import CheckpointError, ConfigError, RecoverError
 from recover.faults import validate_faults
 from recover.procs import stop_all as _end
+from recover.runtoken import run_token
 from recover.train.data import prepare_data
 from recover.train.metrics import MetricsSink, truncate_metrics
 
@@ -57,27 +58,12 @@ def prepare_run(cfg: RunConfig) -> tuple[RunConfig, int]:
     out = Path(cfg.run.out)
     start = 0
     if cfg.run.resume:
-        from recover.train.checkpoint import latest_checkpoint, verify_checkpoint
-
-        ckpt = latest_checkpoint(out / "ckpt") if out.exists() else None
-        if ckpt is None:
-            raise CheckpointError(f"--resume: no checkpoint found in {out / 'ckpt'}")
-        saved = RunConfig.load(out / "config.json")
-        old, new = flatten(saved.trajectory_key()), flatten(cfg.trajectory_key())
-        # The vocabulary grows to fit the data when it is prepared (below), after this check.
-        new["model.vocab_size"] = old.get("model.vocab_size", new["model.vocab_size"])
-        diff = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
-        if diff:
-            raise ConfigError(f"--resume: settings differ from the saved run in {out}: "
-                              f"{', '.join(diff)} (a resumed run must keep its trajectory; "
-                              "--steps is the LR schedule's horizon)")
-        start = int(verify_checkpoint(ckpt)["step"])  # a corrupt one is refused here
-        if start >= cfg.run.steps:
-            raise ConfigError(f"--resume: the run in {out} already completed all {start} steps")
+        start = _resume_point(cfg, out)
     elif (out / "metrics.jsonl").exists() or (out / "ckpt").exists():
         raise ConfigError(f"{out} already holds a run; use --resume to continue it or choose "
                           "another --out")
     out.mkdir(parents=True, exist_ok=True)
+    run_token(out, create=True)  # the key of the run's checkpoint manifests (DIR/run.token)
     (out / "logs").mkdir(exist_ok=True)
     meta = prepare_data(cfg.data.path, out / "data", cfg.data.val_fraction, cfg.model.block_size)
     if meta["vocab_size"] > cfg.model.vocab_size:
@@ -86,6 +72,42 @@ def prepare_run(cfg: RunConfig) -> tuple[RunConfig, int]:
     tmp.write_text(cfg.to_json())
     os.replace(tmp, out / "config.json")
     return cfg, start
+
+
+def _resume_point(cfg: RunConfig, out: Path) -> int:
+    """The step `--resume` continues from: the newest checkpoint that verifies, if the settings
+    and the layout match the saved run. Says which checkpoint and why newer ones were skipped."""
+    from recover.train.checkpoint import check_layout
+    from recover.train.ckpt_files import find_latest, read_manifest
+    from recover.train.ckpt_rank import layout_of
+
+    if not (out / "ckpt").is_dir():
+        raise CheckpointError(f"--resume: no checkpoint found in {out / 'ckpt'}")
+    key = run_token(out, create=True)
+    ckpt, skipped = find_latest(out / "ckpt", key)
+    for line in skipped:
+        print(f"recover: --resume {line}", file=sys.stderr)
+    if ckpt is None:
+        raise CheckpointError(f"--resume: no checkpoint found in {out / 'ckpt'}"
+                              + (" that verifies" if skipped else ""))
+    saved = RunConfig.load(out / "config.json")
+    old, new = flatten(saved.trajectory_key()), flatten(cfg.trajectory_key())
+    # The vocabulary grows to fit the data when it is prepared (below), after this check.
+    new["model.vocab_size"] = old.get("model.vocab_size", new["model.vocab_size"])
+    diff = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    if diff:
+        raise ConfigError(f"--resume: settings differ from the saved run in {out}: "
+                          f"{', '.join(diff)} (a resumed run must keep its trajectory; "
+                          "--steps is the LR schedule's horizon)")
+    meta = read_manifest(ckpt, key)  # authenticated; its files were verified by find_latest
+    check_layout(ckpt, meta, layout_of(cfg))
+    start = int(meta["step"])
+    if start >= cfg.run.steps:
+        raise ConfigError(f"--resume: the run in {out} already completed all {start} steps")
+    print(f"recover: --resume from {ckpt.name} (step {start})"
+          + (f", skipping {len(skipped)} newer that did not verify" if skipped else ""),
+          file=sys.stderr)
+    return start
 
 
 def _start_coordinator(cfg: RunConfig, out: Path, port: int = 0) -> tuple[subprocess.Popen, int]:

@@ -22,6 +22,7 @@ from recover.faults import FaultInjector, validate_faults
 from recover.parallel import Replica
 from recover.recovery import BelowMinReplicas, StepStrategy
 from recover.train import layout
+from recover.train.ckpt_rank import RankCheckpoints
 from recover.train.data import eval_batches, load_data, microbatch
 from recover.train.metrics import StepTimer, step_record
 from recover.train.optim import build_optimizer, lr_at, set_lr
@@ -47,14 +48,11 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
     n, b = cfg.data.microbatches, cfg.data.microbatch_size
     rm = layout.build(cfg, host, port, replica, rank)
     opt = build_optimizer(rm.module, cfg)
-    ckpt_root = run_dir / "ckpt"
+    # Before Replica: both build groups of the replica's ranks, in the same order on every rank.
+    ckpts = RankCheckpoints(run_dir, cfg, rm, opt, log)
     applied = 0  # optimizer steps in the parameters: the only label a checkpoint may carry
-    if cfg.run.resume:  # plain only (validated): one process holds the whole state
-        from recover.train.checkpoint import latest_checkpoint, load_checkpoint
-
-        path = latest_checkpoint(ckpt_root)
-        applied = int(load_checkpoint(path, rm.module, opt)["step"])
-        log(f"resumed from {path.name} at step {applied}")
+    if cfg.run.resume:
+        applied = ckpts.resume()
     faults = FaultInjector(validate_faults(ft.faults, cfg.layout.replicas, cfg.run.steps, nranks),
                            replica, rank, nranks)
     rep = Replica(rm.module, n, mesh=rm.mesh, tied=rm.tied, coordinator=f"{host}:{port}",
@@ -77,14 +75,9 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
                 faults.at("forward", step, j)
                 return rm.forward_backward(x, y, lambda: faults.at("backward", step, j))
 
-    def save(at: int) -> None:
-        # Imported here: DCP costs ~1.5 s of CPU at startup, and only the leader ever saves.
-        from recover.train.checkpoint import save_checkpoint
+    def extra(at: int) -> dict:
+        return {"next_microbatch_id": at * n, "trajectory": cfg.trajectory_key()}
 
-        save_checkpoint(ckpt_root, at, rm.module, opt,
-                        {"next_microbatch_id": at * n, "trajectory": cfg.trajectory_key()})
-
-    can_save = cfg.layout.name == "plain"  # distributed checkpoints of multi-rank layouts: not yet
     end = cfg.run.stop_at or cfg.run.steps
     try:
         for step in range(applied, end):
@@ -104,23 +97,22 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
                     rec["val_loss"] = rep.replica_sum(layout.evaluate(rm, evals) * rep.loss_weight)
             if rank == 0:  # every survivor offers the record; the first one lands (all agree)
                 store.compare_set(keys.record_key(step), "", json.dumps(rec))
-            if can_save and rep.is_leader and (
-                    (cfg.run.ckpt_every and applied % cfg.run.ckpt_every == 0) or last):
-                save(applied)
+            if (cfg.run.ckpt_every and applied % cfg.run.ckpt_every == 0) or last:
+                with rep.guard():  # every rank: the leader replica's ranks save together
+                    ckpts.save(applied, rep.is_leader, extra(applied))
     except BelowMinReplicas as e:
         log(f"stopping: {e}")
+        # committed steps only: the failed step was never applied
+        saved = ckpts.save_on_exit(applied, rep.is_leader, extra(applied))
         if rep.is_leader:
-            saved = "checkpoint at" if can_save else "no checkpoint (multi-rank layout) at"
-            if can_save:
-                save(applied)  # committed steps only: the failed step was never applied
-            store.set(keys.RUN_STOPPED, f"{e}; {saved} step {applied}")
+            store.set(keys.RUN_STOPPED, f"{e}; {'checkpoint' if saved else 'no checkpoint'} "
+                                        f"at step {applied}")
         rep.leave()
         return EXIT_BELOW_MIN
     except (CoordinatorLost, DistError) as e:  # the store went away with the coordinator
         log(f"stopping: the coordinator is unreachable ({str(e).splitlines()[0]})")
-        if can_save and rep.is_leader:  # the last known leader keeps the applied state
-            log(f"saving a checkpoint at step {applied}")
-            save(applied)
+        if ckpts.save_on_exit(applied, rep.is_leader, extra(applied)):  # the last known leader
+            log(f"saved a checkpoint at step {applied}")
         return EXIT_COORDINATOR_LOST
     if cfg.run.dump_final:
         _dump_final(run_dir, rm.module, replica, rank, nranks)

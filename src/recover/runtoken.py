@@ -1,0 +1,56 @@
+"""The run's secret: one random token per run directory, the key that authenticates its files.
+
+Invariant: every process of one run gets the same token from `run_token(run_dir)`: the env
+`RECOVER_RUN_TOKEN` if set (a cluster whose nodes share no filesystem, or a secret manager), else
+`run_dir/run.token`, which `recover train` creates once (mode 0600, never rewritten). A process
+without either gets a `ConfigError`, never a made-up token: a wrong key must fail loudly, not
+silently mark every checkpoint as tampered. This is the only place that knows where the token
+comes from.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+from recover.errors import ConfigError
+
+ENV = "RECOVER_RUN_TOKEN"
+FILE = "run.token"
+
+
+def run_token(run_dir: str | Path, create: bool = False) -> bytes:
+    """This run's token (bytes). With `create` (the launcher), make `run_dir/run.token` first if
+    neither it nor the env variable exists."""
+    env = os.environ.get(ENV, "").strip()
+    if env:
+        return env.encode()
+    path = Path(run_dir) / FILE
+    if create and not path.exists():
+        _create(path)
+    try:
+        token = path.read_text().strip()
+    except FileNotFoundError:
+        raise ConfigError(f"no run token: {path} is missing and {ENV} is not set (recover train "
+                          "creates it; give external workers the run directory or the env)"
+                          ) from None
+    except OSError as e:
+        raise ConfigError(f"cannot read the run token {path}: {e.strerror}") from None
+    if not token:
+        raise ConfigError(f"the run token {path} is empty")
+    return token.encode()
+
+
+def _create(path: Path) -> None:
+    token = secrets.token_hex(32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        # O_EXCL: two launchers racing on one directory keep the first token, never mix them.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,0 +1,90 @@
+"""One rank's part in the run's checkpoints: resume, periodic saves, and the save on the way out.
+
+Invariant: a step is written by the leader replica only (the lowest live one, as its rank 0 sees
+it), and by all of that replica's ranks together: DCP's collective save runs on a process group of
+the replica's ranks kept for checkpoints alone, so it never interleaves with the model's own
+collectives, and the replica's rank 0 decides and tells its siblings, so the ranks of one replica
+never disagree about whether to save. Two replicas that both believe they lead (a membership change
+mid-save) write to their own temp folders and the first to publish wins (`ckpt_files`). Every
+collective here is bounded by the group's timeout. A resumed rank loads into the layout that wrote
+the checkpoint (same shards / tp / stages), or refuses.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from recover.config import RunConfig
+from recover.errors import CheckpointError
+from recover.runtoken import run_token
+from recover.train.ckpt_files import find_latest
+from recover.train.layout import RankModel
+
+
+def layout_of(cfg: RunConfig) -> dict[str, Any]:
+    """What a checkpoint records about the replica layout that wrote it (and a resume checks)."""
+    lay = cfg.layout
+    return {"layout": lay.name, "shards": lay.shards, "tp": lay.tp, "stages": lay.stages}
+
+
+class RankCheckpoints:
+    """Create on every rank of every replica, in the same order relative to other groups (for a
+    multi-rank replica this builds a process group: a collective over the replica's ranks)."""
+
+    def __init__(self, run_dir: Path, cfg: RunConfig, rm: RankModel,
+                 optimizer: torch.optim.Optimizer, log: Callable[[str], None]) -> None:
+        self.root, self.cfg, self.rm, self.opt, self.log = run_dir / "ckpt", cfg, rm, optimizer, log
+        self.key = run_token(run_dir)
+        self.layout = layout_of(cfg)
+        self.group: dist.ProcessGroup | None = None
+        self.scope = ""
+        if cfg.layout.ranks_per_replica() > 1:
+            self.group = dist.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=cfg.ft.reduce_timeout_s))
+            if "pp" in cfg.layout.split(","):
+                # Every stage names its blocks from 0: stage s's state lives under its own scope.
+                self.scope = f"stage{rm.mesh.get_local_rank('pp')}"
+
+    def resume(self) -> int:
+        """Load the newest checkpoint that verifies; return its step (optimizer steps applied)."""
+        path, skipped = find_latest(self.root, self.key)
+        for line in skipped:
+            self.log(f"resume: {line}")
+        if path is None:
+            raise CheckpointError(f"--resume: no checkpoint in {self.root} verifies")
+        from recover.train.checkpoint import load_checkpoint  # DCP: ~1.5 s of CPU to import
+
+        meta = load_checkpoint(path, self.rm.module, self.opt, key=self.key, group=self.group,
+                               scope=self.scope, layout=self.layout)
+        self.log(f"resumed from {path.name} at step {meta['step']}")
+        return int(meta["step"])
+
+    def save(self, step: int, leader: bool, extra: dict[str, Any]) -> bool:
+        """Every rank of every replica calls this at the same save point; the leader replica's
+        ranks write `step`. `leader` counts on the replica's rank 0 only. True if we wrote."""
+        if self.group is not None:
+            flag = torch.tensor([int(leader)], dtype=torch.int64)
+            dist.broadcast(flag, group_src=0, group=self.group)
+            leader = bool(flag[0])
+        if leader:
+            from recover.train.checkpoint import save_checkpoint
+
+            save_checkpoint(self.root, step, self.rm.module, self.opt, extra, key=self.key,
+                            group=self.group, scope=self.scope, layout=self.layout)
+        return leader
+
+    def save_on_exit(self, step: int, leader: bool, extra: dict[str, Any]) -> bool:
+        """`save`, when the run is stopping: a failure (a sibling that never arrives, a full
+        disk) is logged, not raised, so the process still ends with its own exit code."""
+        try:
+            return self.save(step, leader, extra)
+        except Exception as e:
+            self.log(f"no checkpoint at step {step}: {type(e).__name__}: "
+                     f"{' '.join(str(e).split())[:200]}")
+            return False
