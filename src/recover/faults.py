@@ -7,6 +7,13 @@ named point of the step protocol; nothing else about the run changes. Spec gramm
     kill:replica=R,step=S[,phase=P][,microbatch=J][,rank=K]  SIGKILL this replica's process
     hang:replica=R,step=S,seconds=X[,phase=P][,rank=K]       SIGSTOP it; SIGCONT after X s
     slow:replica=R,factor=F[,step=S][,rank=K]                every microbatch takes F times as long
+    deadlock:replica=R,step=S[,phase=P][,rank=K]             its main thread blocks for ever
+                                                             (heartbeats go on)
+    partition:replica=R,step=S[,rank=K]                      its cross-replica traffic fails from
+                                                             step S on (heartbeats go on)
+    restart:replica=R,step=S                                 the launcher starts replica R's
+                                                             processes again once step S-1 has
+                                                             committed (they rejoin the run)
 
 `rank=K` picks one rank of a multi-rank replica (hsdp/tp/pp layouts); default: its last rank.
 
@@ -21,13 +28,14 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
 from recover.errors import ConfigError
 
 PHASES = ("forward", "backward", "reduce", "commit", "optimizer")
-KINDS = ("kill", "hang", "slow")
+KINDS = ("kill", "hang", "slow", "deadlock", "partition", "restart")
 
 
 @dataclass
@@ -43,6 +51,8 @@ class Fault:
 
     def __str__(self) -> str:
         at = "" if self.rank is None else f",rank={self.rank}"
+        if self.kind in ("restart", "partition"):
+            return f"{self.kind}:replica={self.replica},step={self.step}{at}"
         if self.kind == "slow":
             return f"slow:replica={self.replica},factor={self.factor},step={self.step}{at}"
         extra = f",seconds={self.seconds}" if self.kind == "hang" else ""
@@ -66,7 +76,10 @@ def parse_fault(spec: str) -> Fault:
         fields[k.strip()] = v.strip()
     allowed = {"kill": {"replica", "step", "phase", "microbatch", "rank"},
                "hang": {"replica", "step", "phase", "microbatch", "seconds", "rank"},
-               "slow": {"replica", "factor", "step", "rank"}}[kind]
+               "slow": {"replica", "factor", "step", "rank"},
+               "deadlock": {"replica", "step", "phase", "microbatch", "rank"},
+               "partition": {"replica", "step", "rank"},
+               "restart": {"replica", "step"}}[kind]
     unknown = sorted(set(fields) - allowed)
     if unknown:
         raise ConfigError(f"bad --fault {spec!r}: unknown key(s) {', '.join(unknown)}")
@@ -80,7 +93,7 @@ def parse_fault(spec: str) -> Fault:
         raise ConfigError(f"bad --fault {spec!r}: missing {e.args[0]}=") from None
     except ValueError as e:
         raise ConfigError(f"bad --fault {spec!r}: {e}") from None
-    if kind in ("kill", "hang") and "step" not in fields:
+    if kind not in ("slow",) and "step" not in fields:
         raise ConfigError(f"bad --fault {spec!r}: missing step=")
     if f.phase not in PHASES:
         raise ConfigError(f"bad --fault {spec!r}: phase must be one of {', '.join(PHASES)}")
@@ -115,13 +128,18 @@ class FaultInjector:
         self.faults = [f for f in faults if f.replica == replica and f.target_rank(nranks) == rank]
         self.fired: set[int] = set()
 
+    def partitioned(self, step: int) -> bool:
+        """Whether this rank's cross-replica traffic is cut at `step` (a `partition` fault)."""
+        return any(f.kind == "partition" and step >= f.step for f in self.faults)
+
     def slow_factor(self, step: int) -> float:
         return max([f.factor for f in self.faults if f.kind == "slow" and step >= f.step],
                    default=1.0)
 
     def at(self, phase: str, step: int, j: int = 0) -> None:
         for idx, f in enumerate(self.faults):
-            if idx in self.fired or f.kind == "slow" or f.step != step or f.phase != phase:
+            if idx in self.fired or f.kind in ("slow", "partition", "restart") or \
+                    f.step != step or f.phase != phase:
                 continue
             if phase in ("forward", "backward") and f.microbatch != j:
                 continue
@@ -131,6 +149,10 @@ class FaultInjector:
                 time.sleep(random.uniform(0.0, 0.003))  # land inside the collective, not before
             if f.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            elif f.kind == "deadlock":
+                # The main thread waits for ever on a lock nobody releases; the heartbeat and
+                # liveness threads go on, so only evidence of no progress can evict it.
+                threading.Event().wait()
             elif f.kind == "hang":
                 # A detached helper resumes us: a real stop, seen by peers as a hung process.
                 subprocess.Popen(["/bin/sh", "-c", f"sleep {f.seconds}; kill -CONT {os.getpid()}"],

@@ -112,6 +112,17 @@ class StepResult:
     redo: bool = False  # exact mode: the step overflowed its fixed point; run it again
 
 
+def _recovered(chain: Chain) -> list[int]:
+    """Ids handed to a new owner after a loss (not those first planned after a join)."""
+    seen: set[int] = set()
+    out: set[int] = set()
+    for e in chain:
+        ids = {i for v in e["assign"].values() for i in v}
+        out |= ids & seen
+        seen |= ids
+    return sorted(out)
+
+
 def _log(msg: str) -> None:
     """The fault path's account, on stderr (the replica's log): one line per failed attempt."""
     print(f"recover: {msg}", file=sys.stderr, flush=True)
@@ -174,6 +185,11 @@ class StepEngine:
         self.waiter = KeyWaiter(member)
         self.mb_time: float | None = None  # EMA of this replica's seconds per microbatch
         self.speeds: dict[int, float] = {}  # every replica's, from the last reduced trailer
+        # Called with (step, join entry) on every rank when a replica joins at a step boundary
+        # (`recover.Replica` serves the joiner its state when this replica is the donor).
+        self.on_join: Callable[[int, dict], None] | None = None
+        self._served: set[int] = set()
+        self._proposed: set[int] = set()
         # One gradient-sized scratch buffer, reused by every reduce unless an abandoned
         # operation may still write into it (then a new one is made and this one dropped).
         self.reduce_dtype = reduce_dtype or self.grads.dtype
@@ -210,6 +226,21 @@ class StepEngine:
             if not self.strategy.keeps_work and before and len(chain) > before:
                 self.grads.zero()  # the strategy discards the attempt: start the step over
                 held, loss_sum = [], 0.0
+            join = chain[-1].get("join")
+            if join is not None:
+                # A replica joins at this step boundary: the donor's ranks serve it its state
+                # (the state after `step` optimizer steps), and nobody computes until the joiner
+                # is admitted, or given up, in a newer generation; its entry plans the step.
+                if self.on_join is not None and join["epoch"] not in self._served:
+                    self._served.add(join["epoch"])
+                    self.on_join(step, join)
+                if self.member.generation() == chain[-1]["gen"]:
+                    try:
+                        self.member.wait_newer(chain[-1]["gen"], 3 * self.timeout_s)
+                    except TimeoutError:
+                        raise RecoveryError(f"step {step}: replica {join['replica']} was neither "
+                                            "admitted nor given up in time") from None
+                continue
             entries = chain if self.strategy.keeps_work else chain[-1:]
             todo = [i for e in entries for i in e["assign"].get(str(self.me), []) if i not in held]
             t0 = time.monotonic()
@@ -254,8 +285,7 @@ class StepEngine:
                 quotas: dict[int, int] = {}
                 for o in owners.values():
                     quotas[o] = quotas.get(o, 0) + 1
-                recovered = sorted({i for e in chain[1:] for ids in e["assign"].values()
-                                    for i in ids}) if self.strategy.keeps_work else []
+                recovered = _recovered(chain) if self.strategy.keeps_work else []
                 return StepResult(step, entry_gen, self.member.members(entry_gen),
                                   dict(sorted(quotas.items())), float(trailer[3]) / count, count,
                                   recovered, time.monotonic() - t_fault if t_fault else 0.0,
@@ -406,6 +436,12 @@ class StepEngine:
         return chain
 
     def _propose(self, step: int, chain: Chain, g: int, members: list[int]) -> dict:
+        joiner = self.member.join_request if not chain else None
+        if joiner is not None and joiner[0] not in members and joiner[1] not in self._proposed:
+            # Admit at this boundary: the step waits for the joiner (see `run`), served by us.
+            self._proposed.add(joiner[1])
+            return {"gen": g, "assign": {},
+                    "join": {"replica": joiner[0], "epoch": joiner[1], "donor": self.me}}
         speeds = ({m: self.speeds[m] for m in members if m in self.speeds}
                   if self.speed_aware else None)
         assign = self.strategy.assign(step, self.n, chain, members, speeds)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from recover.workload import plan, reassign
+from recover.workload import plan, reassign, step_ids
 
 Chain = list[dict]  # entries {"gen": g, "assign": {"replica": [ids]}}, as stored
 
@@ -62,7 +62,9 @@ class InStepRecovery:
                speeds: dict[int, float] | None) -> dict[int, list[int]]:
         if not chain:
             return plan(step, n, members, speeds)
-        lost = sorted(i for i, o in chain_owners(chain).items() if o not in members)
+        # Ids whose owner is gone, or that nobody owns yet (the step paused for a joiner).
+        owners = chain_owners(chain)
+        lost = [i for i in step_ids(step, n) if owners.get(i) not in members]
         return reassign(lost, members, speeds) if lost else {}
 
     def owners(self, chain: Chain) -> dict[int, int]:
