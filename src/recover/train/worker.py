@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.distributed import DistError
 
-from recover.collectives import CoordinatorLost, FaultTolerantComm, Member
+from recover.collectives import CoordinatorLost, FaultTolerantComm, GlooInterfaceError, Member
 from recover.config import RunConfig
 from recover.faults import FaultInjector, validate_faults
 from recover.parallel import flat_grad_buffer
@@ -68,6 +68,8 @@ def run(run_dir: Path, replica: int, host: str, port: int) -> int:
     evals = eval_batches(corpus.val, m.block_size, cfg.microbatch_size, cfg.seed,
                          cfg.eval_microbatches)
     step = start
+    applied = start  # optimizer steps applied: the only label a checkpoint of this state may get
+    saved = -1  # the step the leader last saved (the final checkpoint is never written twice)
     busy = [0.0, 0]  # this step's compute seconds and microbatches (all attempts)
 
     def compute(mb_id: int, j: int) -> float:
@@ -91,9 +93,16 @@ def run(run_dir: Path, replica: int, host: str, port: int) -> int:
         # Imported here: DCP costs ~1.5 s of CPU at startup, and only the leader ever saves.
         from recover.train.checkpoint import save_checkpoint
 
+        nonlocal saved
+        # The label is what the state holds: AdamW counts the steps it applied (none: no state).
+        held = {int(s["step"]) for s in opt.state.values() if "step" in s} or {0}
+        if held != {at_step} or at_step != applied:
+            raise RuntimeError(f"refusing to label a checkpoint step {at_step}: the optimizer "
+                               f"state holds {sorted(held)} applied steps (applied={applied})")
         save_checkpoint(ckpt_root, at_step, model, opt,
                         {"next_microbatch_id": at_step * cfg.microbatches,
                          "trajectory": cfg.trajectory_key()})
+        saved = at_step
 
     try:
         end = cfg.stop_at or cfg.steps
@@ -108,6 +117,7 @@ def run(run_dir: Path, replica: int, host: str, port: int) -> int:
             faults.at("optimizer", step, 0)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
             opt.step()
+            applied = step + 1
             rec = {"step": step, "loss": res.loss, "lr": lr, "grad_norm": grad_norm,
                    "microbatches": res.microbatches, "live_replicas": len(res.members),
                    "quotas": {str(k): v for k, v in res.quotas.items()},
@@ -122,20 +132,27 @@ def run(run_dir: Path, replica: int, host: str, port: int) -> int:
             member.store.compare_set(f"rec/{step}", "", json.dumps(rec))
             leader = min(member.members()) == replica
             if leader and ((cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0) or last):
-                save(step + 1)
-                member.store.set(f"ckpt/{step + 1}", "saved")
+                save(applied)
+                member.store.set(f"ckpt/{applied}", "saved")
     except BelowMinReplicas as e:
         log(replica, f"stopping: {e}")
         if min(member.members()) == replica:
-            save(step)  # committed steps only: `step` has not been applied
-            member.store.set("run/stopped", f"{e}; checkpoint at step {step}")
+            save(applied)  # committed steps only: `step` has not been applied
+            member.store.set("run/stopped", f"{e}; checkpoint at step {applied}")
         member.leave()
         return EXIT_BELOW_MIN
+    except GlooInterfaceError as e:  # a configuration error, not a fault: one line, no traceback
+        log(replica, f"stopping: {e}")
+        return 2
     except (CoordinatorLost, DistError) as e:  # the store went away with the coordinator
         log(replica, f"stopping: the coordinator is unreachable ({str(e).splitlines()[0]})")
-        if min(member.members()) == replica:  # the last known leader keeps the committed state
-            log(replica, f"saving a checkpoint at step {step}")
-            save(step)
+        leader = min(member.members()) == replica
+        if leader and saved != applied:  # the last known leader keeps the committed state
+            log(replica, f"saving a checkpoint at step {applied}")
+            save(applied)
+        if applied == (cfg.stop_at or cfg.steps):
+            # Every step was applied: the coordinator leaving now is the end of the run.
+            return 0
         return EXIT_COORDINATOR_LOST
     if cfg.dump_final:
         (run_dir / "final").mkdir(exist_ok=True)
@@ -169,7 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, default=int(os.environ.get("RANK", 0)),
                     help="rank within a multi-rank replica (torchrun: RANK, one torchrun per "
                          "replica)")
+    ap.add_argument("--gloo-ifname", default=None, metavar="IF",
+                    help="network interface for cross-replica traffic (default: the one that "
+                         "reaches the coordinator; same as GLOO_SOCKET_IFNAME)")
     args = ap.parse_args(argv)
+    if args.gloo_ifname:
+        os.environ["GLOO_SOCKET_IFNAME"] = args.gloo_ifname
     if args.replica < 0 or not args.coordinator:
         print("recover worker: need --replica/RECOVER_REPLICA and --coordinator/"
               "RECOVER_COORDINATOR", file=sys.stderr)
