@@ -23,8 +23,10 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -427,3 +429,43 @@ def test_unknown_interface_is_refused(store: object) -> None:
 def test_loopback_addresses() -> None:
     assert all(is_loopback(a) for a in ("127.0.0.1", "127.0.1.1", "::1", "::ffff:127.0.0.1"))
     assert not any(is_loopback(a) for a in (f"{SUBNET}.2", "::ffff:10.0.0.1", "vm", ""))
+
+
+# -- the partition watchdog, without processes -------------------------------------------------
+def _watched_member(store: object, bound_s: float) -> tuple[object, socket.socket, list[float]]:
+    """A Member whose liveness socket is one end of a socketpair; returns (member, the
+    coordinator's end, the times its watchdog declared it partitioned)."""
+    from recover.collectives import Member
+
+    port = store.port  # type: ignore[attr-defined]
+    fired: list[float] = []
+    m = Member("127.0.0.1", port, 1, fence_after_s=bound_s,
+               on_partitioned=lambda why: fired.append(time.monotonic()))
+    m._sock, coord_end = socket.socketpair()  # what join() would connect
+    m._heard = time.monotonic()
+    threading.Thread(target=m._watchdog_loop, daemon=True).start()
+    return m, coord_end, fired
+
+
+def test_silence_fences_after_the_bound(store: object) -> None:
+    t0 = time.monotonic()
+    m, coord_end, fired = _watched_member(store, 0.4)
+    deadline = t0 + 5
+    while not fired and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fired and 0.4 <= fired[0] - t0 <= 1.5, fired
+    assert m.fenced  # type: ignore[attr-defined]
+    coord_end.close()
+
+
+def test_unread_bytes_delay_but_do_not_stop_the_fence(store: object) -> None:
+    """Bytes the coordinator sent but no reader took (stopped, or stuck in a store call) give
+    the reader one more bound; then the watchdog fences anyway."""
+    t0 = time.monotonic()
+    m, coord_end, fired = _watched_member(store, 0.4)
+    coord_end.sendall(b"ping\n")  # never read: no reader thread here
+    deadline = t0 + 5
+    while not fired and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fired and 0.8 <= fired[0] - t0 <= 2.5, fired
+    coord_end.close()

@@ -248,18 +248,25 @@ class Member:
 
         Touches neither the store nor the socket's data, so no partition can block it. Bytes
         waiting unread mean the coordinator did talk and this process was stopped or starved
-        (SIGSTOP, load): the reader handles them (and fences on a newer generation), not this.
+        (SIGSTOP, load): the reader gets one more bound to handle them (and to fence on a newer
+        generation) before this fences anyway (the reader may be stuck in a store call).
         """
         bound = float(self.fence_after_s or FENCE_STALE_FACTOR * 2.0)
+        unread_since: float | None = None
         while not self._stop.wait(READ_TICK_S):
-            silent = time.monotonic() - self._heard
+            now = time.monotonic()
+            silent = now - self._heard
             if silent <= bound:
+                unread_since = None
                 continue
             try:
-                pending = bool(select.select([self._sock], [], [], 0)[0])
+                unread = bool(select.select([self._sock], [], [], 0)[0])
             except (OSError, ValueError):  # closed by leave()
                 return
-            if pending or time.monotonic() - self._heard <= bound or self._stop.is_set():
+            if unread:
+                unread_since = unread_since or now
+            if (unread and now - unread_since <= bound) or self._stop.is_set() \
+                    or time.monotonic() - self._heard <= bound:
                 continue
             self.fenced = True  # comm refuses to reduce from now on, if on_partitioned returns
             self._on_partitioned(
