@@ -2,15 +2,17 @@
 
 Public API: `Coordinator` (store + membership, its own process), `Member` (a replica's membership
 client: join, heartbeats, generations, fencing), `FaultTolerantComm` (generation-fenced reduce),
-`ReplicaFault`, `CoordinatorLost`, `EXIT_FENCED`, `connect_store`, `try_get`, and `keys` (the one
-module that spells the store's key layout). Depends on nothing else in recover.
+`ReplicaFault`, `CoordinatorLost`, `GlooInterfaceError`, `EXIT_FENCED`, `EXIT_PARTITIONED`,
+`connect_store`, `try_get`, and `keys` (the one module that spells the store's key layout).
+Depends on nothing else in recover.
 """
 
 from recover.collectives import keys
-from recover.collectives.comm import FaultTolerantComm, ReplicaFault
+from recover.collectives.comm import FaultTolerantComm, GlooInterfaceError, ReplicaFault
 from recover.collectives.coordinator import Coordinator
-from recover.collectives.keys import EXIT_FENCED, connect_store, try_get
+from recover.collectives.keys import EXIT_FENCED, EXIT_PARTITIONED, connect_store, try_get
 from recover.collectives.member import CoordinatorLost, Member
 
-__all__ = ["Coordinator", "CoordinatorLost", "EXIT_FENCED", "FaultTolerantComm", "Member",
-           "ReplicaFault", "connect_store", "keys", "try_get"]
+__all__ = ["Coordinator", "CoordinatorLost", "EXIT_FENCED", "EXIT_PARTITIONED",
+           "FaultTolerantComm", "GlooInterfaceError", "Member", "ReplicaFault", "connect_store",
+           "keys", "try_get"]

@@ -5,6 +5,12 @@ generation, or raises `ReplicaFault` on this survivor within a bounded time; it 
 success for a partial sum, never waits on a communicator past the moment a newer generation is
 known, and tells its caller (`in_use`) which buffers an abandoned operation may still write into,
 so none is reused before that operation ends.
+
+Cross-replica gloo traffic binds one address: the interface the user names (`ifname`, else
+$GLOO_SOCKET_IFNAME), else this host's end of its connection to the coordinator (never the
+hostname's resolution, which is loopback on many hosts). Loopback is never used when another
+member is on another host: an automatic choice moves to the route towards that member, a named
+interface raises `GlooInterfaceError` (one line: the interface and the fix) at the first build.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,14 +30,32 @@ import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo
 
 from recover.collectives import keys
-from recover.collectives.member import Member
+from recover.collectives.member import Member, is_loopback
+
+IFNAME_ENV = "GLOO_SOCKET_IFNAME"  # torch's own variable; `--gloo-ifname` sets it for a worker
+_HINTED: list[bool] = []  # a connect-failure hint was printed by this process (once is enough)
 
 
-def _new_group(backend: str, store: PrefixStore, rank: int, size: int, timeout_s: float) -> object:
-    """A communicator built directly on the store: no default group, one per generation."""
+class GlooInterfaceError(RuntimeError):
+    """Cross-replica traffic would bind an interface the other replicas cannot reach."""
+
+
+def _new_group(backend: str, store: PrefixStore, rank: int, size: int, timeout_s: float,
+               ifname: str | None = None, addr: str | None = None) -> object:
+    """A communicator built directly on the store: no default group, one per generation.
+
+    gloo binds the named interface(s) (comma-separated), else `addr`, else gloo's default (the
+    hostname's address).
+    """
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "gloo":
-        return ProcessGroupGloo(store, rank, size, timeout)
+        if not ifname and not addr:
+            return ProcessGroupGloo(store, rank, size, timeout)
+        opts = ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = ([ProcessGroupGloo.create_device(interface=i) for i in ifname.split(",")]
+                         if ifname else [ProcessGroupGloo.create_device(hostname=addr)])
+        return ProcessGroupGloo(store, rank, size, opts)
     # NCCL (untested on the CPU machines this project runs CI on): its watchdog must not kill
     # the process when a peer dies; recover detects, abandons and rebuilds instead.
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
@@ -63,12 +89,14 @@ class FaultTolerantComm:
 
     def __init__(self, member: Member, position: int = 0, timeout_s: float = 60.0,
                  poll_s: float = 0.002, backend: str = "gloo", recheck_s: float = 0.1,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, ifname: str | None = None) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"unknown backend {backend!r}")
         if backend == "nccl" and (device is None or device.type != "cuda"):
             raise ValueError("the nccl backend needs device=torch.device('cuda', i)")
         self.backend, self.device = backend, device
+        self.ifname = ifname or os.environ.get(IFNAME_ENV) or None
+        self._addr: str | None = None  # the address gloo binds (resolved at the first build)
         self.member, self.position = member, position
         # poll_s paces the barrier and the build wait; recheck_s bounds a reduce's sleep between
         # wake-ups (a missed event costs at most this much, never a hang).
@@ -187,7 +215,12 @@ class FaultTolerantComm:
         rank, size = members.index(self.member.replica), len(members)
         prefix = keys.comm_prefix(g, self.position)
         t0 = time.monotonic()
+        addr = self._bind_addr() if self.backend == "gloo" else None
+        if addr is not None:
+            self.member.store.set(keys.gloo_addr(prefix, rank), addr)
         self._barrier(g, prefix, size)
+        if addr is not None and is_loopback(addr):
+            addr = self._off_loopback(addr, prefix, rank, size)
         t1 = time.monotonic()
         # Build in a helper thread: if a member dies between the barrier and the build, the
         # constructor would block for its whole timeout; we give up as soon as g is superseded.
@@ -196,7 +229,8 @@ class FaultTolerantComm:
 
         def build() -> None:
             try:
-                pg = _new_group(self.backend, store, rank, size, self.timeout_s)
+                pg = _new_group(self.backend, store, rank, size, self.timeout_s, self.ifname,
+                                addr)
                 if self.backend == "nccl":  # connect now, inside the abandonable build, not
                     pg.eager_connect_single_device(self.device)  # lazily at the first reduce
                 box["pg"] = pg
@@ -215,11 +249,83 @@ class FaultTolerantComm:
                 raise ReplicaFault(g, [], "communicator build timed out")
         if "err" in box:
             self.member.report_fail(g)
-            raise ReplicaFault(g, [], f"communicator build failed: {box['err']}")
+            why = str(box["err"]).splitlines()[0][:300]
+            self._hint(why, addr)
+            raise ReplicaFault(g, [], f"communicator build failed: {why}")
         self.stats["barrier_s"] += t1 - t0
         self.stats["build_s"] += time.monotonic() - t1
         self._pg, self._pg_gen = box["pg"], g
         return self._pg
+
+    # -- the interface gloo binds ------------------------------------------------------------
+    def _bind_addr(self) -> str | None:
+        """The local address cross-replica traffic binds (None: gloo's default, or unknown)."""
+        if self._addr is None:
+            if self.ifname:
+                for name in self.ifname.split(","):
+                    try:
+                        socket.if_nametoindex(name)
+                    except OSError:
+                        raise GlooInterfaceError(
+                            f"replica {self.member.replica}: no network interface named "
+                            f"{name!r} on this host (--gloo-ifname / {IFNAME_ENV}); `ip addr` "
+                            "lists them") from None
+                self._addr = _iface_addr(self.ifname.split(",")[0]) or ""
+            else:
+                self._addr = self.member.local_addr
+            if self._addr and is_loopback(self._addr) and self.member.coordinator_remote:
+                # Only a named interface gets here: the automatic choice is the local end of a
+                # connection to a remote coordinator, which is never loopback.
+                raise GlooInterfaceError(
+                    f"replica {self.member.replica}: cross-replica traffic would use "
+                    f"{self._where(self._addr)}, a loopback interface, but the coordinator at "
+                    f"{self.member.host} is remote; set --gloo-ifname (or {IFNAME_ENV}) to the "
+                    "interface that reaches the other replicas' hosts, or leave it unset")
+        return self._addr or None
+
+    def _off_loopback(self, addr: str, prefix: str, rank: int, size: int) -> str:
+        """Keep a loopback address only if every member of the group published one too."""
+        names = [keys.gloo_addr(prefix, r) for r in range(size)]
+        if not self.member.store.check(names):
+            return addr  # a member that publishes no address: nothing to compare with
+        addrs = self.member.store.multi_get(names)
+        remote = [a.decode() for r, a in enumerate(addrs)
+                  if r != rank and not is_loopback(a.decode())]
+        if not remote:
+            return addr  # everyone on this host: loopback is right
+        me = self.member.replica
+        if self.ifname:
+            raise GlooInterfaceError(
+                f"replica {me}: cross-replica traffic would use {self._where(addr)}, a "
+                f"loopback interface, but other members are on other hosts ({remote[0]}); set "
+                f"--gloo-ifname (or {IFNAME_ENV}) to the interface that reaches them")
+        # This host reaches the coordinator over loopback (it runs the coordinator, or its name
+        # resolves to 127.0.1.1) while others are elsewhere: bind the route towards them.
+        routed = _source_towards(remote[0])
+        if routed is None or is_loopback(routed):
+            raise GlooInterfaceError(
+                f"replica {me}: reaches the coordinator over loopback ({addr}) and finds no "
+                f"route to the other members ({remote[0]}); set --gloo-ifname (or {IFNAME_ENV})"
+                " to the interface that reaches them")
+        self._addr = routed
+        print(f"recover: replica {me}: the coordinator is reached over loopback ({addr}) but "
+              f"other members are remote: cross-replica traffic uses {self._where(routed)} "
+              "(--gloo-ifname overrides)", file=sys.stderr, flush=True)
+        return routed
+
+    def _where(self, addr: str | None) -> str:
+        name = self.ifname or (_iface_of(addr) if addr else None)
+        return f"{addr} ({name})" if name and addr else (addr or name or "gloo's default")
+
+    def _hint(self, why: str, addr: str | None) -> None:
+        """One line per process when a build cannot connect: the usual cause is the interface."""
+        if "connect" not in why.lower() or _HINTED:
+            return
+        _HINTED.append(True)
+        print(f"recover: replica {self.member.replica}: the cross-replica communicator could "
+              f"not connect from {self._where(addr)}: {why}. If every build fails, the other "
+              f"replicas cannot reach this interface: set --gloo-ifname (or {IFNAME_ENV}) to "
+              "the one on their network", file=sys.stderr, flush=True)
 
     def _barrier(self, g: int, prefix: str, size: int) -> None:
         """Wait until every member of g arrived; give up as soon as g is superseded."""
@@ -245,7 +351,10 @@ class FaultTolerantComm:
             with contextlib.suppress(Exception):
                 pg.abort()  # type: ignore[attr-defined]
         # After an NCCL abort nothing writes into the buffers any more: only gloo's are held.
-        self._holding.append(_Held(pg, futs, [] if self.backend == "nccl" else list(bufs)))
+        held = _Held(pg, futs, [] if self.backend == "nccl" else list(bufs))
+        self._holding.append(held)
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT.append(held)
         if self._pg is pg:
             self._pg, self._pg_gen = None, -1
 
@@ -258,3 +367,47 @@ class FaultTolerantComm:
         keep = 3 * self.timeout_s
         self._holding = [h for h in self._holding
                          if not all(f.done() for f in h.futs) and now - h.since < keep]
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT[:] = [h for h in _IN_FLIGHT if not all(f.done() for f in h.futs)]
+
+
+# Every group abandoned with work in flight stays referenced here until that work ends, whatever
+# happens to its communicator: a gloo group's destructor joins its worker thread, i.e. waits out
+# the op in flight (measured: a survivor's return from its training loop, which freed the
+# communicator, took 55 s, the group timeout, after a peer's link was cut). Processes end with
+# os._exit, so nothing here is ever destroyed while it could block.
+_IN_FLIGHT: list[_Held] = []
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
+def _iface_addr(name: str) -> str | None:
+    """The IPv4 address of interface `name` (Linux SIOCGIFADDR), or None."""
+    try:
+        import fcntl
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+        return socket.inet_ntoa(raw[20:24])
+    except (ImportError, OSError):
+        return None
+
+
+def _iface_of(addr: str) -> str | None:
+    """The name of the interface holding IPv4 address `addr`, or None."""
+    try:
+        names = [n for _, n in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((n for n in names if _iface_addr(n) == addr), None)
+
+
+def _source_towards(peer: str) -> str | None:
+    """The local address the kernel routes traffic to `peer` from (a UDP connect sends nothing)."""
+    try:
+        family = socket.AF_INET6 if ":" in peer else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((peer, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None

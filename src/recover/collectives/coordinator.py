@@ -4,7 +4,10 @@ Invariant: the coordinator is the only writer of generations. Generation g+1's m
 generation g's members minus every replica with evidence of loss (its liveness socket closed without
 a goodbye, its heartbeats went stale, or one of its ranks reported it lost); it is written once and
 never changed, and every member is told over its liveness socket. It runs in its own process so the
-store survives any worker's death (DESIGN §2).
+store survives any worker's death (DESIGN §2). It pings every liveness socket at least every
+PING_S (and every stale_s / 4), so a member that hears nothing for 3 x stale_s knows it is cut off
+(recover.collectives.member). Ports: the store's, and the liveness listener's (store port + 1 when
+the store port is fixed, so a firewall can be opened for both ahead of time).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from recover.collectives import keys
 
 DEBOUNCE_S = 0.02  # collect simultaneous failures into one generation
 HB_CHECK_S = 0.05  # read heartbeat counters at most this often (each read is a store round trip)
+PING_S = 0.25  # longest gap between two bytes to a member (members fence after 3 x stale_s)
 
 
 @dataclass
@@ -51,9 +55,14 @@ class Coordinator:
 
     def __init__(self, expected: int, host: str = "0.0.0.0", port: int = 0, stale_s: float = 2.0,
                  join_timeout_s: float = 120.0, log_path: str | None = None,
-                 exit_when_done: bool = False) -> None:
+                 exit_when_done: bool = False, liveness_port: int | None = None) -> None:
         self.exit_when_done = exit_when_done
         self.expected, self.host, self.port = expected, host, port
+        # None: store port + 1 for a fixed store port (predictable for firewalls), else any.
+        self.liveness_port = liveness_port
+        self.ping_s = min(PING_S, stale_s / 4)
+        self._pinged = 0.0
+        self.exits: dict[int, str] = {}  # replica -> how it ended, as seen from here
         self.stale_s, self.join_timeout_s = stale_s, join_timeout_s
         self.log_path = log_path
         self.generation = -1
@@ -72,10 +81,19 @@ class Coordinator:
         self.store = TCPStore(self.host, self.port, is_master=True, wait_for_workers=False,
                               use_libuv=True)
         self.client = keys.connect_store("127.0.0.1", self.store.port, 30.0)
-        self._listener = socket.create_server(("0.0.0.0", 0), backlog=1024)
+        want = self.liveness_port
+        if want is None:
+            want = self.port + 1 if self.port else 0
+        try:
+            self._listener = socket.create_server((self.host, want), backlog=1024)
+        except OSError as e:
+            raise OSError(f"liveness port {want} (store port + 1 unless --liveness-port is "
+                          f"given): {e.strerror or e}") from None
         self._listener.setblocking(False)
         self._sel.register(self._listener, selectors.EVENT_READ, None)
-        lport = self._listener.getsockname()[1]
+        lport = self.liveness_port = self._listener.getsockname()[1]
+        # Before LIVENESS_ADDR: a member that sees the address can read the fence bound's base.
+        self.client.set(keys.COORD_STALE_S, repr(self.stale_s))
         self.client.set(keys.REPLICAS, str(self.expected))
         self.client.set(keys.LIVENESS_ADDR, f"{socket.gethostname()}:{lport}")
         self.started = time.monotonic()
@@ -100,13 +118,20 @@ class Coordinator:
                 else:
                     self._read(key.data)
             now = time.monotonic()
+            if now - self._pinged >= self.ping_s:
+                self._pinged = now
+                for conn in list(self._conns.values()):
+                    self._send(conn, "ping\n")
             if self.generation < 0:
                 self._maybe_first_generation(now)
             else:
                 self._check_heartbeats(now)
                 if self.pending_since is not None and now - self.pending_since >= DEBOUNCE_S:
                     self._publish_next()
-                if not self.members and not self._conns and not self.all_left:
+                # A dropped member cut off by a partition keeps its connection open (no FIN
+                # arrives) until the link returns: only members' connections count here.
+                member_conns = any(c.replica in self.members for c in self._conns.values())
+                if not self.members and not member_conns and not self.all_left:
                     self.all_left = True
                     self._log({"event": "all-left"})
                     if self.exit_when_done:
@@ -145,6 +170,7 @@ class Coordinator:
                 # No rejoin mid-run: a late or fenced process is told so and must exit.
                 self._send(conn, f"gen {self.generation}\n")
                 self._log({"event": "rejected", "replica": conn.replica, "pid": conn.pid})
+                self._set_exit(conn.replica, "fenced: tried to join after the start", keep=True)
                 return
             rep = self.replicas.setdefault(conn.replica, _Replica(conn.nranks))
             rep.ranks.add(conn.rank)
@@ -169,9 +195,13 @@ class Coordinator:
             # A clean exit is not a fault, but the others must stop counting on it: the next
             # generation leaves it out (at the end of training nobody is waiting any more).
             if conn.replica in self.members and self._replica_gone(conn.replica):
+                self._set_exit(conn.replica, "left cleanly")
                 self._mark_lost(conn.replica, "left cleanly")
             return
-        self._mark_lost(conn.replica, f"connection closed (pid {conn.pid} rank {conn.rank})")
+        why = f"connection closed (pid {conn.pid} rank {conn.rank})"
+        if conn.replica in self.members and conn.replica not in self.lost:
+            self._set_exit(conn.replica, f"lost: {why}")
+        self._mark_lost(conn.replica, why)
 
     def _replica_gone(self, replica: int) -> bool:
         return not any(c.replica == replica for c in self._conns.values())
@@ -180,14 +210,30 @@ class Coordinator:
         if replica is not None:
             if self.generation < 0:
                 self.replicas.pop(replica, None)  # died before the first generation
+                self._set_exit(replica, f"lost before the start: {reason}")
                 self._log({"event": "lost-before-start", "replica": replica, "reason": reason})
                 return
             if replica not in self.members or replica in self.lost:
                 return
             self.lost[replica] = reason
+            # Dropped while its connection is still open (silent: hung or cut off), it must
+            # fence itself; otherwise the caller already said how it ended.
+            if not self._replica_gone(replica):
+                self._set_exit(replica, f"fenced: {reason}", keep=True)
         self._log({"event": "evidence", "replica": replica, "reason": reason})
         if self.pending_since is None:
             self.pending_since = time.monotonic()
+
+    def _set_exit(self, replica: int, how: str, keep: bool = False) -> None:
+        """Record how a replica ended (first word: left / lost / fenced) for the launcher."""
+        if keep and self.exits.get(replica, "running") != "running":
+            return  # already ended one way; a later sign (its connection closing) changes nothing
+        self.exits[replica] = how
+        self._write_exits()
+
+    def _write_exits(self) -> None:
+        self.client.set(keys.COORD_EXITS,
+                        json.dumps({str(r): v for r, v in sorted(self.exits.items())}))
 
     def _check_heartbeats(self, now: float) -> None:
         # Each read is timed on its own: under load one store round trip can take a good part of
@@ -218,6 +264,8 @@ class Coordinator:
             for rep in self.replicas.values():  # heartbeats are judged from now on
                 rep.hb = {rank: (-1, now) for rank in rep.ranks}
             self._publish(complete, "initial membership")
+            self.exits.update({r: "running" for r in complete})
+            self._write_exits()
         elif timed_out:
             self.client.set(keys.COORD_ERROR, f"no replica joined within {self.join_timeout_s}s")
             self._log({"event": "join-timeout"})
@@ -256,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, required=True, help="replicas expected to join")
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--port", type=int, default=29600, help="store port (0 = any free port)")
+    ap.add_argument("--liveness-port", type=int, default=None,
+                    help="liveness listener port (default: store port + 1; any if --port 0)")
     ap.add_argument("--port-file", help="write the chosen store port to this file")
     ap.add_argument("--stale-s", type=float, default=2.0, help="heartbeat silence = lost")
     ap.add_argument("--join-timeout-s", type=float, default=120.0)
@@ -267,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("flag", True))
     signal.signal(signal.SIGINT, lambda *_: stop.__setitem__("flag", True))
     coord = Coordinator(args.replicas, args.host, args.port, args.stale_s, args.join_timeout_s,
-                        args.log, args.exit_when_done)
+                        args.log, args.exit_when_done, args.liveness_port)
     try:
         port = coord.start()
     except Exception as e:
@@ -278,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(args.port_file + ".tmp")
         tmp.write_text(str(port))
         os.replace(tmp, args.port_file)
-    print(f"recover coordinator: store on port {port}", flush=True)
+    print(f"recover coordinator: store on port {port}, liveness on port {coord.liveness_port}",
+          flush=True)
     return coord.serve(lambda: stop["flag"])
 
 

@@ -34,8 +34,13 @@ LIVENESS_ADDR = "coord/liveness"
 COORD_ERROR = "coord/error"
 RUN_STOPPED = "run/stopped"
 REPLICAS = "coord/replicas"
+COORD_STALE_S = "coord/stale_s"  # the coordinator's --stale-s: members derive their fence bound
+COORD_EXITS = "coord/exits"  # JSON {replica: how the coordinator saw it end} (launcher summary)
 
 EXIT_FENCED = 3  # a process fenced out of the newest generation exits with this code
+# A process that heard nothing from the coordinator for its bound (a lasting network partition,
+# or the coordinator's host gone) exits with this code; by then the coordinator has dropped it.
+EXIT_PARTITIONED = 6
 
 
 # -- membership (written by the coordinator) --------------------------------------------------
@@ -54,6 +59,11 @@ def comm_prefix(g: int, position: int) -> str:
 
 def heartbeat_key(replica: int, rank: int) -> str:
     return f"hb/{replica}.{rank}"
+
+
+def gloo_addr(prefix: str, rank: int) -> str:
+    """The address a rank's gloo device binds in one communicator (`prefix` = gen{g}/pos{p})."""
+    return f"{prefix}/addr/{rank}"
 
 
 def encode_members(members: list[int]) -> bytes:

@@ -4,11 +4,18 @@ Invariant: a process only ever acts in a generation whose member list contains i
 moment it learns of a newer generation without it (pushed over the liveness socket, or polled from
 the store), it is fenced: it says why on stderr and exits with `EXIT_FENCED`, from a background
 thread, so even a process that was stopped (SIGSTOP) and resumed cannot touch the survivors' state.
+A process cut off from the coordinator (no byte on the liveness socket, which the coordinator
+pings, for `fence_after_s` = 3 x its --stale-s) exits with `EXIT_PARTITIONED`, also from a
+background thread: TCPStore calls have no timeout on a silent link (measured: an `add` blocked for
+the whole 25 s outage), so no thread that waits on the store or the socket may be the one to fence.
+The coordinator drops a silent member after --stale-s, well before the member gives up on it.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import select
 import socket
 import sys
 import threading
@@ -16,6 +23,9 @@ import time
 from collections.abc import Callable
 
 from recover.collectives import keys
+
+FENCE_STALE_FACTOR = 3.0  # silence bound = this x the coordinator's --stale-s
+READ_TICK_S = 0.1  # every liveness-socket read and the watchdog wake up at least this often
 
 
 class CoordinatorLost(RuntimeError):
@@ -31,11 +41,22 @@ class Member:
 
     def __init__(self, host: str, port: int, replica: int, rank: int = 0, nranks: int = 1, *,
                  heartbeat_s: float = 0.1, timeout_s: float = 60.0,
-                 on_fenced: Callable[[str], None] | None = None) -> None:
+                 on_fenced: Callable[[str], None] | None = None,
+                 fence_after_s: float | None = None,
+                 on_partitioned: Callable[[str], None] | None = None) -> None:
         self.host, self.port = host, port
         self.replica, self.rank, self.nranks = replica, rank, nranks
         self.heartbeat_s, self.timeout_s = heartbeat_s, timeout_s
         self._on_fenced = on_fenced or _exit_fenced
+        # None: FENCE_STALE_FACTOR x the coordinator's --stale-s, read at join.
+        self.fence_after_s = fence_after_s
+        self._on_partitioned = on_partitioned or _exit_partitioned
+        self._heard = time.monotonic()  # last byte from the coordinator on the liveness socket
+        # This host's address on its path to the coordinator (the liveness socket's local end),
+        # and whether the coordinator is on another host: cross-replica traffic binds this
+        # address unless the user names an interface (recover.collectives.comm).
+        self.local_addr = ""
+        self.coordinator_remote = False
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._gen = -1
@@ -55,14 +76,22 @@ class Member:
         addr = self._wait_key(keys.LIVENESS_ADDR, deadline).decode()
         self.replicas = int(self._wait_key(keys.REPLICAS, deadline))  # R the job started with
         lport = int(addr.rsplit(":", 1)[1])
+        if self.fence_after_s is None:  # published before LIVENESS_ADDR: present by now
+            stale = keys.try_get(self.store, keys.COORD_STALE_S)
+            self.fence_after_s = FENCE_STALE_FACTOR * (float(stale) if stale else 2.0)
         self._sock = socket.create_connection((self.host, lport), timeout=timeout_s)
-        self._sock.settimeout(None)
+        self.local_addr = self._sock.getsockname()[0]
+        self.coordinator_remote = not is_loopback(self._sock.getpeername()[0])
+        # Every read has a timeout; sends are a few bytes into an empty buffer and never wait.
+        self._sock.settimeout(READ_TICK_S)
+        self._heard = time.monotonic()
         hello = f"hello {self.replica} {self.rank} {self.nranks} {os.getpid()}\n"
         self._sock.sendall(hello.encode())
         self._hb_store = self.store.clone()
         self._rd_store = self.store.clone()
         for target, name in ((self._heartbeat_loop, "recover-heartbeat"),
-                             (self._reader_loop, "recover-liveness")):
+                             (self._reader_loop, "recover-liveness"),
+                             (self._watchdog_loop, "recover-watchdog")):
             threading.Thread(target=target, name=name, daemon=True).start()
         while True:
             with self._lock:
@@ -138,6 +167,8 @@ class Member:
     def _send(self, msg: str) -> None:
         try:
             self._sock.sendall(msg.encode())
+        except TimeoutError:
+            pass  # a full buffer: the link is silent, and the watchdog decides about silence
         except OSError:
             self.coordinator_lost = True
 
@@ -195,6 +226,8 @@ class Member:
         while not self._stop.is_set():
             try:
                 data = self._sock.recv(4096)
+            except TimeoutError:
+                continue  # silence is the watchdog's business
             except OSError:
                 data = b""
             if not data:
@@ -203,15 +236,67 @@ class Member:
                     with self._changed:
                         self._changed.notify_all()
                 return
+            self._heard = time.monotonic()
             buf += data
             if b"\n" in buf:
-                buf = buf.rsplit(b"\n", 1)[1]
+                *lines, buf = buf.split(b"\n")
+                if all(line == b"ping" for line in lines):
+                    continue  # the coordinator is alive; nothing to read from the store
                 try:
                     self._refresh(self._rd_store)
                 except Exception:
                     pass  # the heartbeat thread notices a dead store
 
+    def _watchdog_loop(self) -> None:
+        """Fence this process once the coordinator has been silent for `fence_after_s`.
+
+        Touches neither the store nor the socket's data, so no partition can block it. Bytes
+        waiting unread mean the coordinator did talk and this process was stopped or starved
+        (SIGSTOP, load): the reader gets one more bound to handle them (and to fence on a newer
+        generation) before this fences anyway (the reader may be stuck in a store call).
+        """
+        bound = float(self.fence_after_s or FENCE_STALE_FACTOR * 2.0)
+        unread_since: float | None = None
+        while not self._stop.wait(READ_TICK_S):
+            now = time.monotonic()
+            silent = now - self._heard
+            if silent <= bound:
+                unread_since = None
+                continue
+            try:
+                unread = bool(select.select([self._sock], [], [], 0)[0])
+            except (OSError, ValueError):  # closed by leave()
+                return
+            if unread:
+                unread_since = unread_since or now
+            if (unread and now - unread_since <= bound) or self._stop.is_set() \
+                    or time.monotonic() - self._heard <= bound:
+                continue
+            self.fenced = True  # comm refuses to reduce from now on, if on_partitioned returns
+            self._on_partitioned(
+                f"replica {self.replica} rank {self.rank} (pid {os.getpid()}) heard nothing from "
+                f"the coordinator at {self.host}:{self.port} for {silent:.1f}s (bound "
+                f"{bound:.1f}s = {FENCE_STALE_FACTOR:g} x its --stale-s): cut off (a network "
+                f"partition, or the coordinator's host is down); the others have dropped it. "
+                f"Exiting with code {keys.EXIT_PARTITIONED} without touching shared state")
+            return
+
+
+def is_loopback(addr: str) -> bool:
+    """True for 127.0.0.0/8 and ::1 (and IPv4-mapped forms); False for names and other addresses."""
+    try:
+        ip = ipaddress.ip_address(addr.split("%", 1)[0])
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
+
 
 def _exit_fenced(why: str) -> None:
     print(f"recover: {why}", file=sys.stderr, flush=True)
     os._exit(keys.EXIT_FENCED)
+
+
+def _exit_partitioned(why: str) -> None:
+    print(f"recover: {why}", file=sys.stderr, flush=True)
+    os._exit(keys.EXIT_PARTITIONED)

@@ -7,6 +7,7 @@ bounded. User mistakes are caught here, before any process starts, as one-line R
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -28,8 +29,9 @@ from recover.runtoken import run_token
 from recover.train.data import prepare_data
 from recover.train.metrics import MetricsSink, truncate_metrics
 
-EXIT_MEANING = {0: "finished", 3: "fenced", 4: "below --min-replicas", 5: "coordinator lost",
-                -9: "killed (SIGKILL)"}
+EXIT_MEANING = {0: "finished", 1: "error", 2: "configuration error", 3: "fenced",
+                4: "below --min-replicas", 5: "coordinator lost",
+                6: "partitioned (heard nothing from the coordinator)", -9: "killed (SIGKILL)"}
 
 
 @dataclass
@@ -48,6 +50,9 @@ class RunResult:
     # Every process of every replica, "replica.rank" -> exit code (multi-rank layouts: the killed
     # rank -9, its fenced siblings 3).
     rank_exit_codes: dict[str, int | None] = field(default_factory=dict)
+    # How each replica ended, in words: its exit code (replicas started here) and what the
+    # coordinator saw (left cleanly / lost / fenced); the only source for external workers.
+    exits: dict[int, str] = field(default_factory=dict)
 
 
 def prepare_run(cfg: RunConfig) -> tuple[RunConfig, int]:
@@ -193,13 +198,16 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
         # Let survivors write the final checkpoint and leave; hung or fenced ones are ended.
         hang_s = max([float(s.split("seconds=")[1].split(",")[0]) for s in cfg.ft.faults
                       if "seconds=" in s] or [0.0])
-        deadline = time.monotonic() + 30 + hang_s
-        while time.monotonic() < deadline and any(p.poll() is None for p in procs.values()):
-            time.sleep(0.05)
+        _await_leaving(store, coord, procs, external_workers,
+                       (cfg.join_timeout_s if external_workers else 30) + hang_s)
+        seen: dict[int, str] = {}
         if coord.poll() is None:
             stopped = try_get(store, keys.RUN_STOPPED)
             if stopped is not None:
                 message = stopped.decode()
+            with contextlib.suppress(Exception):
+                raw = try_get(store, keys.COORD_EXITS)
+                seen = {int(r): how for r, how in json.loads(raw or b"{}").items()}
     finally:
         _end(list(procs.values()))
         _end([coord])
@@ -207,18 +215,61 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
     rank_codes = {f"{r}.{k}": p.returncode for (r, k), p in procs.items()}
     if procs:  # who exited how: a fenced rank (3) left on its own, before the launcher's cleanup
         (out / "exit_codes.json").write_text(json.dumps(rank_codes) + "\n")
+    exits = _describe_exits(cfg.replicas, codes, seen)
+    (out / "replica_exits.json").write_text(json.dumps({str(r): e for r, e in exits.items()},
+                                                       indent=1) + "\n")
     ok = sink.next >= end
     if not ok and not message:
         shown = codes if cfg.layout.ranks_per_replica() == 1 else rank_codes
-        message = (f"training stopped at step {sink.next}: replica exits "
-                   f"{ {r: EXIT_MEANING.get(c, c) for r, c in shown.items()} }; "
-                   f"see {out / 'logs'}")
+        how = (str({r: EXIT_MEANING.get(c, c) for r, c in shown.items()}) if shown else
+               "; ".join(f"{r}: {e}" for r, e in exits.items()))
+        message = f"training stopped at step {sink.next}: replica exits {how}; see {out / 'logs'}"
+    if not quiet and exits:
+        console.print("replica exits: " + "; ".join(f"{r}: {e}" for r, e in exits.items()),
+                      highlight=False)
     aborted = watch.lost if watch is not None else []
     if aborted:
         message = (f"replica(s) {aborted} exited abnormally at step {sink.next}; the job was torn "
                    "down (abort_on_loss)")
     return RunResult(ok, out, sink.records, message, codes, time.time() - t_start, aborted,
-                     watch.t if watch is not None else 0.0, t_start, rank_codes)
+                     watch.t if watch is not None else 0.0, t_start, rank_codes, exits)
+
+
+def _await_leaving(store: Any, coord: subprocess.Popen, procs: dict[tuple[int, int],
+                   subprocess.Popen], external: bool, limit_s: float) -> None:
+    """Wait (bounded) until every replica has left: local processes exit; external ones leave
+    the membership. The coordinator must outlive them: a replica still finishing its last step
+    (the leader's final checkpoint) needs the store, and would otherwise end as if it failed."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if not external:
+            if all(p.poll() is not None for p in procs.values()):
+                return
+        elif coord.poll() is not None:
+            return
+        else:
+            try:
+                if int(store.add("gen/count", 0)) == 0 or _all_gone(store, {}, True):
+                    return  # nobody joined, or every member left or was dropped
+            except Exception:  # the store went away with the coordinator
+                return
+        time.sleep(0.05)
+
+
+def _describe_exits(replicas: int, codes: dict[int, int | None],
+                    seen: dict[int, str]) -> dict[int, str]:
+    """One phrase per replica: its exit code (if started here) and the coordinator's view."""
+    out: dict[int, str] = {}
+    for r in range(replicas):
+        parts = []
+        if r in codes:
+            c = codes[r]
+            parts.append("still running (ended by the launcher)" if c is None else
+                         f"exit {c} ({EXIT_MEANING.get(c, 'error')})")
+        if r in seen:
+            parts.append(f"coordinator: {seen[r]}")
+        out[r] = ", ".join(parts) or "never joined"
+    return out
 
 
 class _AbortWatch:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.distributed import DistError
 
-from recover.collectives import CoordinatorLost, keys
+from recover.collectives import CoordinatorLost, GlooInterfaceError, keys
 from recover.config import RunConfig
 from recover.faults import FaultInjector, validate_faults
 from recover.parallel import Replica
@@ -76,6 +76,12 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
                 return rm.forward_backward(x, y, lambda: faults.at("backward", step, j))
 
     def extra(at: int) -> dict:
+        # The label is what the state holds: AdamW counts the steps it applied (none: no state);
+        # a save after an error must never relabel the state (a resume would repeat a step).
+        held = {int(st["step"]) for st in opt.state.values() if "step" in st} or {0}
+        if held != {at} or at != applied:
+            raise RuntimeError(f"refusing to label a checkpoint step {at}: the optimizer state "
+                               f"holds {sorted(held)} applied steps (applied={applied})")
         return {"next_microbatch_id": at * n, "trajectory": cfg.trajectory_key()}
 
     end = cfg.run.stop_at or cfg.run.steps
@@ -109,11 +115,15 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
                                         f"at step {applied}")
         rep.leave()
         return EXIT_BELOW_MIN
+    except GlooInterfaceError as e:  # a configuration error, not a fault: one line, no traceback
+        log(f"stopping: {e}")
+        return EXIT_USAGE  # without leave(): the coordinator records the replica as lost
     except (CoordinatorLost, DistError) as e:  # the store went away with the coordinator
         log(f"stopping: the coordinator is unreachable ({str(e).splitlines()[0]})")
         if ckpts.save_on_exit(applied, rep.is_leader, extra(applied)):  # the last known leader
             log(f"saved a checkpoint at step {applied}")
-        return EXIT_COORDINATOR_LOST
+        # Every step applied: the coordinator leaving now is the end of the run, not a failure.
+        return EXIT_OK if applied == end else EXIT_COORDINATOR_LOST
     if cfg.run.dump_final:
         _dump_final(run_dir, rm.module, replica, rank, nranks)
     rep.leave()

@@ -22,7 +22,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, default=int(os.environ.get("RANK", 0)),
                     help="rank within a multi-rank replica (torchrun: RANK, one torchrun per "
                          "replica)")
+    ap.add_argument("--gloo-ifname", default=None, metavar="IF",
+                    help="network interface for cross-replica traffic (default: the one that "
+                         "reaches the coordinator; same as GLOO_SOCKET_IFNAME)")
     args = ap.parse_args(argv)
+    if args.gloo_ifname:
+        os.environ["GLOO_SOCKET_IFNAME"] = args.gloo_ifname
     if args.replica < 0 or not args.coordinator:
         print("recover worker: need --replica/RECOVER_REPLICA and --coordinator/"
               "RECOVER_COORDINATOR", file=sys.stderr)

@@ -1,0 +1,471 @@
+"""The README's cluster recipe across real network hosts: one Linux network namespace per host.
+
+The coordinator's host and each replica's host are network namespaces joined by a bridge that
+lives in a namespace of its own, with addresses (10.77.0.x) that exist only inside them. The
+commands are the README's "On a cluster" lines, read from README.md, with only the host, the run
+directory and the data path substituted, and started as a user would: the coordinator first, then
+one `torchrun` per replica once DIR/config.json exists. Faults are real: a replica's link cut at
+the bridge (kept down, or brought back), or its worker SIGKILLed, a few steps into the run.
+
+Each run is judged on: the loss trajectory against the failure-free run (1e-5 relative at every
+step), N microbatches on every metrics line, every surviving replica's exit code (0, its
+`torchrun`'s), the faulty replica's own exit within 3 x --stale-s + 10 s of the fault, and the
+final checkpoint's label against the AdamW step count it holds. Skipped, with the reason, where
+network namespaces are unavailable (not root, no `ip`, or the kernel refuses). Every process is
+ended by its PID; every namespace is deleted (and with it the bridge and the links).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from _procs import Proc, stop_all
+from _run import max_rel
+from recover.collectives import FaultTolerantComm, GlooInterfaceError
+from recover.collectives.member import is_loopback
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+SUBNET = "10.77.0"  # only ever assigned inside this test's own namespaces
+FAULT_AFTER_STEPS = 4  # the fault lands once this many metrics lines are written
+RUN_LIMIT_S = 300.0  # one whole run, startup included, on a loaded 2-core machine
+
+
+# -- the recipe, from the README ---------------------------------------------------------------
+def readme_recipe() -> tuple[list[str], list[str]]:
+    """The coordinator's and the replica's command lines of the README's cluster section."""
+    section = README.read_text().split("## On a cluster", 1)[1].split("\n## ", 1)[0]
+    lines: list[str] = []
+    for raw in section.splitlines():
+        if not raw.startswith("    ") or raw.strip().startswith("#"):
+            continue
+        if lines and lines[-1].endswith("\\"):
+            lines[-1] = lines[-1][:-1] + " " + raw.strip()
+        else:
+            lines.append(raw.strip())
+    coord = [shlex.split(c) for c in lines if c.startswith("recover train ")]
+    worker = [shlex.split(c) for c in lines if c.startswith("torchrun ")]
+    assert len(coord) == 1 and len(worker) == 1, f"README's cluster recipe changed: {lines}"
+    return coord[0], worker[0]
+
+
+COORD_CMD, WORKER_CMD = readme_recipe()
+
+
+def flag(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+REPLICAS = int(flag(COORD_CMD, "--replicas"))
+STEPS = int(flag(COORD_CMD, "--steps"))
+STALE_S = float(flag(COORD_CMD, "--stale-s"))
+EXIT_BOUND_S = 3 * STALE_S + 10  # the issue's bound on a cut-off replica's exit
+
+
+def substitute(cmd: list[str], subs: dict[str, str]) -> list[str]:
+    """Replace each placeholder (which must occur) inside the command's words."""
+    joined = "\0".join(cmd)
+    for old, new in subs.items():
+        assert old in joined, f"the README recipe no longer contains {old!r}: {cmd}"
+        joined = joined.replace(old, new)
+    return joined.split("\0")
+
+
+# -- the network ---------------------------------------------------------------------------------
+class NetUnavailable(Exception):
+    """Network namespaces cannot be created here (a reason to skip, not a failure)."""
+
+
+def _ip(*args: str) -> None:
+    r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {r.stderr.strip()}")
+
+
+class Net:
+    """Host 0 is the coordinator's (SUBNET.1), host i+1 is replica i's (SUBNET.i+2)."""
+
+    def __init__(self, hosts: int) -> None:
+        self.prefix = f"rmh{os.getpid() % 100000}x{time.monotonic_ns() % 1000}"
+        self.hosts = hosts
+        self.made: list[str] = []
+
+    def ns(self, h: int) -> str:
+        return f"{self.prefix}h{h}"
+
+    @property
+    def switch(self) -> str:
+        return f"{self.prefix}sw"
+
+    def addr(self, h: int) -> str:
+        return f"{SUBNET}.{h + 1}"
+
+    def exec(self, h: int, cmd: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.ns(h), *cmd]
+
+    def link(self, h: int, up: bool) -> None:
+        """Cut (or restore) host h's cable at the bridge: its packets are dropped, no reset."""
+        _ip("-n", self.switch, "link", "set", f"p{h}", "up" if up else "down")
+
+    def create(self) -> None:
+        try:
+            _ip("netns", "add", self.switch)
+        except RuntimeError as e:
+            raise NetUnavailable(str(e)) from None
+        self.made.append(self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        for h in range(self.hosts):
+            ns = self.ns(h)
+            _ip("netns", "add", ns)
+            self.made.append(ns)
+            # Both ends are created inside namespaces: nothing is added to the host's own network.
+            _ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", f"p{h}",
+                "netns", self.switch)
+            _ip("-n", self.switch, "link", "set", f"p{h}", "master", "br0")
+            _ip("-n", self.switch, "link", "set", f"p{h}", "up")
+            _ip("-n", ns, "addr", "add", f"{self.addr(h)}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+
+    def delete(self) -> None:
+        for ns in reversed(self.made):
+            with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+                _ip("netns", "delete", ns)
+        self.made.clear()
+
+
+@contextlib.contextmanager
+def network(hosts: int) -> Iterator[Net]:
+    if not sys.platform.startswith("linux"):
+        pytest.skip("network namespaces are Linux-only")
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces (ip netns) need root; not root here")
+    if shutil.which("ip") is None:
+        pytest.skip("no `ip` command (iproute2) for network namespaces")
+    net = Net(hosts)
+    try:
+        try:
+            net.create()
+        except NetUnavailable as e:
+            pytest.skip(f"cannot create a network namespace here: {e}")
+        yield net
+    finally:
+        net.delete()
+
+
+# -- one run of the recipe -----------------------------------------------------------------------
+@dataclass
+class Outcome:
+    out: Path
+    coordinator: Proc
+    replicas: list[Proc]
+    victim: int | None = None
+    t_fault: float | None = None
+
+    def metrics(self) -> list[dict]:
+        with open(self.out / "metrics.jsonl") as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def losses(self) -> list[float]:
+        return [r["loss"] for r in self.metrics()]
+
+    def events(self) -> list[dict]:
+        with open(self.out / "coordinator.jsonl") as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def exits(self) -> dict[int, str]:
+        raw = json.loads((self.out / "replica_exits.json").read_text())
+        return {int(r): how for r, how in raw.items()}
+
+    def diagnostics(self) -> str:
+        parts = [f"{p.name}: rc={p.returncode}\n{p.stderr()[-2500:]}"
+                 for p in [self.coordinator, *self.replicas]]
+        return "\n".join(parts)
+
+
+def _wait(cond: Callable[[], bool], limit_s: float, what: str, watch: Proc) -> None:
+    deadline = time.monotonic() + limit_s
+    while not cond():
+        assert watch.alive(), f"{watch.name} exited ({watch.returncode}) before {what}:\n" \
+                              f"{watch.stderr()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} within {limit_s:.0f}s"
+        time.sleep(0.02)
+
+
+def _metrics_lines(out: Path) -> int:
+    try:
+        return (out / "metrics.jsonl").read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+def _dropped(out: Path, replica: int) -> bool:
+    """The coordinator has published a generation without `replica`."""
+    with contextlib.suppress(FileNotFoundError):
+        for line in (out / "coordinator.jsonl").read_text().splitlines():
+            e = json.loads(line)
+            if e.get("event") == "generation" and replica not in e["members"]:
+                return True
+    return False
+
+
+def _worker_pids(out: Path) -> dict[int, int]:
+    """Each replica's worker PID (torchrun's child), from the coordinator's hello events."""
+    pids: dict[int, int] = {}
+    with contextlib.suppress(FileNotFoundError):
+        for line in (out / "coordinator.jsonl").read_text().splitlines():
+            e = json.loads(line)
+            if e.get("event") == "hello":
+                pids[int(e["replica"])] = int(e["pid"])
+    return pids
+
+
+def _end_worker(pid: int, out: Path) -> None:
+    """SIGKILL a worker left behind (its torchrun was killed), if that PID is still it."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return
+    if str(out).encode() in cmdline:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def run_recipe(tmp: Path, corpus: Path, fault: str | None = None, victim: int = 0) -> Outcome:
+    """Run the README's recipe on fresh hosts; `fault`: None, cut, cut-back or kill."""
+    out, logs = tmp / "run1", tmp / "logs"
+    logs.mkdir()
+    # The commands are found on PATH as in a user's shell (the venv's `recover`, `torchrun`).
+    env = {**os.environ,
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    procs: list[Proc] = []
+    with network(REPLICAS + 1) as net:
+        subs = {"/shared/run1": str(out)}
+        try:
+            cmd = substitute(COORD_CMD, {**subs, "/shared/corpus.txt": str(corpus)})
+            coord = Proc("coordinator", net.exec(0, cmd), logs, env)
+            procs.append(coord)
+            _wait(lambda: (out / "config.json").exists(), RUN_LIMIT_S, "DIR/config.json", coord)
+            for i in range(REPLICAS):
+                cmd = substitute(WORKER_CMD, {**subs, "COORD_HOST": net.addr(0), "$i": str(i)})
+                procs.append(Proc(f"replica{i}", net.exec(i + 1, cmd), logs, env))
+            o = Outcome(out, coord, procs[1:])
+            if fault is not None:
+                _wait(lambda: _metrics_lines(out) >= FAULT_AFTER_STEPS, RUN_LIMIT_S,
+                      f"{FAULT_AFTER_STEPS} metrics lines", coord)
+                o.victim, o.t_fault = victim, time.time()
+                if fault == "kill":
+                    os.kill(_worker_pids(out)[victim], signal.SIGKILL)
+                else:
+                    net.link(victim + 1, up=False)
+            deadline = time.monotonic() + RUN_LIMIT_S
+            back = fault != "cut-back"  # "cut": the link stays down until the run is over
+            # Poll every process each turn (not any(): it stops at the first one alive), so
+            # each exit is timed when it happens.
+            while any([p.alive() for p in procs]) and time.monotonic() < deadline:
+                if not back and _dropped(out, victim):
+                    net.link(victim + 1, up=True)
+                    back = True
+                time.sleep(0.02)
+            return o
+        finally:
+            stop_all(procs)
+            for pid in _worker_pids(out).values():
+                _end_worker(pid, out)
+
+
+def adam_steps(ckpt: Path, tmp: Path) -> set[int]:
+    """The AdamW step counts held by a DCP checkpoint (one per parameter; all equal)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dst = tmp / f"{ckpt.name}.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that it runs without a process group
+        dcp_to_torch_save(ckpt, dst)
+    state = torch.load(dst, weights_only=True)["optim"]["state"]
+    return {int(s["step"]) for s in state.values()}
+
+
+# -- the judgement -----------------------------------------------------------------------------
+def check_run(o: Outcome, ref: Outcome, tmp: Path) -> None:
+    why = o.diagnostics()
+    assert o.coordinator.returncode == 0, f"the coordinator's `recover train` failed\n{why}"
+    n = json.loads((o.out / "config.json").read_text())["microbatches"]
+    recs = o.metrics()
+    assert [r["step"] for r in recs] == list(range(STEPS)), why
+    assert all(r["microbatches"] == n for r in recs), [r["microbatches"] for r in recs]
+    assert max_rel(o.losses(), ref.losses()) <= 1e-5
+    for i, p in enumerate(o.replicas):
+        if i != o.victim:
+            assert p.returncode == 0, f"survivor {i}'s torchrun exited {p.returncode}\n{why}"
+            assert "left cleanly" in o.exits()[i], o.exits()
+    if o.victim is not None:
+        p = o.replicas[o.victim]
+        assert p.returncode not in (0, None), f"replica {o.victim} did not fail\n{why}"
+        assert p.exited_at is not None and p.exited_at - o.t_fault <= EXIT_BOUND_S, (
+            f"replica {o.victim} exited {p.exited_at and p.exited_at - o.t_fault:.1f}s after the "
+            f"fault (bound {EXIT_BOUND_S:.0f}s)\n{why}")
+        # The fault landed mid-run: the run went on, and ended, without the victim.
+        live = [r["live_replicas"] for r in recs]
+        assert live[FAULT_AFTER_STEPS - 1] == REPLICAS and live[-1] == REPLICAS - 1, live
+    ckpt = o.out / "ckpt" / (o.out / "ckpt" / "latest").read_text().strip()
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert ckpt.name == f"step_{STEPS:08d}" and meta["step"] == STEPS, (ckpt, meta["step"])
+    assert adam_steps(ckpt, tmp) == {STEPS}, f"{ckpt.name} holds {adam_steps(ckpt, tmp)} steps"
+
+
+@pytest.fixture(scope="module")
+def reference(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Outcome:
+    """The failure-free run of the recipe, the trajectory every faulty run must follow."""
+    return run_recipe(tmp_path_factory.mktemp("multihost-ref"), corpus)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_failure_free(reference: Outcome, tmp_path: Path) -> None:
+    check_run(reference, reference, tmp_path)
+    recs = reference.metrics()
+    assert {r["live_replicas"] for r in recs} == {REPLICAS}, reference.diagnostics()
+    assert {r["generation"] for r in recs} == {0}, "a failure-free run changed its membership"
+    # The data path crossed hosts: no replica fell back to anything but its own address.
+    for p in reference.replicas:
+        assert "recover:" not in p.stderr(), p.stderr()[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_link_cut_and_kept_down(reference: Outcome, corpus: Path, tmp_path: Path) -> None:
+    """The leader's cable is cut for good: it gives up by itself; the others go on and save."""
+    o = run_recipe(tmp_path, corpus, "cut", victim=0)
+    check_run(o, reference, tmp_path)
+    err = o.replicas[0].stderr()
+    assert "heard nothing from the coordinator" in err, err[-2000:]
+    assert o.exits()[0].startswith("coordinator: fenced"), o.exits()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_link_cut_and_brought_back(reference: Outcome, corpus: Path, tmp_path: Path) -> None:
+    """The cable comes back as soon as the coordinator has dropped the replica: it learns that
+    it was dropped (or, if TCP's retransmission timer is slower than its silence bound, gives
+    up on its own), and changes nothing: trajectory, checkpoint and membership are the others'."""
+    o = run_recipe(tmp_path, corpus, "cut-back", victim=2)
+    check_run(o, reference, tmp_path)
+    err = o.replicas[2].stderr()
+    assert "fenced, exiting" in err or "heard nothing from the coordinator" in err, err[-2000:]
+    gens = [e for e in o.events() if e["event"] == "generation"]
+    dropped = next(i for i, e in enumerate(gens) if 2 not in e["members"])
+    assert all(2 not in e["members"] for e in gens[dropped:]), gens
+    assert not [e for e in o.events() if e["event"] == "rejected"], "it tried to rejoin"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigkill(reference: Outcome, corpus: Path, tmp_path: Path) -> None:
+    o = run_recipe(tmp_path, corpus, "kill", victim=1)
+    check_run(o, reference, tmp_path)
+    assert o.exits()[1].startswith("coordinator: lost: connection closed"), o.exits()
+
+
+# -- the interface choice, without processes ---------------------------------------------------
+class _Member:
+    """What FaultTolerantComm reads of a Member: replica 1 of [0, 1], joined from `local_addr`."""
+
+    def __init__(self, store: object, local_addr: str, coordinator_remote: bool) -> None:
+        self.store, self.local_addr = store, local_addr
+        self.coordinator_remote = coordinator_remote
+        self.replica, self.host, self.fenced = 1, f"{SUBNET}.1", False
+        self.failed: list[int] = []
+
+    def generation(self) -> int:
+        return 0
+
+    def members(self, generation: int | None = None) -> list[int]:
+        return [0, 1]
+
+    def check(self) -> None:
+        pass
+
+    def report_fail(self, generation: int) -> None:
+        self.failed.append(generation)
+
+
+@pytest.fixture
+def store() -> object:
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+
+
+def test_named_loopback_is_refused_when_the_coordinator_is_remote(store: object) -> None:
+    comm = FaultTolerantComm(_Member(store, f"{SUBNET}.3", True), ifname="lo")  # type: ignore[arg-type]
+    with pytest.raises(GlooInterfaceError, match=r"127\.0\.0\.1 \(lo\).*--gloo-ifname"):
+        comm.prepare(0)
+
+
+def test_unknown_interface_is_refused(store: object) -> None:
+    comm = FaultTolerantComm(_Member(store, "127.0.0.1", False), ifname="nosuch9")  # type: ignore[arg-type]
+    with pytest.raises(GlooInterfaceError, match="no network interface named 'nosuch9'"):
+        comm.prepare(0)
+
+
+def test_loopback_addresses() -> None:
+    assert all(is_loopback(a) for a in ("127.0.0.1", "127.0.1.1", "::1", "::ffff:127.0.0.1"))
+    assert not any(is_loopback(a) for a in (f"{SUBNET}.2", "::ffff:10.0.0.1", "vm", ""))
+
+
+# -- the partition watchdog, without processes -------------------------------------------------
+def _watched_member(store: object, bound_s: float) -> tuple[object, socket.socket, list[float]]:
+    """A Member whose liveness socket is one end of a socketpair; returns (member, the
+    coordinator's end, the times its watchdog declared it partitioned)."""
+    from recover.collectives import Member
+
+    port = store.port  # type: ignore[attr-defined]
+    fired: list[float] = []
+    m = Member("127.0.0.1", port, 1, fence_after_s=bound_s,
+               on_partitioned=lambda why: fired.append(time.monotonic()))
+    m._sock, coord_end = socket.socketpair()  # what join() would connect
+    m._heard = time.monotonic()
+    threading.Thread(target=m._watchdog_loop, daemon=True).start()
+    return m, coord_end, fired
+
+
+def test_silence_fences_after_the_bound(store: object) -> None:
+    t0 = time.monotonic()
+    m, coord_end, fired = _watched_member(store, 0.4)
+    deadline = t0 + 5
+    while not fired and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fired and 0.4 <= fired[0] - t0 <= 1.5, fired
+    assert m.fenced  # type: ignore[attr-defined]
+    coord_end.close()
+
+
+def test_unread_bytes_delay_but_do_not_stop_the_fence(store: object) -> None:
+    """Bytes the coordinator sent but no reader took (stopped, or stuck in a store call) give
+    the reader one more bound; then the watchdog fences anyway."""
+    t0 = time.monotonic()
+    m, coord_end, fired = _watched_member(store, 0.4)
+    coord_end.sendall(b"ping\n")  # never read: no reader thread here
+    deadline = t0 + 5
+    while not fired and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fired and 0.8 <= fired[0] - t0 <= 2.5, fired
+    coord_end.close()
