@@ -199,7 +199,7 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
         hang_s = max([float(s.split("seconds=")[1].split(",")[0]) for s in cfg.ft.faults
                       if "seconds=" in s] or [0.0])
         _await_leaving(store, coord, procs, external_workers,
-                       (cfg.join_timeout_s if external_workers else 30) + hang_s)
+                       (cfg.ft.join_timeout_s if external_workers else 30) + hang_s)
         seen: dict[int, str] = {}
         if coord.poll() is None:
             stopped = try_get(store, keys.RUN_STOPPED)
@@ -215,7 +215,7 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
     rank_codes = {f"{r}.{k}": p.returncode for (r, k), p in procs.items()}
     if procs:  # who exited how: a fenced rank (3) left on its own, before the launcher's cleanup
         (out / "exit_codes.json").write_text(json.dumps(rank_codes) + "\n")
-    exits = _describe_exits(cfg.replicas, codes, seen)
+    exits = _describe_exits(cfg.layout.replicas, codes, seen)
     (out / "replica_exits.json").write_text(json.dumps({str(r): e for r, e in exits.items()},
                                                        indent=1) + "\n")
     ok = sink.next >= end
