@@ -347,6 +347,15 @@ class RunConfig:
               "microbatch is split into that many pipeline chunks")
 
 
+def fingerprint(cfg: RunConfig) -> str:
+    """16 hex digits of the trajectory-defining config: a worker of another run (another seed,
+    N, model, data, optimizer) shows another fingerprint and is refused at join."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(cfg.trajectory_key(), sort_keys=True).encode()
+                          ).hexdigest()[:16]
+
+
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{"optim": {"lr": x}} -> {"optim.lr": x} (to name differing fields in messages)."""
     out: dict[str, Any] = {}

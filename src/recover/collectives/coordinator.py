@@ -2,9 +2,12 @@
 
 Invariant: the coordinator is the only writer of generations. Generation g+1's members are
 generation g's members minus every replica with evidence of loss (its liveness socket closed without
-a goodbye, its heartbeats went stale, or one of its ranks reported it lost); it is written once and
-never changed, and every member is told over its liveness socket. It runs in its own process so the
-store survives any worker's death (DESIGN §2). It pings every liveness socket at least every
+a goodbye, it went silent for --stale-s, one of its ranks reported it lost, or other members' failed
+reduces name it), plus a replica admitted after its state transfer; it is written once and never
+changed, and every member is told over its liveness socket. Only a connection whose hello was
+accepted (valid ids, the run's token, the run's config fingerprint, not a duplicate) can change
+membership, and only for its own replica; no input crashes the loop. It runs in its own process
+so the store survives any worker's death (DESIGN §2). It pings every liveness socket at least every
 PING_S (and every stale_s / 4), so a member that hears nothing for 3 x stale_s knows it is cut off
 (recover.collectives.member). Ports: the store's, and the liveness listener's (store port + 1 when
 the store port is fixed, so a firewall can be opened for both ahead of time).
@@ -28,26 +31,40 @@ from torch.distributed import TCPStore
 from recover.collectives import keys
 
 DEBOUNCE_S = 0.02  # collect simultaneous failures into one generation
-HB_CHECK_S = 0.05  # read heartbeat counters at most this often (each read is a store round trip)
+HB_CHECK_S = 0.05  # judge silence at most this often (heartbeats are lines on the socket)
 PING_S = 0.25  # longest gap between two bytes to a member (members fence after 3 x stale_s)
+
+
+MAX_LINE = 4096  # a longer line is not ours: the connection is closed
 
 
 @dataclass
 class _Conn:
     sock: socket.socket
     buf: bytes = b""
-    replica: int | None = None
+    replica: int | None = None  # set once its hello was accepted: only then may it say more
     rank: int = 0
     nranks: int = 1
     pid: int = 0
     said_bye: bool = False
+    heard: float = field(default_factory=time.monotonic)
 
 
 @dataclass
 class _Replica:
     nranks: int
     ranks: set[int] = field(default_factory=set)
-    hb: dict[int, tuple[int, float]] = field(default_factory=dict)  # rank -> (counter, seen at)
+
+
+@dataclass
+class _Join:
+    """A replica being admitted mid-run: its ranks' hellos, then their verified states."""
+
+    nranks: int
+    epoch: int = -1
+    ranks: set[int] = field(default_factory=set)
+    ready: set[int] = field(default_factory=set)
+    since: float = field(default_factory=time.monotonic)
 
 
 class Coordinator:
@@ -55,7 +72,15 @@ class Coordinator:
 
     def __init__(self, expected: int, host: str = "0.0.0.0", port: int = 0, stale_s: float = 2.0,
                  join_timeout_s: float = 120.0, log_path: str | None = None,
-                 exit_when_done: bool = False, liveness_port: int | None = None) -> None:
+                 exit_when_done: bool = False, liveness_port: int | None = None,
+                 token: str | None = None, fingerprint: str | None = None) -> None:
+        # A member must show the run's token (when set) and the fingerprint of the run's
+        # trajectory-defining config (when set; else the first member's sets it): DESIGN §10.
+        self.token, self.fingerprint = token, fingerprint
+        self.heard: dict[int, _Conn] = {}  # fd -> conn, least recently heard first
+        self.joins: dict[int, _Join] = {}  # replica -> its admission in progress
+        self.epochs = 0
+        self.accusations: dict[int, set[int]] = {}  # accused -> accusers, this generation
         self.exit_when_done = exit_when_done
         self.expected, self.host, self.port = expected, host, port
         # None: store port + 1 for a fixed store port (predictable for firewalls), else any.
@@ -139,7 +164,10 @@ class Coordinator:
         return 0
 
     def _accept(self) -> None:
-        sock, _ = self._listener.accept()
+        try:
+            sock, _ = self._listener.accept()
+        except OSError:
+            return
         sock.setblocking(False)
         conn = _Conn(sock)
         self._conns[sock.fileno()] = conn
@@ -156,40 +184,181 @@ class Coordinator:
             self._closed(conn)
             return
         conn.buf += data
+        conn.heard = time.monotonic()
+        fd = conn.sock.fileno()
+        if fd in self.heard:  # least recently heard first: staleness is checked from the front
+            self.heard.pop(fd)
+            self.heard[fd] = conn
         while b"\n" in conn.buf:
             line, conn.buf = conn.buf.split(b"\n", 1)
-            self._message(conn, line.decode(errors="replace").split())
+            try:
+                self._message(conn, line.decode(errors="replace").split())
+            except (ValueError, IndexError) as e:  # malformed: ignored, and a stranger is cut
+                self._log({"event": "malformed", "line": line[:200].decode(errors="replace"),
+                           "error": str(e)[:200], "replica": conn.replica})
+                if conn.replica is None:
+                    self._drop_conn(conn)
+                    return
+        if len(conn.buf) > MAX_LINE:
+            self._log({"event": "malformed", "line": "(overlong)", "replica": conn.replica})
+            self._closed(conn)
 
     def _message(self, conn: _Conn, words: list[str]) -> None:
+        """One line from a liveness connection. Nothing but an accepted hello is heard from a
+        connection that has not been accepted; a member speaks only for its own replica."""
         if not words:
             return
         kind = words[0]
-        if kind == "hello":  # hello <replica> <rank> <nranks> <pid>
-            conn.replica, conn.rank, conn.nranks, conn.pid = (int(w) for w in words[1:5])
-            if self.generation >= 0 and conn.replica not in self.members:
-                # No rejoin mid-run: a late or fenced process is told so and must exit.
-                self._send(conn, f"gen {self.generation}\n")
-                self._log({"event": "rejected", "replica": conn.replica, "pid": conn.pid})
-                self._set_exit(conn.replica, "fenced: tried to join after the start", keep=True)
-                return
-            rep = self.replicas.setdefault(conn.replica, _Replica(conn.nranks))
-            rep.ranks.add(conn.rank)
-            rep.hb[conn.rank] = (-1, time.monotonic())
-            self._log({"event": "hello", "replica": conn.replica, "rank": conn.rank,
-                       "pid": conn.pid})
-        elif kind == "fail":  # fail <generation>: a reduce failed; rebuild even if nobody died
-            if int(words[1]) == self.generation and conn.replica in self.members:
-                self._mark_lost(None, f"reduce failed at replica {conn.replica}")
+        if kind == "hello":
+            self._hello(conn, words)
+            return
+        if conn.replica is None:
+            raise ValueError(f"{kind!r} before an accepted hello")
+        if kind == "hb":
+            return
+        if kind == "fail":  # fail <generation> [suspects]: a reduce failed; rebuild
+            g = int(words[1])
+            suspects = [int(r) for r in words[2].split(",")] if len(words) > 2 and \
+                words[2] != "-" else []
+            if g == self.generation and conn.replica in self.members:
+                self._evidence(conn.replica, suspects)
         elif kind == "lost":  # lost <reason...>: one of this replica's ranks died
-            self._mark_lost(conn.replica, "reported lost: " + " ".join(words[1:]))
+            self._mark_lost(conn.replica, "reported lost: " + " ".join(words[1:])[:200])
         elif kind == "bye":
             conn.said_bye = True
+        elif kind == "ready":  # ready <epoch>: a joiner's rank holds its verified state
+            self._join_ready(conn, int(words[1]))
+        elif kind == "joinfail":  # joinfail <epoch>: its donor went away; try another
+            self._join_failed(conn.replica, int(words[1]), "its donor went away")
+        else:
+            raise ValueError(f"unknown message {kind!r}")
+
+    def _hello(self, conn: _Conn, words: list[str]) -> None:
+        # hello <replica> <rank> <nranks> <pid> [<token> <fingerprint>]
+        replica, rank, nranks, pid = (int(w) for w in words[1:5])
+        token = words[5] if len(words) > 5 else "-"
+        fingerprint = words[6] if len(words) > 6 else "-"
+        if conn.replica is not None:
+            raise ValueError("a second hello on one connection")
+        why = None
+        if not (0 <= replica < self.expected and nranks >= 1 and 0 <= rank < nranks):
+            why = f"replica {replica} rank {rank}/{nranks} is outside this run's {self.expected}"
+        elif self.token is not None and token != self.token:
+            why = "wrong run token (another run's worker, or RECOVER_RUN_TOKEN is not this run's)"
+        elif self.fingerprint not in (None, "-") and fingerprint not in ("-", self.fingerprint):
+            why = ("its config differs from this run's (seed, N, model, data or optimizer): "
+                   "a worker of another run")
+        elif any(c.replica == replica and c.rank == rank for c in self._conns.values()):
+            why = f"replica {replica} rank {rank} is already connected"
+        else:
+            known = self.replicas.get(replica) or self.joins.get(replica)
+            if known is not None and known.nranks != nranks and replica in self.members:
+                why = f"replica {replica} has {known.nranks} ranks, not {nranks}"
+        if why is not None:
+            self._send(conn, f"refused {why}\n")
+            self._log({"event": "refused", "replica": replica, "rank": rank, "pid": pid,
+                       "why": why})
+            self._drop_conn(conn)
+            return
+        if self.fingerprint in (None, "-") and fingerprint != "-":
+            self.fingerprint = fingerprint  # the first member's config defines the run
+        conn.replica, conn.rank, conn.nranks, conn.pid = replica, rank, nranks, pid
+        self.heard[conn.sock.fileno()] = conn
+        self._log({"event": "hello", "replica": replica, "rank": rank, "pid": pid})
+        if self.generation < 0 or replica in self.members:
+            rep = self.replicas.setdefault(replica, _Replica(nranks))
+            rep.ranks.add(rank)
+            self._send(conn, "welcome\n")
+            return
+        # Mid-run: admission at a step boundary, after a live state transfer (DESIGN §10).
+        join = self.joins.setdefault(replica, _Join(nranks))
+        join.ranks.add(rank)
+        self._set_exit(replica, "joining")
+        if len(join.ranks) == join.nranks and join.epoch < 0:
+            self._announce_join(replica, join)
+        elif join.epoch >= 0:
+            self._send(conn, f"joining {join.epoch}\n")
+
+    def _announce_join(self, replica: int, join: _Join) -> None:
+        self.epochs += 1
+        join.epoch, join.ready, join.since = self.epochs, set(), time.monotonic()
+        self._log({"event": "join", "replica": replica, "epoch": join.epoch})
+        for c in list(self._conns.values()):
+            if c.replica == replica:
+                self._send(c, f"joining {join.epoch}\n")
+            elif c.replica in self.members:
+                self._send(c, f"join {replica} {join.epoch}\n")
+
+    def _join_ready(self, conn: _Conn, epoch: int) -> None:
+        join = self.joins.get(conn.replica)  # type: ignore[arg-type]
+        if join is None or join.epoch != epoch:
+            return
+        join.ready.add(conn.rank)
+        if len(join.ready) == join.nranks:
+            replica = conn.replica
+            del self.joins[replica]  # type: ignore[arg-type]
+            self.replicas[replica] = _Replica(join.nranks, set(join.ranks))  # type: ignore[index]
+            self._set_exit(replica, "running")  # type: ignore[arg-type]
+            self._publish(sorted({*self.members} - set(self.lost) | {replica}),
+                          f"replica {replica} admitted (join {epoch})")
+            self._end_join(epoch)
+
+    def _join_failed(self, replica: int | None, epoch: int, why: str) -> None:
+        join = self.joins.get(replica) if replica is not None else None  # type: ignore[arg-type]
+        if join is None or join.epoch != epoch:
+            return
+        self._log({"event": "join-failed", "replica": replica, "epoch": epoch, "why": why})
+        # Whoever paused a step for this join goes on without it: a new generation.
+        self._publish([m for m in self.members if m not in self.lost],
+                      f"join of replica {replica} given up ({why})")
+        self._end_join(epoch)
+        if len(join.ranks) == join.nranks:  # still connected: another donor, another boundary
+            self._announce_join(replica, join)  # type: ignore[arg-type]
+
+    def _end_join(self, epoch: int) -> None:
+        for c in list(self._conns.values()):
+            if c.replica in self.members:
+                self._send(c, f"joinend {epoch}\n")
+
+    def _evidence(self, reporter: int, suspects: list[int]) -> None:
+        """A failed reduce: rebuild; and evict whom the evidence names. A member named by more
+        distinct reporters than any other goes (a partitioned rank names everyone, everyone
+        names it); never a reporter for being a reporter, and nobody on a tie of one to one."""
+        for s_ in suspects:
+            if s_ != reporter and s_ in self.members:
+                self.accusations.setdefault(s_, set()).add(reporter)
+        top = max((len(a) for a in self.accusations.values()), default=0)
+        guilty = [r for r, a in self.accusations.items() if len(a) == top]
+        if top >= 2 or (top == 1 and len(guilty) == 1 and
+                        not self.accusations.get(next(iter(self.accusations[guilty[0]])))):
+            for r in guilty:
+                self._mark_lost(r, f"unreachable, named by replica(s) "
+                                   f"{sorted(self.accusations[r])}")
+        else:
+            self._mark_lost(None, f"reduce failed at replica {reporter}")
+
+    def _drop_conn(self, conn: _Conn) -> None:
+        self._conns.pop(conn.sock.fileno(), None)
+        self.heard.pop(conn.sock.fileno(), None)
+        try:
+            self._sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
 
     def _closed(self, conn: _Conn) -> None:
-        self._conns.pop(conn.sock.fileno(), None)
-        self._sel.unregister(conn.sock)
-        conn.sock.close()
+        self._drop_conn(conn)
         if conn.replica is None:
+            return
+        join = self.joins.get(conn.replica)
+        if join is not None and conn.replica not in self.members:
+            join.ranks.discard(conn.rank)
+            if not any(c.replica == conn.replica for c in self._conns.values()):
+                self.joins.pop(conn.replica, None)
+                self._set_exit(conn.replica, f"lost while joining (pid {conn.pid})")
+            if join.epoch >= 0:
+                self._join_failed(conn.replica, join.epoch, "the joiner went away")
+                self.joins.pop(conn.replica, None)
             return
         if conn.said_bye:
             # A clean exit is not a fault, but the others must stop counting on it: the next
@@ -236,33 +405,27 @@ class Coordinator:
                         json.dumps({str(r): v for r, v in sorted(self.exits.items())}))
 
     def _check_heartbeats(self, now: float) -> None:
-        # Each read is timed on its own: under load one store round trip can take a good part of
-        # a second, and stamping every rank with the loop's start time made the ranks read last
-        # (rank 1 of a multi-rank replica) look silent for longer than they were. The silence
-        # measured (before this read - after the read that last saw a change) is a lower bound.
+        """Declare silent members lost. Connections are kept least recently heard first, so
+        this looks only at the few that are silent, not at every rank: O(events)."""
         if now - self._hb_checked < HB_CHECK_S:
             return
         self._hb_checked = now
-        for rid in self.members:
-            rep = self.replicas.get(rid)
-            if rep is None or rid in self.lost:
-                continue
-            for rank in rep.ranks:
-                t0 = time.monotonic()
-                value = keys.store_int(self.client, keys.heartbeat_key(rid, rank))
-                last, seen = rep.hb.get(rank, (-1, t0))
-                if value != last:
-                    rep.hb[rank] = (value, time.monotonic())
-                elif t0 - seen > self.stale_s:
-                    self._mark_lost(rid, f"heartbeat stale for {t0 - seen:.2f}s (rank {rank})")
-                    break
+        for conn in list(self.heard.values()):
+            silent = now - conn.heard
+            if silent <= self.stale_s:
+                break
+            if conn.replica in self.members and conn.replica not in self.lost:
+                self._mark_lost(conn.replica, f"silent for {silent:.2f}s (rank {conn.rank})")
+        for replica, join in list(self.joins.items()):
+            if join.epoch >= 0 and now - join.since > self.join_timeout_s:
+                self._join_failed(replica, join.epoch, f"no state within {self.join_timeout_s}s")
 
     def _maybe_first_generation(self, now: float) -> None:
         complete = sorted(r for r, rep in self.replicas.items() if len(rep.ranks) >= rep.nranks)
         timed_out = now - self.started > self.join_timeout_s
         if len(complete) >= self.expected or (timed_out and complete):
-            for rep in self.replicas.values():  # heartbeats are judged from now on
-                rep.hb = {rank: (-1, now) for rank in rep.ranks}
+            for conn in self.heard.values():  # silence is judged from now on
+                conn.heard = now
             self._publish(complete, "initial membership")
             self.exits.update({r: "running" for r in complete})
             self._write_exits()
@@ -286,7 +449,7 @@ class Coordinator:
         self.client.set(keys.reason_key(g), reason)
         self.client.add(keys.GEN_COUNT, 1)
         self.generation, self.members = g, sorted(members)
-        self.lost, self.pending_since = {}, None
+        self.lost, self.pending_since, self.accusations = {}, None, {}
         self._log({"event": "generation", "gen": g, "members": self.members, "reason": reason})
         for conn in list(self._conns.values()):
             self._send(conn, f"gen {g}\n")
@@ -312,12 +475,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log", help="append one JSON line per event to this file")
     ap.add_argument("--exit-when-done", action="store_true",
                     help="exit once every replica has left or been lost")
+    ap.add_argument("--token-file", help="the run's secret: members must show it (default: env "
+                    "RECOVER_RUN_TOKEN; none: any member is accepted)")
+    ap.add_argument("--fingerprint", help="the run's config fingerprint members must match "
+                    "(default: the first member's)")
     args = ap.parse_args(argv)
+    token = (Path(args.token_file).read_text().strip() if args.token_file
+             else os.environ.get("RECOVER_RUN_TOKEN"))
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("flag", True))
     signal.signal(signal.SIGINT, lambda *_: stop.__setitem__("flag", True))
     coord = Coordinator(args.replicas, args.host, args.port, args.stale_s, args.join_timeout_s,
-                        args.log, args.exit_when_done, args.liveness_port)
+                        args.log, args.exit_when_done, args.liveness_port, token or None,
+                        args.fingerprint)
     try:
         port = coord.start()
     except Exception as e:

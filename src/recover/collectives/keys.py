@@ -6,7 +6,6 @@ written anywhere else, so the layout can be read (and changed) in one sitting:
     gen/count                       generations published; the newest is count - 1
     gen/{g}/members, gen/{g}/reason member list of generation g (JSON), and why it was made
     gen{g}/pos{p}/...               generation g's communicator at position p (barrier, gloo)
-    hb/{replica}.{rank}             heartbeat counter of one rank
     coord/liveness, coord/error     the coordinator's liveness address; why it gave up
     step/{t}/chain/{k}              ownership chain of step t (entry k written once); a step run
                                     again (exact mode, after an overflow) uses t = "{t}.{round}"
@@ -38,6 +37,7 @@ COORD_STALE_S = "coord/stale_s"  # the coordinator's --stale-s: members derive t
 COORD_EXITS = "coord/exits"  # JSON {replica: how the coordinator saw it end} (launcher summary)
 
 EXIT_FENCED = 3  # a process fenced out of the newest generation exits with this code
+EXIT_STUCK = 7  # a process whose main thread made no progress in the step protocol
 # A process that heard nothing from the coordinator for its bound (a lasting network partition,
 # or the coordinator's host gone) exits with this code; by then the coordinator has dropped it.
 EXIT_PARTITIONED = 6
@@ -55,10 +55,6 @@ def reason_key(g: int) -> str:
 def comm_prefix(g: int, position: int) -> str:
     """Namespace of generation g's communicator at one position (its barrier and gloo keys)."""
     return f"gen{g}/pos{position}"
-
-
-def heartbeat_key(replica: int, rank: int) -> str:
-    return f"hb/{replica}.{rank}"
 
 
 def gloo_addr(prefix: str, rank: int) -> str:

@@ -43,8 +43,26 @@ class Member:
                  heartbeat_s: float = 0.1, timeout_s: float = 60.0,
                  on_fenced: Callable[[str], None] | None = None,
                  fence_after_s: float | None = None,
-                 on_partitioned: Callable[[str], None] | None = None) -> None:
+                 on_partitioned: Callable[[str], None] | None = None,
+                 token: str | None = None, fingerprint: str = "-",
+                 on_stuck: Callable[[str], None] | None = None) -> None:
         self.host, self.port = host, port
+        # Shown to the coordinator at join: the run's secret (env RECOVER_RUN_TOKEN) and a
+        # fingerprint of the run's trajectory-defining config; a mismatch is refused.
+        self.token = token or os.environ.get("RECOVER_RUN_TOKEN") or "-"
+        self.fingerprint = fingerprint
+        self.refused: str | None = None  # the coordinator's reason, if it refused this process
+        # Admission mid-run (recover.parallel.Replica does the state transfer): `joining` until a
+        # generation includes this replica; members learn of a joiner as `join_request`.
+        self.joining = False
+        self.join_epoch = -1
+        self.join_request: tuple[int, int] | None = None  # (replica, epoch) waiting to be served
+        # Progress watchdog: while armed, a main thread that reports no progress for `_stuck_s`
+        # is stuck (a deadlock, a hung kernel): the process fences itself (EXIT_STUCK).
+        self._on_stuck = on_stuck or _exit_stuck
+        self._stuck_s = 0.0
+        self._progress = time.monotonic()
+        self._welcomed = threading.Event()  # the coordinator answered our hello
         self.replica, self.rank, self.nranks = replica, rank, nranks
         self.heartbeat_s, self.timeout_s = heartbeat_s, timeout_s
         self._on_fenced = on_fenced or _exit_fenced
@@ -85,7 +103,8 @@ class Member:
         # Every read has a timeout; sends are a few bytes into an empty buffer and never wait.
         self._sock.settimeout(READ_TICK_S)
         self._heard = time.monotonic()
-        hello = f"hello {self.replica} {self.rank} {self.nranks} {os.getpid()}\n"
+        hello = (f"hello {self.replica} {self.rank} {self.nranks} {os.getpid()} {self.token} "
+                 f"{self.fingerprint}\n")
         self._sock.sendall(hello.encode())
         self._hb_store = self.store.clone()
         self._rd_store = self.store.clone()
@@ -97,13 +116,16 @@ class Member:
             with self._lock:
                 if self._gen >= 0:
                     return self._gen
+            if self._welcomed.is_set() and not self.refused:
+                self._refresh(self.store)  # after the answer: joining or not decides fencing
+            if self.refused:
+                raise CoordinatorLost(f"the coordinator refused this process: {self.refused}")
             if self.coordinator_lost:
                 raise CoordinatorLost("the coordinator went away before training started")
             if self.store.check([keys.COORD_ERROR]):
                 raise CoordinatorLost(self.store.get(keys.COORD_ERROR).decode())
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no membership from the coordinator within {timeout_s:.0f}s")
-            self._refresh(self.store)
             time.sleep(0.01)
 
     def leave(self) -> None:
@@ -119,9 +141,32 @@ class Member:
         except OSError:
             pass
 
-    def report_fail(self, generation: int) -> None:
-        """Tell the coordinator a reduce of `generation` failed here (forces a rebuild)."""
-        self._send(f"fail {generation}\n")
+    def report_fail(self, generation: int, suspects: list[int] | tuple[int, ...] = ()) -> None:
+        """Tell the coordinator a reduce of `generation` failed here (forces a rebuild), and
+        whom this rank could not reach, if it knows (evidence: the coordinator evicts a member
+        named by others, never the reporters)."""
+        named = ",".join(str(r) for r in sorted(set(suspects))) or "-"
+        self._send(f"fail {generation} {named}\n")
+
+    def report_ready(self, epoch: int) -> None:
+        """A joiner's rank holds its verified state: admit it (`epoch` of the join)."""
+        self._send(f"ready {epoch}\n")
+
+    def report_join_failed(self, epoch: int) -> None:
+        """A joiner's rank could not get its state (its donor died): try another one."""
+        self._send(f"joinfail {epoch}\n")
+
+    # -- the progress watchdog -------------------------------------------------------------
+    def arm(self, stuck_s: float) -> None:
+        """From now on, `stuck_s` without `progress()` means this main thread is stuck."""
+        self._progress = time.monotonic()
+        self._stuck_s = stuck_s
+
+    def progress(self) -> None:
+        self._progress = time.monotonic()
+
+    def disarm(self) -> None:
+        self._stuck_s = 0.0
 
     def report_lost(self, reason: str) -> None:
         """Declare this whole replica lost (one of its ranks died)."""
@@ -188,7 +233,11 @@ class Member:
             known = self._gen
         for g in range(known + 1, count):
             members = keys.decode_members(store.get(keys.members_key(g)))
-            fenced = self.replica not in members
+            if self.joining and self.replica in members:
+                self.joining = False  # admitted: from now on a generation without us fences us
+            if self.join_request is not None and self.join_request[0] in members:
+                self.join_request = None
+            fenced = self.replica not in members and not self.joining
             if fenced:
                 # Fence before the generation becomes visible: no thread of this process may
                 # ever act in (or even see) a generation without its replica.
@@ -207,11 +256,16 @@ class Member:
                 return
 
     def _heartbeat_loop(self) -> None:
-        key = keys.heartbeat_key(self.replica, self.rank)
+        # Heartbeats are a line on the liveness socket: the coordinator reads them with its
+        # selector (work per event, nothing per rank per period), and no store round trip is
+        # spent on them. The store is read only as a slow fallback for a missed push.
+        beats = 0
         while not self._stop.is_set():
             try:
-                self._hb_store.add(key, 1)
-                self._refresh(self._hb_store)  # a fallback for a missed push
+                self._send("hb\n")
+                beats += 1
+                if beats % 20 == 0:
+                    self._refresh(self._hb_store)
             except Exception:
                 if self._stop.is_set():
                     return
@@ -240,12 +294,36 @@ class Member:
             buf += data
             if b"\n" in buf:
                 *lines, buf = buf.split(b"\n")
-                if all(line == b"ping" for line in lines):
-                    continue  # the coordinator is alive; nothing to read from the store
+                refresh = False
+                for line in lines:
+                    refresh |= self._pushed(line.decode(errors="replace").split())
+                if not refresh:
+                    continue  # pings and join notes: nothing to read from the store
                 try:
                     self._refresh(self._rd_store)
                 except Exception:
                     pass  # the heartbeat thread notices a dead store
+
+    def _pushed(self, words: list[str]) -> bool:
+        """Handle one line from the coordinator; True if the store holds news (a generation)."""
+        try:
+            if words[:1] == ["welcome"]:
+                self._welcomed.set()
+            elif words[:1] == ["join"]:  # join <replica> <epoch>: a joiner waits for a donor
+                self.join_request = (int(words[1]), int(words[2]))
+            elif words[:1] == ["joinend"]:  # joinend <epoch>: admitted or given up
+                if self.join_request is not None and self.join_request[1] == int(words[1]):
+                    self.join_request = None
+            elif words[:1] == ["joining"]:  # joining <epoch>: we are the joiner
+                self.joining, self.join_epoch = True, int(words[1])
+                self._welcomed.set()
+            elif words[:1] == ["refused"]:
+                self.refused = " ".join(words[1:]) or "refused"
+                self.coordinator_lost = True
+                self._welcomed.set()
+            return words[:1] == ["gen"]
+        except (ValueError, IndexError):
+            return False
 
     def _watchdog_loop(self) -> None:
         """Fence this process once the coordinator has been silent for `fence_after_s`.
@@ -259,6 +337,14 @@ class Member:
         unread_since: float | None = None
         while not self._stop.wait(READ_TICK_S):
             now = time.monotonic()
+            if self._stuck_s and now - self._progress > self._stuck_s:
+                self.fenced = True
+                self._on_stuck(f"replica {self.replica} rank {self.rank} (pid {os.getpid()}): "
+                               f"its main thread made no progress in the step protocol for "
+                               f"{now - self._progress:.1f}s (bound {self._stuck_s:.1f}s): "
+                               f"stuck (a deadlock or a hung kernel); exiting with code "
+                               f"{keys.EXIT_STUCK} so the others can go on")
+                return
             silent = now - self._heard
             if silent <= bound:
                 unread_since = None
@@ -295,6 +381,11 @@ def is_loopback(addr: str) -> bool:
 def _exit_fenced(why: str) -> None:
     print(f"recover: {why}", file=sys.stderr, flush=True)
     os._exit(keys.EXIT_FENCED)
+
+
+def _exit_stuck(why: str) -> None:
+    print(f"recover: {why}", file=sys.stderr, flush=True)
+    os._exit(keys.EXIT_STUCK)
 
 
 def _exit_partitioned(why: str) -> None:

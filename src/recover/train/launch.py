@@ -21,7 +21,7 @@ from typing import Any
 from rich.console import Console
 
 from recover.collectives import connect_store, keys, try_get
-from recover.config import RunConfig, flatten
+from recover.config import RunConfig, fingerprint, flatten
 from recover.errors import CheckpointError, ConfigError, RecoverError
 from recover.faults import validate_faults
 from recover.procs import stop_all as _end
@@ -123,7 +123,8 @@ def _start_coordinator(cfg: RunConfig, out: Path, port: int = 0) -> tuple[subpro
         [sys.executable, "-m", "recover.collectives.coordinator", "--replicas",
          str(cfg.layout.replicas), "--port", str(port), "--port-file", str(port_file),
          "--stale-s", str(cfg.ft.stale_s),
-         "--join-timeout-s", str(cfg.ft.join_timeout_s), "--log", str(out / "coordinator.jsonl")],
+         "--join-timeout-s", str(cfg.ft.join_timeout_s), "--log", str(out / "coordinator.jsonl"),
+         "--token-file", str(out / "run.token"), "--fingerprint", fingerprint(cfg)],
         stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
     while not port_file.exists():
