@@ -1,7 +1,11 @@
-"""Helpers to run `recover train` as a real subprocess tree and read what it wrote.
+"""Helpers to run `recover train` as a real process tree and read what it wrote.
 
-Every run is started in its own session so that, on timeout, the whole tree (launcher, coordinator,
-replicas) is ended by its process-group id, never by name.
+The launcher (`recover.cli:main(["train", ...])`) is forked by the session's fork server
+(tests/_procs.py), so it starts with torch imported and, being a single-threaded fork-server child,
+forks its own fork server from itself: no process of the tree imports torch again. `fresh=True`
+(or `RECOVER_FORKSERVER=0`) runs `python -m recover train` instead. Every run is started in its
+own session so that, on timeout, the whole tree (launcher, its fork server, coordinator, replicas)
+is ended by its process-group id, never by name.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from _procs import session_server
+from recover.train.forkserver import Process
 
 # The common small config of the multi-process tests: fast on 2 cores, enough steps to see drift.
 BASE = ["--preset", "debug", "--steps", "14", "--eval-every", "0", "--warmup-steps", "3"]
@@ -45,24 +52,42 @@ class Run:
         return (self.out / "logs" / f"replica{replica}.log").read_text(errors="replace")
 
 
-def recover_train(out: Path, *args: str, data: Path | None = None, timeout: float = 240) -> Run:
-    cmd = [sys.executable, "-m", "recover", "train", "--out", str(out), *args]
+def recover_train(out: Path, *args: str, data: Path | None = None, timeout: float = 240,
+                  fresh: bool = False) -> Run:
+    argv = ["train", "--out", str(out), *args]
     if data is not None:
-        cmd += ["--data", str(data)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+        argv += ["--data", str(data)]
+    server = None if fresh else session_server()
+    if server is None:
+        proc: Process = subprocess.Popen([sys.executable, "-m", "recover", *argv],
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         text=True, start_new_session=True)
+    else:
+        logs = out.parent / f"{out.name}.launcher"
+        proc = server.spawn("recover.cli:main", argv, f"{logs}.out", f"{logs}.err",
+                            new_session=True)
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
+        if isinstance(proc, subprocess.Popen):
+            stdout, stderr = proc.communicate(timeout=timeout)
+        else:
+            proc.wait(timeout)
+            stdout, stderr = (Path(f"{logs}.{x}").read_text(errors="replace")
+                              for x in ("out", "err"))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate(timeout=30)
-        msg = f"recover train timed out after {timeout}s:\n{stderr[-3000:]}"
-        raise AssertionError(msg) from None
+        if isinstance(proc, subprocess.Popen):
+            stderr = proc.communicate(timeout=30)[1]
+        else:
+            proc.wait(30)
+            stderr = Path(f"{logs}.err").read_text(errors="replace")
+        raise AssertionError(f"recover train timed out after {timeout}s:\n{stderr[-3000:]}"
+                             ) from None
     finally:
         try:  # anything the run left behind in its session (e.g. a stopped replica)
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    assert proc.returncode is not None
     return Run(proc.returncode, stdout, stderr, out)
 
 

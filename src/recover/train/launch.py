@@ -25,7 +25,9 @@ from recover.collectives.keys import try_get
 from recover.config import RunConfig
 from recover.errors import CheckpointError, ConfigError, RecoverError
 from recover.faults import validate_faults
+from recover.train import forkserver
 from recover.train.data import prepare_data
+from recover.train.forkserver import ForkServer, Process
 from recover.train.metrics import MetricsSink, truncate_metrics
 
 EXIT_MEANING = {0: "finished", 3: "fenced", 4: "below --min-replicas", 5: "coordinator lost",
@@ -88,15 +90,25 @@ def prepare_run(cfg: RunConfig) -> tuple[RunConfig, int]:
     return cfg, start
 
 
-def _start_coordinator(cfg: RunConfig, out: Path, port: int = 0) -> tuple[subprocess.Popen, int]:
+def _start(server: ForkServer | None, entry: str, argv: list[str], log: Path,
+           env: dict[str, str] | None = None) -> Process:
+    """Start one process of the run: forked by `server` if there is one, else a fresh Python."""
+    if server is not None:
+        return server.spawn(entry, argv, log, env=env)
+    with open(log, "ab") as f:  # the child holds its own copy of the descriptor
+        return subprocess.Popen([sys.executable, "-m", entry.partition(":")[0], *argv],
+                                stdout=f, stderr=subprocess.STDOUT, env=env)
+
+
+def _start_coordinator(cfg: RunConfig, out: Path, port: int = 0,
+                       server: ForkServer | None = None) -> tuple[Process, int]:
     port_file = out / "coordinator.port"
     port_file.unlink(missing_ok=True)
-    log = open(out / "logs" / "coordinator.log", "ab")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "recover.collectives.coordinator", "--replicas", str(cfg.replicas),
-         "--port", str(port), "--port-file", str(port_file), "--stale-s", str(cfg.stale_s),
-         "--join-timeout-s", str(cfg.join_timeout_s), "--log", str(out / "coordinator.jsonl")],
-        stdout=log, stderr=subprocess.STDOUT)
+    proc = _start(server, "recover.collectives.coordinator:main",
+                  ["--replicas", str(cfg.replicas), "--port", str(port), "--port-file",
+                   str(port_file), "--stale-s", str(cfg.stale_s), "--join-timeout-s",
+                   str(cfg.join_timeout_s), "--log", str(out / "coordinator.jsonl")],
+                  out / "logs" / "coordinator.log")
     deadline = time.monotonic() + 60
     while not port_file.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -106,7 +118,7 @@ def _start_coordinator(cfg: RunConfig, out: Path, port: int = 0) -> tuple[subpro
     return proc, int(port_file.read_text())
 
 
-def _all_gone(store: Any, workers: dict[int, subprocess.Popen], external: bool) -> bool:
+def _all_gone(store: Any, workers: dict[int, Process], external: bool) -> bool:
     """Every replica has exited (local children) or left the membership (external ones)."""
     if not external:
         return all(p.poll() is not None for p in workers.values())
@@ -114,8 +126,9 @@ def _all_gone(store: Any, workers: dict[int, subprocess.Popen], external: bool) 
     return count > 0 and store.get(f"gen/{count - 1}/members") == b"[]"
 
 
-def _end(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
-    """Terminate processes by PID: SIGTERM, then SIGKILL after a grace period."""
+def _end(procs: list[Process], grace_s: float = 5.0) -> None:
+    """Terminate processes by PID (through their handles): SIGTERM, then SIGKILL after a grace
+    period."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
@@ -142,24 +155,49 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
     """
     console = console or Console(stderr=True)
     cfg, start = prepare_run(cfg)
+    truncate_metrics(Path(cfg.out) / "metrics.jsonl", start)
+    t_start = time.time()
+    # One fork server per launch: torch is imported once, not once per process. Not for external
+    # workers: the coordinator is then the only local process.
+    server = _fork_server(console, quiet) if not external_workers else None
+    try:
+        return _launch(cfg, start, console, quiet, external_workers, port, abort_on_loss,
+                       t_start, server)
+    finally:
+        if server is not None:
+            server.close()
+
+
+def _fork_server(console: Console, quiet: bool) -> ForkServer | None:
+    if not forkserver.enabled():
+        return None
+    try:
+        return ForkServer().start()
+    except OSError as e:  # cannot fork/exec here: plain processes work as well, only slower
+        if not quiet:
+            console.print(f"recover: no fork server ({e}); starting plain processes",
+                          highlight=False)
+        return None
+
+
+def _launch(cfg: RunConfig, start: int, console: Console, quiet: bool, external_workers: bool,
+            port: int, abort_on_loss: bool, t_start: float,
+            server: ForkServer | None) -> RunResult:
     out = Path(cfg.out)
     metrics = out / "metrics.jsonl"
-    truncate_metrics(metrics, start)
-    t_start = time.time()
-    coord, port = _start_coordinator(cfg, out, port)
-    workers: dict[int, subprocess.Popen] = {}  # rank 0 of each replica
-    procs: dict[tuple[int, int], subprocess.Popen] = {}  # every (replica, rank)
+    coord, port = _start_coordinator(cfg, out, port, server)
+    workers: dict[int, Process] = {}  # rank 0 of each replica
+    procs: dict[tuple[int, int], Process] = {}  # every (replica, rank)
     try:
         store = connect_store("127.0.0.1", port, 30.0)
         env = dict(os.environ, OMP_NUM_THREADS="1")
         for r in range(0 if external_workers else cfg.replicas):
             for k in range(cfg.ranks_per_replica()):  # a multi-rank replica: one process per rank
                 name = f"replica{r}.log" if k == 0 else f"replica{r}.rank{k}.log"
-                log = open(out / "logs" / name, "ab")
-                procs[(r, k)] = subprocess.Popen(
-                    [sys.executable, "-m", "recover.train.worker", "--run-dir", str(out),
-                     "--replica", str(r), "--rank", str(k), "--coordinator", f"127.0.0.1:{port}"],
-                    stdout=log, stderr=subprocess.STDOUT, env=env)
+                procs[(r, k)] = _start(
+                    server, "recover.train.worker:main",
+                    ["--run-dir", str(out), "--replica", str(r), "--rank", str(k),
+                     "--coordinator", f"127.0.0.1:{port}"], out / "logs" / name, env)
             workers[r] = procs[(r, 0)]
         everyone = dict(enumerate(procs.values()))
         watch = _AbortWatch(workers) if abort_on_loss else None
@@ -214,7 +252,7 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
 class _AbortWatch:
     """abort_on_loss: once a replica exits abnormally, end every replica by PID (torchrun-style)."""
 
-    def __init__(self, workers: dict[int, subprocess.Popen], poll_s: float = 0.005) -> None:
+    def __init__(self, workers: dict[int, Process], poll_s: float = 0.005) -> None:
         self.workers, self.poll_s = workers, poll_s
         self.lost: list[int] = []
         self.t = 0.0
@@ -235,7 +273,7 @@ class _AbortWatch:
         self._thread.join(timeout=30)
 
 
-def _supervise(store: Any, sink: MetricsSink, end: int, workers: dict[int, subprocess.Popen],
+def _supervise(store: Any, sink: MetricsSink, end: int, workers: dict[int, Process],
                external: bool, stall_limit: float) -> str:
     """Write records as they arrive until the last step, or until the run cannot go on."""
     last_progress = time.monotonic()
