@@ -1,8 +1,11 @@
 """`recover train` on one machine: a coordinator process, R replica processes, a metrics sink.
 
 Invariant: the launcher never kills a survivor because another replica died; it only reads the
-step records, and ends processes (by PID) once the run is over or cannot go on. Every wait is
-bounded. User mistakes are caught here, before any process starts, as one-line RecoverErrors.
+step records, and ends processes (by PID, through their handles) once the run is over or cannot go
+on. Every wait is bounded. User mistakes are caught here, before any process starts, as one-line
+RecoverErrors. Processes are forked by one fork server per launch (`recover.train.forkserver`:
+torch is imported once, not once per process; the server is ended by PID when the launch ends,
+whatever happened), or started as plain subprocesses where that is off (`RECOVER_FORKSERVER=0`).
 """
 
 from __future__ import annotations
@@ -126,6 +129,16 @@ def _all_gone(store: Any, workers: dict[int, Process], external: bool) -> bool:
     return count > 0 and store.get(f"gen/{count - 1}/members") == b"[]"
 
 
+def _exited(proc: Process, timeout_s: float) -> bool:
+    """Whether `proc` exits within `timeout_s` (a forked child's exit is reported by its fork
+    server a moment after the kernel closed its sockets)."""
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
+
+
 def _end(procs: list[Process], grace_s: float = 5.0) -> None:
     """Terminate processes by PID (through their handles): SIGTERM, then SIGKILL after a grace
     period."""
@@ -183,6 +196,7 @@ def _fork_server(console: Console, quiet: bool) -> ForkServer | None:
 def _launch(cfg: RunConfig, start: int, console: Console, quiet: bool, external_workers: bool,
             port: int, abort_on_loss: bool, t_start: float,
             server: ForkServer | None) -> RunResult:
+    """`launch` once DIR is prepared: start the processes, supervise, end them."""
     out = Path(cfg.out)
     metrics = out / "metrics.jsonl"
     coord, port = _start_coordinator(cfg, out, port, server)
@@ -212,7 +226,7 @@ def _launch(cfg: RunConfig, start: int, console: Console, quiet: bool, external_
         try:
             message = _supervise(store, sink, end, everyone, external_workers, stall_limit)
         except Exception as e:  # the store is gone: the coordinator process died
-            if coord.poll() is None:
+            if not _exited(coord, 5.0):
                 raise
             message = (f"the coordinator died (exit code {coord.returncode}) at step {sink.next}:"
                        f" {str(e).splitlines()[0][:120]}; replicas checkpoint and stop")
