@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import resource
 import socket
 import threading
 import time
@@ -46,6 +47,13 @@ from recover.recovery import StepEngine, StepResult
 from recover.workload import step_ids
 
 _GRAVE: list[object] = []  # everything a harness created; never freed (see the docstring)
+# Kept harnesses hold their sockets (~80 per harness: stores, liveness, gloo pairs): lift the
+# soft limit on open files (1024 on many systems) to the hard one for this test process.
+_soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+_want = 65536 if _hard == resource.RLIM_INFINITY else min(_hard, 65536)
+if _soft != resource.RLIM_INFINITY and _soft < _want:
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (_want, _hard))
 _FOREVER = threading.Event()  # never set
 
 

@@ -223,8 +223,11 @@ class ForkServer:
 
     def wait_readable(self, timeout_s: float) -> None:
         if not self.lost:
+            # poll(), not select(): a busy client can hold descriptors numbered above 1024.
+            poller = select.poll()
             with contextlib.suppress(OSError, ValueError):
-                select.select([self._resp], [], [], max(0.0, timeout_s))
+                poller.register(self._resp, select.POLLIN)
+                poller.poll(max(0.0, timeout_s) * 1000)
 
     def close(self, grace_s: float = 10.0) -> None:
         """EOF to the server (it ends any child still running), then end it by PID."""
@@ -313,9 +316,12 @@ def _serve_forever(req: int, resp: int, preload: Sequence[str]) -> None:
         with contextlib.suppress(OSError):  # EPIPE: nobody listens any more
             send(msg)
 
+    poller = select.poll()  # not select(): descriptors passed in may be numbered above 1024
+    poller.register(req, select.POLLIN)
+    poller.register(wake_r, select.POLLIN)
     try:
         while not stop["flag"]:
-            ready, _, _ = select.select([req, wake_r], [], [], 0.5)
+            ready = {fd for fd, _ in poller.poll(500)}
             if wake_r in ready:
                 with contextlib.suppress(BlockingIOError):
                     os.read(wake_r, 4096)
