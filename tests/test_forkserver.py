@@ -153,3 +153,33 @@ def test_disabled_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not forkserver.enabled()
     monkeypatch.setenv("RECOVER_FORKSERVER", "1")
     assert forkserver.enabled() == sys.platform.startswith("linux")
+
+
+def _live_children() -> set[int]:
+    """Live (not zombie) child processes of this test process, from /proc."""
+    me, out = os.getpid(), set()
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            state, ppid = d.joinpath("stat").read_text().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
+            continue
+        if int(ppid) == me and state != "Z":
+            out.add(int(d.name))
+    return out
+
+
+def test_launch_ends_its_server_on_error(corpus: Path, tmp_path: Path) -> None:
+    """The launcher's fork server is ended even when the launch fails (here: the coordinator
+    cannot bind its port), and so is every process it had started."""
+    from recover.config import preset
+    from recover.errors import RecoverError
+    from recover.train.launch import launch
+
+    cfg = preset("debug")
+    cfg.replicas, cfg.steps, cfg.data, cfg.out = 2, 2, str(corpus), str(tmp_path / "run")
+    before = _live_children()
+    with socket.create_server(("0.0.0.0", 0)) as taken, \
+            pytest.raises(RecoverError, match="coordinator did not start"):
+        launch(cfg, quiet=True, port=taken.getsockname()[1])
+    assert "cannot start on port" in (tmp_path / "run" / "logs" / "coordinator.log").read_text()
+    assert _live_children() <= before
