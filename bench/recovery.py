@@ -14,8 +14,9 @@ Breakdown per trial (all wall clocks of one machine, time.time()):
             cumulative `comm.stats` the selftest logs in each reduce event);
   reduce  = the rest: the first allreduce of --numel floats among the survivors.
 `raised` is kill -> the last ReplicaFault logged by a survivor (survivors between reductions
-raise none). Fresh processes every trial, forked by a fork server (`bench/_zygote.py`) that
-imported torch once (saves ~3 CPU-s per process). Last line: `recovery_median_s=<x>`.
+raise none). Fresh processes every trial, forked by recover's fork server
+(`recover.train.forkserver`, as `recover train` starts its processes), which imported torch once
+(saves ~3 CPU-s per process). Last line: `recovery_median_s=<x>`.
 
     python bench/recovery.py --quick     # 5 trials, < 2 min
     python bench/recovery.py             # 10 trials
@@ -27,16 +28,15 @@ import argparse
 import json
 import os
 import random
-import select
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from _common import BENCH_DIR, cores, median, out_dir, say, table
+from _common import cores, median, out_dir, say, table
 from recover.config import RunConfig
-from recover.procs import stop, stop_pids
+from recover.procs import stop_all as end
+from recover.train.forkserver import ForkServer, Process
 
 
 def events(path: Path) -> list[dict]:
@@ -63,43 +63,24 @@ class FalseAlarm(RuntimeError):
     """The coordinator changed the membership before any kill (no replica had died)."""
 
 
-class Zygote:
-    """`bench/_zygote.py`: forks the coordinator and the selftests after one torch import."""
-
-    def __init__(self) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, str(BENCH_DIR / "_zygote.py")],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env=env)
-
-    def spawn(self, module: str, argv: list[str], log: Path, timeout_s: float = 120.0) -> int:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps({"module": module, "argv": argv, "log": str(log)})
-                              + "\n")
-        self.proc.stdin.flush()
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
-        if not ready:
-            raise TimeoutError(f"the fork server did not answer within {timeout_s:.0f}s")
-        return int(self.proc.stdout.readline())
-
-
-def trial(k: int, d: Path, a, rng: random.Random, zyg: Zygote) -> dict:
+def trial(k: int, d: Path, a, rng: random.Random, server: ForkServer) -> dict:
     d.mkdir(parents=True, exist_ok=True)
-    pids: list[int] = []
+    procs: list[Process] = []
     logs = [d / f"replica{r}.jsonl" for r in range(a.replicas)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     try:
-        pids.append(zyg.spawn("coordinator", [
+        procs.append(server.spawn("recover.collectives.coordinator:main", [
             "--replicas", str(a.replicas), "--port", "0", "--port-file", str(d / "port"),
             "--stale-s", str(a.stale_s), "--join-timeout-s", "120", "--log",
-            str(d / "coordinator.jsonl")], d / "coordinator.log"))
+            str(d / "coordinator.jsonl")], d / "coordinator.log", env=env))
         wait_for(lambda: (d / "port").exists(), 60, "the coordinator's port file")
         port = int((d / "port").read_text())
         for r in range(a.replicas):
-            pids.append(zyg.spawn("selftest", [
+            procs.append(server.spawn("recover.collectives.selftest:main", [
                 "--coordinator", f"127.0.0.1:{port}", "--replica", str(r), "--numel",
                 str(a.numel), "--iters", str(10**9), "--compute-s", str(a.compute_s),
                 "--stale-s", str(a.stale_s), "--timeout-s", str(a.timeout_s), "--log",
-                str(logs[r])], d / f"replica{r}.err"))
+                str(logs[r])], d / f"replica{r}.err", env=env))
 
         def done(r: int, n: int, gen: int = -1) -> bool:
             return sum(e["event"] == "reduce" and e["gen"] > gen for e in events(logs[r])) >= n
@@ -116,7 +97,9 @@ def trial(k: int, d: Path, a, rng: random.Random, zyg: Zygote) -> dict:
         victim = rng.randrange(a.replicas)
         g0 = max(e["gen"] for e in events(logs[victim]) if e["event"] == "reduce")
         t_kill = time.time()
-        os.kill(pids[1 + victim], signal.SIGKILL)
+        # Directly, not through the server (a round trip would count as detection time): the
+        # victim is alive (it just logged reduces), so its PID cannot have been reused yet.
+        os.kill(procs[1 + victim].pid, signal.SIGKILL)
         survivors = [r for r in range(a.replicas) if r != victim]
         def recovered() -> bool:
             for e in events(d / "coordinator.jsonl"):
@@ -126,8 +109,8 @@ def trial(k: int, d: Path, a, rng: random.Random, zyg: Zygote) -> dict:
 
         wait_for(recovered, a.timeout_s + 30, "the survivors' next reduce")
     finally:
-        stop_pids(pids[1:], grace_s=3.0)
-        stop_pids(pids[:1])
+        end(procs[1:], grace_s=3.0)
+        end(procs[:1])
     gens = [e for e in events(d / "coordinator.jsonl")
             if e["event"] == "generation" and e["gen"] > g0]
     t_gen = gens[0]["time"]
@@ -170,7 +153,7 @@ def main() -> int:
     ap.add_argument("--compute-s", type=float, default=0.0, help="busy compute between reduces")
     ap.add_argument("--warm", type=int, default=2, help="reduces each replica completes first")
     ap.add_argument("--window", type=float, default=1.0, help="kill at uniform(0, window) s after")
-    ap.add_argument("--stale-s", type=float, default=RunConfig().ft.stale_s,
+    ap.add_argument("--stale-s", type=float, default=RunConfig().stale_s,
                     help="heartbeat silence = lost (default: recover's own default)")
     ap.add_argument("--timeout-s", type=float, default=30.0, help="reduce timeout (backstop)")
     ap.add_argument("--seed", type=int, default=0)
@@ -189,13 +172,14 @@ def main() -> int:
         f"in the new generation; other load on the machine is not controlled")
     rows, res, alarms = [], [], []
     t0 = time.monotonic()
-    zyg = Zygote()
+    server = ForkServer(("recover.collectives.selftest", "recover.collectives.coordinator"))
+    server.start()
     try:
         k = 0
         while len(res) < trials and k < trials + a.retries:
             k += 1
             try:
-                r = trial(k - 1, root / f"trial{k - 1}", a, rng, zyg)
+                r = trial(k - 1, root / f"trial{k - 1}", a, rng, server)
             except FalseAlarm as e:
                 alarms.append(str(e))
                 say(f"  trial {k - 1}: FALSE ALARM, trial discarded: {e}")
@@ -208,8 +192,7 @@ def main() -> int:
             say(f"  trial {k - 1}: killed replica {r['victim']}, recovered in {r['total']:.3f}s "
                 f"({r['reason'][:70]})")
     finally:
-        zyg.proc.stdin.close()  # EOF: the fork server exits
-        stop(zyg.proc)
+        server.close()  # EOF: the fork server ends any child left and exits; then by PID
     say("")
     table(rows, ("trial", "victim", "total ms", "detect", "agree", "rebuild", "reduce",
                  "raised (n)"))

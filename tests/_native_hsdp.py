@@ -1,7 +1,9 @@
 """torch's own HSDP, for test_layouts: FSDP2 on init_device_mesh(("replicate", "shard")).
 
-Run with `torchrun --nproc-per-node R*K _native_hsdp.py RUN_DIR OUT_JSON`, where RUN_DIR is a
-`recover train --layout hsdp` run (its config.json and prepared data are reused). No recover
+Run with `torchrun --nproc-per-node R*K _native_hsdp.py RUN_DIR OUT_JSON`, or as `main([RUN_DIR,
+OUT_JSON])` in R*K processes with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT), as test_layouts forks them; RUN_DIR is a `recover train --layout hsdp` run (its
+config.json and prepared data are reused). No recover
 collective or recovery code is involved: replica r computes ids r*N/R .. (r+1)*N/R - 1 of each step
 (its shard rank s takes rows [s*B/K, (s+1)*B/K) of each), and FSDP2 does the whole reduction.
 """
@@ -24,8 +26,9 @@ from recover.train.model import build_model
 from recover.train.optim import build_optimizer, lr_at, set_lr
 
 
-def main() -> None:
-    run_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    run_dir, out = Path(argv[0]), Path(argv[1])
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     cfg = RunConfig.load(run_dir / "config.json")
@@ -58,6 +61,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         out.write_text(json.dumps(losses))
     dist.barrier()
+    return 0
 
 
 if __name__ == "__main__":

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import random
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+# Every TCPStore connection makes torch look up the peer's name ([::ffff:127.0.0.1], which
+# /etc/hosts does not list). Where the DNS server drops some queries (seen: about 1 in 25 on
+# the sandboxes this suite runs on), each such lookup stalls for glibc's default 5 s timeout;
+# cap it at 1 s, for this process and every process the tests start.
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
+from _procs import close_session_server  # noqa: E402
 from _run import BASE, Run, recover_train  # noqa: E402
 
 WORDS = (
@@ -48,3 +56,10 @@ def ref4(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
                         "--dump-final-params", data=corpus)
     assert run.returncode == 0, run.stderr[-3000:]
     return run
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_fork_server() -> Iterator[None]:
+    """End the session's fork server (tests/_procs.py) by PID once the last test is done."""
+    yield
+    close_session_server()

@@ -7,15 +7,11 @@ the smallest setup that still has every part: 2 replicas, one of them killed, a 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from _run import max_rel
+from _run import Launch, max_rel
 from recover.sim.calibrate import load_calibration, predict_wall_times
 from recover.train.metrics import read_metrics
 
@@ -27,18 +23,9 @@ ARGS = ["--replicas", "2", "--steps", "20", "--seed", "0"]
 @pytest.fixture(scope="module")
 def bench(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("bench") / "b"
-    cmd = [sys.executable, "-m", "recover", "bench", *ARGS, "--out", str(out), "--data",
-           str(corpus)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=540)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate(timeout=30)
-        raise AssertionError(f"recover bench timed out:\n{stderr[-3000:]}") from None
-    assert proc.returncode == 0, stderr[-3000:]
-    return out, stdout
+    run = Launch(out, *ARGS, data=corpus, command="bench").finish(540)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return out, run.stdout
 
 
 def test_outputs_and_last_line(bench: tuple[Path, str]) -> None:

@@ -1,7 +1,7 @@
 """Layer 1 (collectives) on real processes and real signals.
 
-Each scenario starts `python -m recover.collectives.coordinator` and 4 replicas of
-`python -m recover.collectives.selftest` (one JSON line per event: joined / reduce / fault / done),
+Each scenario starts a coordinator (`recover.collectives.coordinator:main`) and 4 replica processes
+of `recover.collectives.selftest:main` (one JSON line per event: joined / reduce / fault / done),
 injects faults with os.kill at a real moment (after the victim logged some reduces, i.e. inside its
 reduce loop), and then judges the run from the logs:
 
@@ -13,7 +13,8 @@ reduce loop), and then judges the run from the logs:
   store's `gen/{g}/members` keys, read all along by a watcher thread, never change and match
   the log.
 
-Every process is started by tests/_procs.py and ended by its PID in the fixture's teardown.
+Every process is started by tests/_procs.py (forked by the session's fork server: real, separate
+processes) and ended by its PID in the fixture's teardown.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import contextlib
 import json
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -111,10 +111,10 @@ class Cluster:
     # -- starting ------------------------------------------------------------------------------
     def start_coordinator(self) -> int:
         port_file = self.tmp / "coordinator.port"
-        cmd = [sys.executable, "-m", "recover.collectives.coordinator", "--replicas", str(self.n),
-               "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file),
-               "--log", str(self.coord_log)]
-        self.coord = Proc("coordinator", cmd, self.tmp, ENV)
+        argv = ["--replicas", str(self.n), "--host", "127.0.0.1", "--port", "0", "--port-file",
+                str(port_file), "--log", str(self.coord_log)]
+        self.coord = Proc("coordinator", "recover.collectives.coordinator:main", argv, self.tmp,
+                          ENV)
         self.procs.append(self.coord)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while not port_file.exists():
@@ -130,12 +130,12 @@ class Cluster:
                        compute_s: float = 0.0) -> None:
         self.spawned_at = time.time()
         for i in range(self.n):
-            cmd = [sys.executable, "-m", "recover.collectives.selftest",
-                   "--coordinator", f"127.0.0.1:{self.port}", "--replica", str(i),
-                   "--numel", str(numel), "--compute-s", str(compute_s),
-                   "--log", str(self.log_path(i))]
-            cmd += ["--until", repr(until)] if until else ["--iters", str(iters)]
-            self.replicas[i] = Proc(f"replica{i}", cmd, self.tmp, ENV)
+            argv = ["--coordinator", f"127.0.0.1:{self.port}", "--replica", str(i),
+                    "--numel", str(numel), "--compute-s", str(compute_s),
+                    "--log", str(self.log_path(i))]
+            argv += ["--until", repr(until)] if until else ["--iters", str(iters)]
+            self.replicas[i] = Proc(f"replica{i}", "recover.collectives.selftest:main", argv,
+                                    self.tmp, ENV)
             self.procs.append(self.replicas[i])
 
     def close(self) -> None:

@@ -11,13 +11,17 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from _procs import session_server
 from _run import Run, bitwise_equal, max_rel, recover_train, rel_l2
+from recover.train.forkserver import Process
 
 pytestmark = pytest.mark.timeout(300)
 N, STEPS = 8, 6
@@ -80,10 +84,38 @@ class _Lazy(dict):
 
 
 def native_hsdp(run_dir: Path, out: Path, timeout: float = 240) -> list[float]:
-    """torch's native HSDP (FSDP2, 2x2 mesh) under torchrun, on run_dir's config and data."""
+    """torch's native HSDP (FSDP2, 2x2 mesh) in 4 processes, on run_dir's config and data: forked
+    with torchrun's environment, or under torchrun itself where there is no fork server."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    server = session_server()
+    if server is None:
+        return _native_hsdp_torchrun(run_dir, out, env, timeout)
+    with socket.socket() as s:  # a free port for rank 0's store
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks: list[Process] = []
+    try:
+        for rank in range(4):
+            env_r = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="4",
+                         LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            log = out.parent / f"native{rank}.log"
+            ranks.append(server.spawn("_native_hsdp:main", [str(run_dir), str(out)], log,
+                                      env=env_r))
+        deadline = time.monotonic() + timeout
+        for rank, p in enumerate(ranks):
+            code = p.wait(max(1.0, deadline - time.monotonic()))
+            assert code == 0, (out.parent / f"native{rank}.log").read_text()[-3000:]
+    finally:
+        for p in ranks:  # by PID, through the server (a no-op for those that exited)
+            p.kill()
+            p.wait(30)
+    return json.loads(out.read_text())
+
+
+def _native_hsdp_torchrun(run_dir: Path, out: Path, env: dict[str, str],
+                          timeout: float) -> list[float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            str(Path(__file__).parent / "_native_hsdp.py"), str(run_dir), str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env=env)
     try:

@@ -5,11 +5,16 @@ Real multi-process runs of `recover train` (coordinator + replica processes, glo
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from _run import BASE, Run, bitwise_equal, max_rel, recover_train, rel_l2
+from _run import BASE, Launch, Run, bitwise_equal, max_rel, recover_train, rel_l2
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -30,11 +35,15 @@ def test_reference_run_outputs(ref4: Run) -> None:
     assert all(bitwise_equal(finals[0], f) for f in finals.values()), "replicas diverged"
 
 
-@pytest.mark.parametrize("replicas", [2, 1])
+@pytest.mark.parametrize(("replicas", "forkserver"), [(2, "1"), (1, "0")])
 def test_same_trajectory_for_any_replica_count(ref4: Run, corpus: Path, tmp_path: Path,
-                                               replicas: int) -> None:
+                                               replicas: int, forkserver: str) -> None:
+    # RECOVER_FORKSERVER=0: the launcher starts its coordinator and replica as plain
+    # subprocesses (a fresh Python each), the fallback where fork is unavailable. (A fork server
+    # started as a fresh Python: test_baselines' abort_on_loss, launched in this process.)
+    env = dict(os.environ, RECOVER_FORKSERVER=forkserver)
     run = recover_train(tmp_path / "run", *BASE, "--replicas", str(replicas),
-                        "--dump-final-params", data=corpus)
+                        "--dump-final-params", data=corpus, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     assert all(r["microbatches"] == 8 for r in run.metrics())
     assert max_rel(run.losses(), ref4.losses()) < 1e-5
@@ -67,21 +76,13 @@ def test_resume_matches_uninterrupted(ref4: Run, corpus: Path, tmp_path: Path) -
 
 def test_torchrun_workers_match(ref4: Run, corpus: Path, tmp_path: Path) -> None:
     """One `torchrun` per replica against `recover train --external-workers`: same trajectory."""
-    import os
-    import signal
-    import socket
-    import subprocess
-    import sys
-
     with socket.socket() as s:  # a free port for the coordinator's store
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "run"
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "recover", "train", "--out", str(out), *BASE, "--replicas", "2",
-         "--data", str(corpus), "--external-workers", "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    server = Launch(out, *BASE, "--replicas", "2", "--external-workers", "--port", str(port),
+                    data=corpus)
     replicas = []
     try:
         for r in range(2):
@@ -90,15 +91,14 @@ def test_torchrun_workers_match(ref4: Run, corpus: Path, tmp_path: Path) -> None
                  "-m", "recover.train.worker", "--run-dir", str(out),
                  "--replica", str(r), "--coordinator", f"127.0.0.1:{port}"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
-        _, err = server.communicate(timeout=240)
-        assert server.returncode == 0, err[-3000:]
+        res = server.finish(240)
+        assert res.returncode == 0, res.stderr[-3000:]
         for p in replicas:
             assert p.wait(timeout=60) == 0
     finally:
-        for p in [server, *replicas]:
+        for p in replicas:
             try:
                 os.killpg(p.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    run = Run(0, "", "", out)
-    assert max_rel(run.losses(), ref4.losses()) < 1e-5
+    assert max_rel(res.losses(), ref4.losses()) < 1e-5

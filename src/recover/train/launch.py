@@ -1,8 +1,11 @@
 """`recover train` on one machine: a coordinator process, R replica processes, a metrics sink.
 
 Invariant: the launcher never kills a survivor because another replica died; it only reads the
-step records, and ends processes (by PID) once the run is over or cannot go on. Every wait is
-bounded. User mistakes are caught here, before any process starts, as one-line RecoverErrors.
+step records, and ends processes (by PID, through their handles) once the run is over or cannot go
+on. Every wait is bounded. User mistakes are caught here, before any process starts, as one-line
+RecoverErrors. Processes are forked by one fork server per launch (`recover.train.forkserver`:
+torch is imported once, not once per process; the server is ended by PID when the launch ends,
+whatever happened), or started as plain subprocesses where that is off (`RECOVER_FORKSERVER=0`).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -24,9 +28,10 @@ from recover.collectives import connect_store, keys, try_get
 from recover.config import RunConfig, fingerprint, flatten
 from recover.errors import CheckpointError, ConfigError, RecoverError
 from recover.faults import validate_faults
-from recover.procs import stop_all as _end
 from recover.runtoken import run_token
+from recover.train import forkserver
 from recover.train.data import prepare_data
+from recover.train.forkserver import ForkServer, Process
 from recover.train.metrics import MetricsSink, truncate_metrics
 
 EXIT_MEANING = {0: "finished", 1: "error", 2: "configuration error", 3: "fenced",
@@ -115,17 +120,26 @@ def _resume_point(cfg: RunConfig, out: Path) -> int:
     return start
 
 
-def _start_coordinator(cfg: RunConfig, out: Path, port: int = 0) -> tuple[subprocess.Popen, int]:
+def _start(server: ForkServer | None, entry: str, argv: list[str], log: Path,
+           env: dict[str, str] | None = None) -> Process:
+    """Start one process of the run: forked by `server` if there is one, else a fresh Python."""
+    if server is not None:
+        return server.spawn(entry, argv, log, env=env)
+    with open(log, "ab") as f:  # the child holds its own copy of the descriptor
+        return subprocess.Popen([sys.executable, "-m", entry.partition(":")[0], *argv],
+                                stdout=f, stderr=subprocess.STDOUT, env=env)
+
+
+def _start_coordinator(cfg: RunConfig, out: Path, port: int = 0,
+                       server: ForkServer | None = None) -> tuple[Process, int]:
     port_file = out / "coordinator.port"
     port_file.unlink(missing_ok=True)
-    log = open(out / "logs" / "coordinator.log", "ab")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "recover.collectives.coordinator", "--replicas",
-         str(cfg.layout.replicas), "--port", str(port), "--port-file", str(port_file),
-         "--stale-s", str(cfg.ft.stale_s),
-         "--join-timeout-s", str(cfg.ft.join_timeout_s), "--log", str(out / "coordinator.jsonl"),
-         "--token-file", str(out / "run.token"), "--fingerprint", fingerprint(cfg)],
-        stdout=log, stderr=subprocess.STDOUT)
+    proc = _start(server, "recover.collectives.coordinator:main",
+                  ["--replicas", str(cfg.layout.replicas), "--port", str(port), "--port-file",
+                   str(port_file), "--stale-s", str(cfg.ft.stale_s), "--join-timeout-s",
+                   str(cfg.ft.join_timeout_s), "--log", str(out / "coordinator.jsonl"),
+                   "--token-file", str(out / "run.token"), "--fingerprint", fingerprint(cfg)],
+                  out / "logs" / "coordinator.log")
     deadline = time.monotonic() + 60
     while not port_file.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -135,7 +149,34 @@ def _start_coordinator(cfg: RunConfig, out: Path, port: int = 0) -> tuple[subpro
     return proc, int(port_file.read_text())
 
 
-def _all_gone(store: Any, workers: dict[int, subprocess.Popen], external: bool) -> bool:
+def _end(procs: list[Process], grace_s: float = 5.0) -> None:
+    """Terminate processes by PID (through their handles): SIGCONT and SIGTERM, then SIGKILL
+    after a grace period."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)  # a stopped process handles SIGTERM only once resumed
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=10)
+
+
+def _exited(proc: Process, timeout_s: float) -> bool:
+    """Whether `proc` exits within `timeout_s` (a forked child's exit is reported by its fork
+    server a moment after the kernel closed its sockets)."""
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
+
+
+def _all_gone(store: Any, workers: dict[int, Process], external: bool) -> bool:
     """Every replica has exited (local children) or left the membership (external ones)."""
     if not external:
         return all(p.poll() is not None for p in workers.values())
@@ -156,24 +197,50 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
     """
     console = console or Console(stderr=True)
     cfg, start = prepare_run(cfg)
+    truncate_metrics(Path(cfg.run.out) / "metrics.jsonl", start)
+    t_start = time.time()
+    # One fork server per launch: torch is imported once, not once per process. Not for external
+    # workers: the coordinator is then the only local process.
+    server = _fork_server(console, quiet) if not external_workers else None
+    try:
+        return _launch(cfg, start, console, quiet, external_workers, port, abort_on_loss,
+                       t_start, server)
+    finally:
+        if server is not None:
+            server.close()
+
+
+def _fork_server(console: Console, quiet: bool) -> ForkServer | None:
+    if not forkserver.enabled():
+        return None
+    try:
+        return ForkServer().start()
+    except OSError as e:  # cannot fork/exec here: plain processes work as well, only slower
+        if not quiet:
+            console.print(f"recover: no fork server ({e}); starting plain processes",
+                          highlight=False)
+        return None
+
+
+def _launch(cfg: RunConfig, start: int, console: Console, quiet: bool, external_workers: bool,
+            port: int, abort_on_loss: bool, t_start: float,
+            server: ForkServer | None) -> RunResult:
+    """`launch` once DIR is prepared: start the processes, supervise, end them."""
     out = Path(cfg.run.out)
     metrics = out / "metrics.jsonl"
-    truncate_metrics(metrics, start)
-    t_start = time.time()
-    coord, port = _start_coordinator(cfg, out, port)
-    workers: dict[int, subprocess.Popen] = {}  # rank 0 of each replica
-    procs: dict[tuple[int, int], subprocess.Popen] = {}  # every (replica, rank)
+    coord, port = _start_coordinator(cfg, out, port, server)
+    workers: dict[int, Process] = {}  # rank 0 of each replica
+    procs: dict[tuple[int, int], Process] = {}  # every (replica, rank)
     try:
         store = connect_store("127.0.0.1", port, 30.0)
         env = dict(os.environ, OMP_NUM_THREADS="1")
         for r in range(0 if external_workers else cfg.layout.replicas):
             for k in range(cfg.layout.ranks_per_replica()):  # multi-rank: a process per rank
                 name = f"replica{r}.log" if k == 0 else f"replica{r}.rank{k}.log"
-                log = open(out / "logs" / name, "ab")
-                procs[(r, k)] = subprocess.Popen(
-                    [sys.executable, "-m", "recover.train.worker", "--run-dir", str(out),
-                     "--replica", str(r), "--rank", str(k), "--coordinator", f"127.0.0.1:{port}"],
-                    stdout=log, stderr=subprocess.STDOUT, env=env)
+                procs[(r, k)] = _start(
+                    server, "recover.train.worker:main",
+                    ["--run-dir", str(out), "--replica", str(r), "--rank", str(k),
+                     "--coordinator", f"127.0.0.1:{port}"], out / "logs" / name, env)
             workers[r] = procs[(r, 0)]
         everyone = dict(enumerate(procs.values()))
         watch = _AbortWatch(workers) if abort_on_loss else None
@@ -190,7 +257,7 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
         try:
             message = _supervise(store, sink, end, everyone, external_workers, stall_limit)
         except Exception as e:  # the store is gone: the coordinator process died
-            if coord.poll() is None:
+            if not _exited(coord, 5.0):
                 raise
             message = (f"the coordinator died (exit code {coord.returncode}) at step {sink.next}:"
                        f" {str(e).splitlines()[0][:120]}; replicas checkpoint and stop")
@@ -237,7 +304,7 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
 
 
 def _await_leaving(store: Any, coord: subprocess.Popen, procs: dict[tuple[int, int],
-                   subprocess.Popen], external: bool, limit_s: float) -> None:
+                   Process], external: bool, limit_s: float) -> None:
     """Wait (bounded) until every replica has left: local processes exit; external ones leave
     the membership. The coordinator must outlive them: a replica still finishing its last step
     (the leader's final checkpoint) needs the store, and would otherwise end as if it failed."""
@@ -250,7 +317,7 @@ def _await_leaving(store: Any, coord: subprocess.Popen, procs: dict[tuple[int, i
             return
         else:
             try:
-                if int(store.add("gen/count", 0)) == 0 or _all_gone(store, {}, True):
+                if keys.store_int(store, keys.GEN_COUNT) == 0 or _all_gone(store, {}, True):
                     return  # nobody joined, or every member left or was dropped
             except Exception:  # the store went away with the coordinator
                 return
@@ -276,7 +343,7 @@ def _describe_exits(replicas: int, codes: dict[int, int | None],
 class _AbortWatch:
     """abort_on_loss: once a replica exits abnormally, end every replica by PID (torchrun-style)."""
 
-    def __init__(self, workers: dict[int, subprocess.Popen], poll_s: float = 0.005) -> None:
+    def __init__(self, workers: dict[int, Process], poll_s: float = 0.005) -> None:
         self.workers, self.poll_s = workers, poll_s
         self.lost: list[int] = []
         self.t = 0.0
@@ -297,7 +364,7 @@ class _AbortWatch:
         self._thread.join(timeout=30)
 
 
-def _supervise(store: Any, sink: MetricsSink, end: int, workers: dict[int, subprocess.Popen],
+def _supervise(store: Any, sink: MetricsSink, end: int, workers: dict[int, Process],
                external: bool, stall_limit: float) -> str:
     """Write records as they arrive until the last step, or until the run cannot go on."""
     last_progress = time.monotonic()

@@ -1,0 +1,363 @@
+"""In-process harness for layers 1-2: a real `Coordinator` and real members, as threads.
+
+The coordinator serves in a thread of the test process (its `serve(should_stop)` loop); every rank
+of every replica is a thread with its own `Member` (own store clients, own liveness socket), its own
+`FaultTolerantComm` (a real gloo group per generation, over loopback) and its own `StepEngine`
+over a small flat gradient. Per-id gradients are integer-valued, so every sum is exact in float32
+whatever the summation order: a survivor's reduced gradient must equal the expected sum exactly.
+
+Faults are scripted at (replica, rank, step, phase, j):
+- `kill`: the rank "dies" there: its liveness socket is shut (the coordinator sees a crash, as the
+  kernel would show it), its heartbeats stop, and its thread blocks forever; any later use of its
+  store blocks too, so it can never act again. Nothing of it is freed: a gloo group destroyed with
+  an operation in flight aborts the interpreter, so dead ranks (and every harness) are kept in a
+  graveyard that a never-ending daemon thread references until the process exits.
+- `hang`: heartbeats stop while the socket stays open (SIGSTOP): the coordinator fences it for a
+  stale heartbeat; `on_fenced` marks it dead (instead of `os._exit`).
+- `hold`: the thread waits until a generation newer than the current one is published, then goes
+  on (a rank that is late and skips a generation).
+- `raise`: the rank's reduce completes (its part is in everyone's sum) and then raises
+  `ReplicaFault` and reports the failure, as a ring neighbour of a killed peer does: a split.
+- `outcome` phase: the fault fires right after the rank wrote its outcome for the step.
+Phases: `compute` (before microbatch j is added), `reduce` (the collective is in flight), `commit`
+(reduced, outcome not yet written), `outcome`, `optimizer` (after the step committed here).
+
+Store key formats read here (decisions, chain entries) are those of recover.recovery.step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import resource
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recover.collectives import Coordinator, FaultTolerantComm, Member, ReplicaFault
+from recover.collectives.keys import try_get
+from recover.recovery import StepEngine, StepResult
+from recover.workload import step_ids
+
+_GRAVE: list[object] = []  # everything a harness created; never freed (see the docstring)
+# Kept harnesses hold their sockets (~80 per harness: stores, liveness, gloo pairs): lift the
+# soft limit on open files (1024 on many systems) to the hard one for this test process.
+_soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+_want = 65536 if _hard == resource.RLIM_INFINITY else min(_hard, 65536)
+if _soft != resource.RLIM_INFINITY and _soft < _want:
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (_want, _hard))
+_FOREVER = threading.Event()  # never set
+
+
+def _keeper(grave: list[object]) -> None:
+    _FOREVER.wait()  # this frame references `grave` until the interpreter is gone
+
+
+threading.Thread(target=_keeper, args=(_GRAVE,), name="inproc-graveyard", daemon=True).start()
+
+
+def id_grad(i: int, position: int, numel: int) -> torch.Tensor:
+    """Microbatch i's gradient at `position`: small integers, different per id and position."""
+    return (i + 1) * (torch.arange(numel) % 5 + 1).float() + 1000.0 * position
+
+
+def id_loss(i: int) -> float:
+    return float(i % 7)
+
+
+def expected_grad(step: int, n: int, position: int, numel: int) -> torch.Tensor:
+    return sum((id_grad(i, position, numel) for i in step_ids(step, n)), torch.zeros(numel))
+
+
+def decision_key(step: int, g: int) -> str:
+    return f"step/{step}/g{g}/decision"
+
+
+def chain_key(step: int, k: int) -> str:
+    return f"step/{step}/chain/{k}"
+
+
+@dataclass
+class Fault:
+    replica: int
+    step: int
+    phase: str  # compute | reduce | commit | outcome | optimizer
+    j: int = 0  # compute: the rank's j-th microbatch of the step
+    action: str = "kill"  # kill | hang | hold | raise
+    rank: int = 0
+    fired: bool = False
+
+
+class _Dead(threading.Event):
+    """Set when the rank died; `block()` parks a dead rank's thread for good."""
+
+    def block(self) -> None:
+        _FOREVER.wait()
+
+
+class _StoreProxy:
+    """The member's store: refuses (blocks forever) once its rank is dead; reports writes."""
+
+    def __init__(self, real: Any, dead: _Dead, on_write: Callable[[str], None]) -> None:
+        self._real, self._dead, self._on_write = real, dead, on_write
+
+    def clone(self) -> Any:  # for background threads and gloo: real clients
+        return self._real.clone()
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self._real, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self._dead.is_set():
+                self._dead.block()
+            out = method(*args, **kwargs)
+            if name in ("set", "compare_set") and args:
+                self._on_write(str(args[0]))
+            return out
+
+        return call
+
+
+class _Comm(FaultTolerantComm):
+    """FaultTolerantComm whose reduce can be scripted to raise after it completed (a split)."""
+
+    rank_state: Rank
+
+    def reduce(self, tensor: torch.Tensor, generation: int | None = None,
+               on_issued: Callable[[], None] | None = None) -> torch.Tensor:
+        g = self.member.generation() if generation is None else generation
+        out = super().reduce(tensor, generation, on_issued)
+        if self.rank_state.should_raise():
+            self.member.report_fail(g)
+            raise ReplicaFault(g, [], "scripted: completed here, raised like a killed peer's "
+                                      "neighbour")
+        return out
+
+
+class Rank:
+    """One rank of one replica, run by a thread."""
+
+    def __init__(self, h: Harness, replica: int, rank: int) -> None:
+        self.h, self.replica, self.rank = h, replica, rank
+        self.dead = _Dead()
+        self.fenced: str | None = None
+        self.error: str | None = None
+        self.results: dict[int, tuple[StepResult, torch.Tensor]] = {}
+        self.step = -1
+        self.done = threading.Event()
+        self.member: Member | None = None
+        self.grad = torch.zeros(0)
+        self.thread = threading.Thread(target=self._main, name=f"rank-{replica}.{rank}",
+                                       daemon=True)
+
+    @property
+    def name(self) -> str:
+        return f"{self.replica}.{self.rank}"
+
+    # -- faults --------------------------------------------------------------------------------
+    def _due(self, action_raise: bool, phase: str, j: int) -> Fault | None:
+        for f in self.h.faults:
+            if (not f.fired and (f.action == "raise") == action_raise and f.phase == phase
+                    and (f.replica, f.rank, f.step) == (self.replica, self.rank, self.step)
+                    and (phase != "compute" or f.j == j)):
+                f.fired = True
+                return f
+        return None
+
+    def fire(self, phase: str, j: int = 0) -> None:
+        """Apply the scripted kill/hang/hold due at this point, if any."""
+        f = self._due(False, phase, j)
+        if f is None:
+            return
+        if f.action == "kill":
+            self.kill()
+            self.dead.block()
+        elif f.action == "hang":
+            self._stop_heartbeats()
+            self.dead.wait(self.h.timeout_s)  # until fenced (or the test fails on timeout)
+            self.dead.block()
+        elif f.action == "hold":
+            assert self.member is not None
+            self.member.wait_newer(self.member.generation(), self.h.timeout_s)
+
+    def should_raise(self) -> bool:
+        """A `raise` fault is due now (the reduce just completed here)."""
+        return self._due(True, "reduce", 0) is not None
+
+    def kill(self) -> None:
+        """What a SIGKILL does to the outside world: the liveness socket closes, silence."""
+        self.dead.set()
+        self._stop_heartbeats()
+        sock = getattr(self.member, "_sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def _stop_heartbeats(self) -> None:
+        # Member has no public "crash" switch; its heartbeat and reader loops watch `_stop`.
+        stop = getattr(self.member, "_stop", None)
+        if stop is not None:
+            stop.set()
+
+    def _on_fenced(self, why: str) -> None:
+        self.fenced = why
+        self.kill()  # a fenced process exits: its socket closes, it never acts again
+
+    def _on_write(self, key: str) -> None:
+        if f"step/{self.step}/" in key and "/out/" in key:
+            self.fire("outcome", 0)
+
+    # -- the rank's life -----------------------------------------------------------------------
+    def _main(self) -> None:
+        h = self.h
+        try:
+            member = Member("127.0.0.1", h.port, self.replica, self.rank, h.positions,
+                            heartbeat_s=0.05, timeout_s=h.timeout_s, on_fenced=self._on_fenced)
+            self.member = member
+            member.store = _StoreProxy(member.store, self.dead, self._on_write)
+            member.join()
+            comm = _Comm(member, position=self.rank, timeout_s=h.timeout_s)
+            comm.rank_state = self
+            self.grad = grad = torch.zeros(h.numel)
+            engine = StepEngine(member, comm, grad, h.n, min_replicas=h.min_replicas,
+                                timeout_s=h.timeout_s, hook=self._hook,
+                                speed_aware=h.speed_aware, positions=h.positions)
+            _GRAVE.extend([member, comm, engine, grad])
+            for t in range(h.steps):
+                self.step = t
+                grad.zero_()
+                res = engine.run(t, self._compute)
+                self.results[t] = (res, grad.clone())
+                self.fire("optimizer", 0)
+            member.leave()
+        except BaseException:
+            if not self.dead.is_set():
+                self.error = traceback.format_exc()
+        finally:
+            self.done.set()
+
+    def _compute(self, i: int, j: int) -> float:
+        self.fire("compute", j)
+        self.grad += id_grad(i, self.rank, self.h.numel)
+        return id_loss(i)
+
+    def _hook(self, phase: str, step: int, j: int) -> None:
+        if phase in ("reduce", "commit"):
+            self.fire(phase, j)
+        if phase == "commit" and self.h.barrier is not None:
+            self.h.barrier.wait(self.h.timeout_s)
+
+
+class Harness:
+    """A coordinator and `replicas` x `positions` ranks as threads; `run()` then `check()`."""
+
+    def __init__(self, tmp: Path, replicas: int, *, positions: int = 1, n: int = 8,
+                 steps: int = 3, faults: list[Fault] | None = None, stale_s: float = 3.0,
+                 timeout_s: float = 30.0, numel: int = 256, speed_aware: bool = False,
+                 min_replicas: int = 1, barrier_at_commit: bool = False) -> None:
+        self.replicas, self.positions, self.n, self.steps = replicas, positions, n, steps
+        self.faults = faults or []
+        self.timeout_s, self.numel = timeout_s, numel
+        self.speed_aware, self.min_replicas = speed_aware, min_replicas
+        self.log = tmp / "coordinator.jsonl"
+        self.coord = Coordinator(replicas, "127.0.0.1", 0, stale_s=stale_s,
+                                 join_timeout_s=timeout_s, log_path=str(self.log))
+        self.port = self.coord.start()
+        self._stop = threading.Event()
+        self._serve = threading.Thread(target=self.coord.serve, args=(self._stop.is_set,),
+                                       name="inproc-coordinator", daemon=True)
+        self.ranks = {(r, k): Rank(self, r, k) for r in range(replicas) for k in range(positions)}
+        # Every rank waits here after its reduce, so all of them write outcomes and propose a
+        # decision at the same moment (failure-free runs only: a dead rank would break it).
+        self.barrier = threading.Barrier(len(self.ranks)) if barrier_at_commit else None
+        _GRAVE.append(self)
+
+    def run(self, timeout_s: float = 90.0) -> Harness:
+        self._serve.start()
+        for rank in self.ranks.values():
+            rank.thread.start()
+        deadline = time.monotonic() + timeout_s
+        for rank in self.ranks.values():
+            while not (rank.done.is_set() or rank.dead.is_set()):
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"rank {rank.name} neither finished nor died within "
+                                         f"{timeout_s}s\n{self.diagnostics()}")
+                rank.done.wait(0.02)
+        self._stop.set()
+        self._serve.join(10)
+        errors = {r.name: r.error for r in self.ranks.values() if r.error}
+        assert not errors, "\n".join(f"rank {k}:\n{v}" for k, v in errors.items())
+        unfired = [f for f in self.faults if not f.fired]
+        assert not unfired, f"scripted faults that never fired: {unfired}"
+        return self
+
+    # -- checks --------------------------------------------------------------------------------
+    def survivors(self) -> list[int]:
+        return sorted({r for (r, _), rank in self.ranks.items()
+                       if not any(self.ranks[(r, k)].dead.is_set()
+                                  for k in range(self.positions))})
+
+    def store(self) -> Any:
+        return self.coord.client
+
+    def generations(self) -> dict[int, list[int]]:
+        return {e["gen"]: e["members"] for e in self.events("generation")}
+
+    def events(self, kind: str) -> list[dict]:
+        return [e for e in map(json.loads, self.log.read_text().splitlines()) if e["event"] == kind]
+
+    def chain(self, step: int) -> list[dict]:
+        out = []
+        while (raw := try_get(self.store(), chain_key(step, len(out)))) is not None:
+            out.append(json.loads(raw))
+        return out
+
+    def decision(self, step: int, g: int) -> bytes | None:
+        return try_get(self.store(), decision_key(step, g))
+
+    def outcome(self, step: int, g: int, leaf: str) -> bytes | None:
+        """A rank's outcome: leaf "{replica}" (one rank per replica) or "{replica}.{position}"."""
+        return try_get(self.store(), f"step/{step}/g{g}/out/{leaf}")
+
+    def check(self, survivors: list[int]) -> dict[int, StepResult]:
+        """Every result any rank returned is exact; the survivors finished every step; each step
+        committed in exactly one generation, the one every rank that returned it reports."""
+        assert self.survivors() == survivors, (self.survivors(), self.diagnostics())
+        gens = sorted(self.generations())
+        first: dict[int, StepResult] = {}
+        for rank in self.ranks.values():
+            if rank.replica in survivors:
+                assert sorted(rank.results) == list(range(self.steps)), rank.name
+            for t, (res, grad) in rank.results.items():
+                want = expected_grad(t, self.n, rank.rank, self.numel)
+                assert torch.equal(grad, want), (
+                    f"rank {rank.name} step {t}: reduced gradient is off by "
+                    f"{float((grad - want).abs().max())} (quotas {res.quotas})")
+                assert res.microbatches == self.n and sum(res.quotas.values()) == self.n, res
+                assert res.loss == sum(id_loss(i) for i in step_ids(t, self.n)) / self.n, res
+                assert res.step == t and rank.replica in res.members
+                ref = first.setdefault(t, res)
+                assert (res.generation, res.quotas, res.members) == \
+                    (ref.generation, ref.quotas, ref.members), (rank.name, res, ref)
+        for t, ref in first.items():
+            decided = {g: try_get(self.store(), decision_key(t, g)) for g in gens}
+            commits = [g for g, v in decided.items() if v == b"commit"]
+            assert commits == [ref.generation], (t, decided)
+        return first
+
+    def diagnostics(self) -> str:
+        lines = [self.log.read_text() if self.log.exists() else "(no coordinator log)"]
+        for rank in self.ranks.values():
+            lines.append(f"rank {rank.name}: step {rank.step} dead={rank.dead.is_set()} "
+                         f"fenced={rank.fenced} done={rank.done.is_set()} "
+                         f"results={sorted(rank.results)} error={rank.error}")
+        return "\n".join(lines)
