@@ -30,18 +30,17 @@ from __future__ import annotations
 import contextlib
 import json
 import resource
-import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from recover.collectives import Coordinator, FaultTolerantComm, Member, ReplicaFault
+from recover.collectives import Coordinator, FaultTolerantComm, Member, ReplicaFault, keys
 from recover.collectives.keys import try_get
 from recover.recovery import StepEngine, StepResult
 from recover.workload import step_ids
@@ -78,11 +77,11 @@ def expected_grad(step: int, n: int, position: int, numel: int) -> torch.Tensor:
 
 
 def decision_key(step: int, g: int) -> str:
-    return f"step/{step}/g{g}/decision"
+    return keys.decision_key(step, g)
 
 
 def chain_key(step: int, k: int) -> str:
-    return f"step/{step}/chain/{k}"
+    return keys.chain_key(step, k)
 
 
 @dataclass
@@ -119,7 +118,7 @@ class _StoreProxy:
             if self._dead.is_set():
                 self._dead.block()
             out = method(*args, **kwargs)
-            if name in ("set", "compare_set") and args:
+            if name in ("set", "compare_set", "add") and args:
                 self._on_write(str(args[0]))
             return out
 
@@ -131,15 +130,14 @@ class _Comm(FaultTolerantComm):
 
     rank_state: Rank
 
-    def reduce(self, tensor: torch.Tensor, generation: int | None = None,
-               on_issued: Callable[[], None] | None = None) -> torch.Tensor:
+    def reduce_(self, tensors: Sequence[torch.Tensor], generation: int | None = None,
+                on_issued: Callable[[], None] | None = None) -> None:
         g = self.member.generation() if generation is None else generation
-        out = super().reduce(tensor, generation, on_issued)
+        super().reduce_(tensors, generation, on_issued)
         if self.rank_state.should_raise():
             self.member.report_fail(g)
             raise ReplicaFault(g, [], "scripted: completed here, raised like a killed peer's "
                                       "neighbour")
-        return out
 
 
 class Rank:
@@ -181,7 +179,8 @@ class Rank:
             self.kill()
             self.dead.block()
         elif f.action == "hang":
-            self._stop_heartbeats()
+            assert self.member is not None
+            self.member.stop_heartbeats()
             self.dead.wait(self.h.timeout_s)  # until fenced (or the test fails on timeout)
             self.dead.block()
         elif f.action == "hold":
@@ -195,25 +194,16 @@ class Rank:
     def kill(self) -> None:
         """What a SIGKILL does to the outside world: the liveness socket closes, silence."""
         self.dead.set()
-        self._stop_heartbeats()
-        sock = getattr(self.member, "_sock", None)
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-
-    def _stop_heartbeats(self) -> None:
-        # Member has no public "crash" switch; its heartbeat and reader loops watch `_stop`.
-        stop = getattr(self.member, "_stop", None)
-        if stop is not None:
-            stop.set()
+        if self.member is not None:
+            self.member.crash()
 
     def _on_fenced(self, why: str) -> None:
         self.fenced = why
         self.kill()  # a fenced process exits: its socket closes, it never acts again
 
     def _on_write(self, key: str) -> None:
-        if f"step/{self.step}/" in key and "/out/" in key:
+        # The outcome: counted (`add`) failure-free, or written after a membership change.
+        if f"step/{self.step}/" in key and ("/out/" in key or key.endswith("/count")):
             self.fire("outcome", 0)
 
     # -- the rank's life -----------------------------------------------------------------------
@@ -326,7 +316,7 @@ class Harness:
 
     def outcome(self, step: int, g: int, leaf: str) -> bytes | None:
         """A rank's outcome: leaf "{replica}" (one rank per replica) or "{replica}.{position}"."""
-        return try_get(self.store(), f"step/{step}/g{g}/out/{leaf}")
+        return try_get(self.store(), keys.outcome_key(step, g, leaf))
 
     def check(self, survivors: list[int]) -> dict[int, StepResult]:
         """Every result any rank returned is exact; the survivors finished every step; each step

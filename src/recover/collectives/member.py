@@ -13,6 +13,7 @@ The coordinator drops a silent member after --stale-s, well before the member gi
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import select
@@ -63,6 +64,7 @@ class Member:
         self._stuck_s = 0.0
         self._progress = time.monotonic()
         self._welcomed = threading.Event()  # the coordinator answered our hello
+        self._hb_paused = False
         self.replica, self.rank, self.nranks = replica, rank, nranks
         self.heartbeat_s, self.timeout_s = heartbeat_s, timeout_s
         self._on_fenced = on_fenced or _exit_fenced
@@ -155,6 +157,20 @@ class Member:
     def report_join_failed(self, epoch: int) -> None:
         """A joiner's rank could not get its state (its donor died): try another one."""
         self._send(f"joinfail {epoch}\n")
+
+    # -- fault injection (in-process tests) --------------------------------------------------
+    def stop_heartbeats(self) -> None:
+        """Go silent like a stopped process, but keep reading pushes (a resumed process fences
+        itself on the generation it missed)."""
+        self._hb_paused = True
+
+    def crash(self) -> None:
+        """What a SIGKILL does to the outside world: silence, and the liveness socket closes."""
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self._sock.close()
 
     # -- the progress watchdog -------------------------------------------------------------
     def arm(self, stuck_s: float) -> None:
@@ -261,6 +277,9 @@ class Member:
         # spent on them. The store is read only as a slow fallback for a missed push.
         beats = 0
         while not self._stop.is_set():
+            if self._hb_paused:
+                self._stop.wait(self.heartbeat_s)
+                continue
             try:
                 self._send("hb\n")
                 beats += 1
