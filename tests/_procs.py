@@ -80,6 +80,21 @@ class Proc:
         self.pid = self.popen.pid
         self.exited_at: float | None = None  # time.time() when first seen exited
 
+    @classmethod
+    def command(cls, name: str, cmd: list[str], out_dir: Path,
+                env: dict[str, str] | None = None) -> Proc:
+        """A plain command (e.g. under `ip netns exec`), started in its own session."""
+        self = cls.__new__(cls)
+        self.name, self.entry, self.argv = name, cmd[0], cmd[1:]
+        self.stdout_path = out_dir / f"{name}.out"
+        self.stderr_path = out_dir / f"{name}.err"
+        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
+            self.popen = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                          env=env, start_new_session=True)
+        self.pid = self.popen.pid
+        self.exited_at = None
+        return self
+
     def poll(self) -> int | None:
         rc = self.popen.poll()
         if rc is not None and self.exited_at is None:

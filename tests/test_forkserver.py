@@ -176,7 +176,8 @@ def test_launch_ends_its_server_on_error(corpus: Path, tmp_path: Path) -> None:
     from recover.train.launch import launch
 
     cfg = preset("debug")
-    cfg.replicas, cfg.steps, cfg.data, cfg.out = 2, 2, str(corpus), str(tmp_path / "run")
+    cfg.layout.replicas, cfg.run.steps = 2, 2
+    cfg.data.path, cfg.run.out = str(corpus), str(tmp_path / "run")
     before = _live_children()
     with socket.create_server(("0.0.0.0", 0)) as taken, \
             pytest.raises(RecoverError, match="coordinator did not start"):

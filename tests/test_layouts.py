@@ -212,10 +212,13 @@ def test_sharded_grads_round_trip() -> None:
 
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     g = ShardedGrads(model.parameters())
-    assert torch.equal(g.local(), torch.zeros(g.numel))  # no gradient yet: zeros
+    out = torch.full((g.numel,), 7.0)
+    g.pack(out)
+    assert torch.equal(out, torch.zeros(g.numel))  # no gradient yet: zeros
     flat = torch.arange(g.numel, dtype=torch.float32)
     g.assign(flat)
-    assert torch.equal(g.local(), flat)
+    g.pack(out)
+    assert torch.equal(out, flat)
     assert torch.equal(model[0].weight.grad.view(-1), flat[:12])
     g.zero()
     assert all(p.grad is None for p in model.parameters())

@@ -260,12 +260,12 @@ def run_recipe(tmp: Path, corpus: Path, fault: str | None = None, victim: int = 
         subs = {"/shared/run1": str(out)}
         try:
             cmd = substitute(COORD_CMD, {**subs, "/shared/corpus.txt": str(corpus)})
-            coord = Proc("coordinator", net.exec(0, cmd), logs, env)
+            coord = Proc.command("coordinator", net.exec(0, cmd), logs, env)
             procs.append(coord)
             _wait(lambda: (out / "config.json").exists(), RUN_LIMIT_S, "DIR/config.json", coord)
             for i in range(REPLICAS):
                 cmd = substitute(WORKER_CMD, {**subs, "COORD_HOST": net.addr(0), "$i": str(i)})
-                procs.append(Proc(f"replica{i}", net.exec(i + 1, cmd), logs, env))
+                procs.append(Proc.command(f"replica{i}", net.exec(i + 1, cmd), logs, env))
             o = Outcome(out, coord, procs[1:])
             if fault is not None:
                 _wait(lambda: _metrics_lines(out) >= FAULT_AFTER_STEPS, RUN_LIMIT_S,
@@ -403,8 +403,14 @@ class _Member:
     def check(self) -> None:
         pass
 
-    def report_fail(self, generation: int) -> None:
+    def report_fail(self, generation: int, suspects: tuple[int, ...] = ()) -> None:
         self.failed.append(generation)
+
+    def progress(self) -> None:
+        pass
+
+    def notify_on_change(self, event: object, on: bool = True) -> None:
+        pass
 
 
 @pytest.fixture
@@ -417,13 +423,13 @@ def store() -> object:
 def test_named_loopback_is_refused_when_the_coordinator_is_remote(store: object) -> None:
     comm = FaultTolerantComm(_Member(store, f"{SUBNET}.3", True), ifname="lo")  # type: ignore[arg-type]
     with pytest.raises(GlooInterfaceError, match=r"127\.0\.0\.1 \(lo\).*--gloo-ifname"):
-        comm.prepare(0)
+        comm.reduce_([torch.zeros(1)], 0)
 
 
 def test_unknown_interface_is_refused(store: object) -> None:
     comm = FaultTolerantComm(_Member(store, "127.0.0.1", False), ifname="nosuch9")  # type: ignore[arg-type]
     with pytest.raises(GlooInterfaceError, match="no network interface named 'nosuch9'"):
-        comm.prepare(0)
+        comm.reduce_([torch.zeros(1)], 0)
 
 
 def test_loopback_addresses() -> None:

@@ -63,13 +63,14 @@ def test_id_seed_is_pure_and_separates_streams() -> None:
     assert id_seed(1, 5, stream=0) != id_seed(1, 5, stream=1) != id_seed(2, 5)
 
 
-def test_checksum_is_exact_in_float32() -> None:
+def test_checksum_is_exact_in_float64_up_to_2_to_the_20_ids() -> None:
     import torch
 
-    ids = step_ids(10_000, 4096)
+    ids = step_ids(10_000, 1 << 20)  # the engine's limit (recover.recovery.step.MAX_MICROBATCHES)
     c = id_checksum(ids)
-    assert c < 2**24 and float(torch.tensor(float(c), dtype=torch.float32)) == c
+    assert c < 2**53 and int(torch.tensor(float(c), dtype=torch.float64)) == c
     assert id_checksum(ids[:-1]) != c
+    assert id_checksum(step_ids(3, 8)) != id_checksum([*step_ids(3, 7), 3 * 8 + 9])
 
 
 def test_plan_rejects_empty_membership() -> None:

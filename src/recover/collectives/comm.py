@@ -143,6 +143,7 @@ class FaultTolerantComm:
         pace = self.poll_s if self.backend == "nccl" else self.recheck_s
         try:
             while not done():
+                self.member.progress()  # a legitimate wait, not a stuck thread
                 wake.wait(min(pace, max(0.0, deadline - time.monotonic())))
                 wake.clear()
                 if done():
@@ -241,6 +242,7 @@ class FaultTolerantComm:
         th.start()
         deadline = time.monotonic() + self.timeout_s
         while th.is_alive():
+            self.member.progress()
             th.join(self.poll_s)
             if th.is_alive() and self.member.generation() != g:
                 raise ReplicaFault(g, self._lost_since(g), "superseded while building")
@@ -339,6 +341,7 @@ class FaultTolerantComm:
             if time.monotonic() > deadline:
                 self.member.report_fail(g)
                 raise ReplicaFault(g, [], "barrier timed out")
+            self.member.progress()
             time.sleep(self.poll_s)
 
     def _abandon(self, pg: object, futs: list[torch.futures.Future],

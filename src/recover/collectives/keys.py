@@ -13,6 +13,8 @@ written anywhere else, so the layout can be read (and changed) in one sitting:
     step/{t}/g{g}/count             verified results of that attempt, counted
     step/{t}/g{g}/decision          the commit decision of that attempt (written once)
     coord/replicas                  R, the replicas the job was started with
+    join/{e}/donor/{rank}           where the donor's rank serves join e's state
+    join/{e}/info/{replica}         how that transfer went (metrics)
     rec/{t}                         the committed step's metrics record (first writer wins)
     run/stopped                     why the run stopped early (below --min-replicas, ...)
 
@@ -95,6 +97,17 @@ def count_key(step: int | str, g: int) -> str:
 
 OK, FAIL = b"ok", b"fail"  # outcomes
 COMMIT, REDO = b"commit", b"redo"  # decisions
+
+
+# -- joining (a replica admitted mid-run) ----------------------------------------------------
+def donor_key(epoch: int, rank: int) -> str:
+    """host:port where the donor's rank `rank` serves the state for join `epoch`."""
+    return f"join/{epoch}/donor/{rank}"
+
+
+def join_info_key(replica: int, epoch: int) -> str:
+    """JSON {transfer_s, bytes, step} of a joiner's state transfer (for the metrics)."""
+    return f"join/{epoch}/info/{replica}"
 
 
 # -- the trainer's records ------------------------------------------------------------------

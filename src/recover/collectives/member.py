@@ -184,6 +184,10 @@ class Member:
     def disarm(self) -> None:
         self._stuck_s = 0.0
 
+    @property
+    def stuck_s(self) -> float:
+        return self._stuck_s
+
     def report_lost(self, reason: str) -> None:
         """Declare this whole replica lost (one of its ranks died)."""
         self._send(f"lost {reason}\n")
@@ -205,6 +209,7 @@ class Member:
         deadline = time.monotonic() + timeout_s
         with self._changed:
             while self._gen <= generation:
+                self._progress = time.monotonic()  # a legitimate wait, not a stuck thread
                 if self.coordinator_lost:
                     raise CoordinatorLost("the coordinator is unreachable")
                 left = deadline - time.monotonic()

@@ -21,8 +21,9 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from recover.collectives import FaultTolerantComm, Member
+from recover.parallel import rejoin
 from recover.parallel.grads import ShardedGrads, is_dtensor, local_tensor
 from recover.parallel.plain import FlatGrads
 from recover.recovery import ExactGrads, GradAccess, StepEngine, StepResult, StepStrategy
@@ -59,8 +61,14 @@ class Replica:
                  join_timeout_s: float = 120.0, heartbeat_s: float = 0.1,
                  hook: Hook | None = None, speed_aware: bool = True,
                  strategy: StepStrategy | None = None, exact: bool = False,
-                 reduce_dtype: torch.dtype | None = None, backend: str = "gloo") -> None:
+                 reduce_dtype: torch.dtype | None = None, backend: str = "gloo",
+                 optimizer: torch.optim.Optimizer | None = None,
+                 state: Mapping[str, Any] | None = None, token: str | None = None,
+                 fingerprint: str = "-") -> None:
         self.module, self.mesh, self.n = module, mesh, microbatches
+        # What a replica that joins mid-run receives from a donor, besides the module: the
+        # optimizer and any user state (objects with state_dict()/load_state_dict()).
+        self.optimizer, self.user_state = optimizer, dict(state or {})
         self._left = False
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.rank = dist.get_rank() if mesh is not None else 0
@@ -91,7 +99,7 @@ class Replica:
         self.grads: GradAccess = self.exact or layout
         host, port, replica = _where(coordinator, replica)
         self.member = Member(host, port, replica, self.rank, self.nranks, heartbeat_s=heartbeat_s,
-                             timeout_s=join_timeout_s)
+                             timeout_s=join_timeout_s, token=token, fingerprint=fingerprint)
         self.member.join()
         atexit.register(self.leave)  # a clean exit says goodbye even without an explicit leave()
         self.comm = FaultTolerantComm(self.member, position=self.rank, timeout_s=timeout_s,
@@ -101,6 +109,15 @@ class Replica:
                                  speed_aware=speed_aware, positions=self.nranks,
                                  strategy=strategy,
                                  reduce_dtype=None if exact else reduce_dtype)
+        self.engine.on_join = self._donate
+        # A replica started after the run began (a replacement, a torchrun restart) joins it:
+        # it receives a running replica's state and continues from that step (`start_step`).
+        self.start_step, self.joined, self.transfer_s = 0, False, 0.0
+        if self.member.joining:
+            self.start_step, self.transfer_s, _ = rejoin.receive(
+                self.member, self.rank, module, optimizer, self.user_state, self.exact,
+                join_timeout_s)
+            self.joined = True
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self, step: int, compute: Callable[[int, int], float]) -> StepResult:
@@ -109,10 +126,16 @@ class Replica:
         the reduced step gradient and `result.loss` is the step's mean loss."""
         self.grads.zero()
         w = self.loss_weight
+        # Inside the step the main thread must keep making progress (every wait in the protocol
+        # reports it); a deadlocked one fences itself. The bound grows with slow microbatches.
+        mb = self.engine.mb_time or 1.0
+        self.member.arm((self.member.fence_after_s or 6.0) + 10 * mb)
 
         def weighted(i: int, j: int) -> float:
+            self.member.progress()
             with self.guard():
                 loss = w * compute(i, j)
+            self.member.progress()
             if self.exact is not None:  # into the fixed-point sum, before the next microbatch
                 self.exact.fold(loss)
             return loss
@@ -125,11 +148,22 @@ class Replica:
             res = self.engine.run(step, weighted, round_)
         if self.exact is not None:
             res.loss = self.exact.loss / self.n
+        self.member.disarm()
         if self.nranks > 1:
             with self.guard():
                 self._sum_tied()
                 res.loss = self.replica_sum(res.loss)
         return res
+
+    def _donate(self, step: int, join: dict) -> None:
+        """The step engine found a join at this step boundary: the donor replica's ranks serve
+        the joiner's ranks (rank k to rank k), before anything of step `step` is computed."""
+        if int(join["donor"]) == self.replica:
+            bound = self.member.stuck_s
+            self.member.disarm()  # a big state takes its time; serve() has its own timeouts
+            rejoin.serve(self.member, self.rank, step, join, self.module, self.optimizer,
+                         self.user_state, self.exact)
+            self.member.arm(bound)
 
     def replica_sum(self, value: float) -> float:
         """Sum a float over this replica's ranks (e.g. weighted per-rank losses); the value itself

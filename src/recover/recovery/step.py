@@ -405,6 +405,7 @@ class StepEngine:
             if time.monotonic() > deadline:
                 raise RecoveryError(f"no commit decision for step {step} within "
                                     f"{3 * self.timeout_s:.0f}s")
+            self.member.progress()
             time.sleep(pause)  # the fault path only: the others are a moment behind
             pause = min(2 * pause, 0.05)
 

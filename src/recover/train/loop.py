@@ -17,10 +17,11 @@ import torch
 from torch.distributed import DistError
 
 from recover.collectives import CoordinatorLost, GlooInterfaceError, keys
-from recover.config import RunConfig
+from recover.config import RunConfig, fingerprint
 from recover.faults import FaultInjector, validate_faults
 from recover.parallel import Replica
 from recover.recovery import BelowMinReplicas, StepStrategy
+from recover.runtoken import run_token
 from recover.train import layout
 from recover.train.ckpt_rank import RankCheckpoints
 from recover.train.data import eval_batches, load_data, microbatch
@@ -55,12 +56,21 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
         applied = ckpts.resume()
     faults = FaultInjector(validate_faults(ft.faults, cfg.layout.replicas, cfg.run.steps, nranks),
                            replica, rank, nranks)
-    rep = Replica(rm.module, n, mesh=rm.mesh, tied=rm.tied, coordinator=f"{host}:{port}",
-                  replica=replica, min_replicas=ft.min_replicas, timeout_s=ft.reduce_timeout_s,
-                  join_timeout_s=ft.join_timeout_s, heartbeat_s=ft.heartbeat_s,
-                  hook=faults.at, speed_aware=ft.speed_aware, strategy=_strategy(cfg),
-                  exact=cfg.compute.exact, backend=cfg.compute.backend,
-                  reduce_dtype=layout.DTYPES.get(cfg.compute.reduce_dtype))
+    try:
+        rep = Replica(rm.module, n, mesh=rm.mesh, tied=rm.tied, coordinator=f"{host}:{port}",
+                      replica=replica, min_replicas=ft.min_replicas,
+                      timeout_s=ft.reduce_timeout_s, join_timeout_s=ft.join_timeout_s,
+                      heartbeat_s=ft.heartbeat_s, hook=faults.at, speed_aware=ft.speed_aware,
+                      strategy=_strategy(cfg), exact=cfg.compute.exact,
+                      backend=cfg.compute.backend, optimizer=opt,
+                      reduce_dtype=layout.DTYPES.get(cfg.compute.reduce_dtype),
+                      token=run_token(run_dir).decode(), fingerprint=fingerprint(cfg))
+    except (CoordinatorLost, TimeoutError) as e:  # refused (another run), or no coordinator
+        log(f"cannot join: {e}")
+        return EXIT_USAGE
+    if rep.joined:  # a replacement: it continues from the donor's step, on the trajectory
+        applied = rep.start_step
+        log(f"joined the running job at step {applied} ({rep.transfer_s:.2f}s state transfer)")
     store = rep.member.store
     evals = eval_batches(corpus.val, m.block_size, b, seed, cfg.data.eval_microbatches)
     timer = StepTimer()

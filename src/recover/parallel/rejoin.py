@@ -1,0 +1,139 @@
+"""Growing back: a replica that joins a running job, and the donor that hands it its state.
+
+Invariant: a joiner is admitted (the coordinator publishes a generation with it) only after
+every one of its ranks holds, verified, the state its donor rank had at one step boundary t:
+parameters, optimizer state, the step, RNG, exact-mode exponents and any user state. Its first
+step is t, on the failure-free trajectory; no running replica loses a step (the step t they are
+in waits for the admission, or for it to be given up, then goes on with whoever is a member).
+Donor side: the rank at the same position of the donor replica serves it (`serve`), called by
+the step engine when step t's plan says "join".
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from recover.collectives import Member, keys
+from recover.parallel import transfer
+
+CONNECT_S = 30.0  # a joiner is waiting when the join is announced: it connects at once
+
+
+class StepState:
+    """What a joiner needs beyond the module and optimizer: the step, RNG, exact exponents."""
+
+    def __init__(self, exact: Any | None) -> None:
+        self.step = 0
+        self.exact = exact
+
+    def state_dict(self) -> dict[str, Any]:
+        sd: dict[str, Any] = {"step": torch.tensor([self.step], dtype=torch.int64),
+                              "rng": torch.get_rng_state()}
+        if self.exact is not None:
+            sd["exact_max"] = torch.tensor(self.exact.max_seen, dtype=torch.float64)
+        return sd
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        self.step = int(sd["step"][0])
+        torch.set_rng_state(sd["rng"])
+        if self.exact is not None:
+            self.exact.max_seen = [float(v) for v in sd["exact_max"].tolist()]
+            self.exact.shifts = self.exact._shifts(self.exact.max_seen)
+
+
+def _log(msg: str) -> None:
+    print(f"recover: {msg}", file=sys.stderr, flush=True)
+
+
+def serve(member: Member, rank: int, step: int, join: dict, module: nn.Module,
+          optimizer: torch.optim.Optimizer | None, extra: Mapping[str, Any],
+          exact: Any | None) -> None:
+    """Donor rank: stream this rank's state (after `step` optimizer steps) to the joiner's rank
+    `rank`. Any failure is logged and given up: the coordinator then gives the join up too."""
+    epoch = int(join["epoch"])
+    t0 = time.monotonic()
+    try:
+        with socket.create_server((member.local_addr or "127.0.0.1", 0)) as srv:
+            srv.settimeout(CONNECT_S)
+            host, port = srv.getsockname()[:2]
+            member.store.set(keys.donor_key(epoch, rank), f"{host}:{port}")
+            conn, _ = srv.accept()
+        with conn:
+            conn.settimeout(CONNECT_S)
+            st = StepState(exact)
+            st.step = step
+            state = transfer.TrainingState(module, optimizer, {**extra, "_recover": st})
+            sent = transfer.send(conn, state.tensors, state.meta)
+        _log(f"donated {sent / 1e6:.1f} MB of state at step {step} to replica "
+             f"{join['replica']} rank {rank} in {time.monotonic() - t0:.2f}s")
+    except (OSError, transfer.TransferError) as e:
+        _log(f"donation to replica {join['replica']} (join {epoch}) failed: {e}")
+
+
+def receive(member: Member, rank: int, module: nn.Module,
+            optimizer: torch.optim.Optimizer | None, extra: Mapping[str, Any],
+            exact: Any | None, timeout_s: float) -> tuple[int, float, int]:
+    """Joiner rank: get the state from a donor (another one if a donor dies), tell the
+    coordinator, wait for the admission. Returns (step to continue from, transfer s, bytes)."""
+    if optimizer is not None:
+        transfer.materialize_optimizer(optimizer)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        epoch = member.join_epoch
+        addr = _wait_key(member, keys.donor_key(epoch, rank), epoch, deadline)
+        if addr is None:  # a newer join epoch (the donor went away): try again
+            continue
+        st = StepState(exact)
+        state = transfer.TrainingState(module, optimizer, {**extra, "_recover": st})
+        t0 = time.monotonic()
+        try:
+            with transfer.connect(addr.decode(), CONNECT_S) as sock:
+                sock.settimeout(CONNECT_S)
+                meta, got = transfer.receive(sock, state.tensors, state.meta)
+        except (OSError, transfer.TransferError) as e:
+            _log(f"state transfer from {addr.decode()} (join {epoch}) failed: {e}; asking for "
+                 "another donor")
+            member.report_join_failed(epoch)
+            _wait_epoch(member, epoch, deadline)
+            continue
+        state.finish(meta)
+        took = time.monotonic() - t0
+        member.store.set(keys.join_info_key(member.replica, epoch),
+                         json.dumps({"transfer_s": round(took, 4), "bytes": got,
+                                     "step": st.step}))
+        member.report_ready(epoch)
+        while member.joining:  # admitted once a generation includes us
+            if time.monotonic() > deadline or member.coordinator_lost:
+                raise TimeoutError(f"replica {member.replica} was not admitted in time")
+            if member.join_epoch != epoch:  # given up after all (e.g. a sibling's transfer)
+                break
+            time.sleep(0.01)
+        if not member.joining:
+            return st.step, took, got
+
+
+def _wait_key(member: Member, key: str, epoch: int, deadline: float) -> bytes | None:
+    while True:
+        v = keys.try_get(member.store, key)
+        if v is not None:
+            return v
+        if member.join_epoch != epoch:
+            return None
+        if time.monotonic() > deadline or member.coordinator_lost:
+            raise TimeoutError(f"no donor for replica {member.replica} (join {epoch}) in time")
+        time.sleep(0.02)
+
+
+def _wait_epoch(member: Member, epoch: int, deadline: float) -> None:
+    while member.join_epoch == epoch:
+        if time.monotonic() > deadline or member.coordinator_lost:
+            raise TimeoutError(f"replica {member.replica} was given no other donor in time")
+        time.sleep(0.02)
