@@ -125,6 +125,7 @@ class FaultInjector:
     point."""
 
     def __init__(self, faults: list[Fault], replica: int, rank: int = 0, nranks: int = 1) -> None:
+        self.all = list(faults)  # every replica's (a restart is scheduled run-wide)
         self.faults = [f for f in faults if f.replica == replica and f.target_rank(nranks) == rank]
         self.fired: set[int] = set()
 

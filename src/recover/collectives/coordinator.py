@@ -65,6 +65,7 @@ class _Join:
     ranks: set[int] = field(default_factory=set)
     ready: set[int] = field(default_factory=set)
     since: float = field(default_factory=time.monotonic)
+    at: int = 0  # not before this step boundary
 
 
 class Coordinator:
@@ -234,10 +235,11 @@ class Coordinator:
             raise ValueError(f"unknown message {kind!r}")
 
     def _hello(self, conn: _Conn, words: list[str]) -> None:
-        # hello <replica> <rank> <nranks> <pid> [<token> <fingerprint>]
+        # hello <replica> <rank> <nranks> <pid> [<token> <fingerprint> [<join at step>]]
         replica, rank, nranks, pid = (int(w) for w in words[1:5])
         token = words[5] if len(words) > 5 else "-"
         fingerprint = words[6] if len(words) > 6 else "-"
+        join_at = int(words[7]) if len(words) > 7 else 0
         if conn.replica is not None:
             raise ValueError("a second hello on one connection")
         why = None
@@ -273,11 +275,12 @@ class Coordinator:
         # Mid-run: admission at a step boundary, after a live state transfer (DESIGN §10).
         join = self.joins.setdefault(replica, _Join(nranks))
         join.ranks.add(rank)
+        join.at = max(join.at, join_at)
         self._set_exit(replica, "joining")
         if len(join.ranks) == join.nranks and join.epoch < 0:
             self._announce_join(replica, join)
         elif join.epoch >= 0:
-            self._send(conn, f"joining {join.epoch}\n")
+            self._send(conn, f"joining {join.epoch} {self.generation}\n")
 
     def _announce_join(self, replica: int, join: _Join) -> None:
         self.epochs += 1
@@ -285,9 +288,9 @@ class Coordinator:
         self._log({"event": "join", "replica": replica, "epoch": join.epoch})
         for c in list(self._conns.values()):
             if c.replica == replica:
-                self._send(c, f"joining {join.epoch}\n")
+                self._send(c, f"joining {join.epoch} {self.generation}\n")
             elif c.replica in self.members:
-                self._send(c, f"join {replica} {join.epoch}\n")
+                self._send(c, f"join {replica} {join.epoch} {join.at}\n")
 
     def _join_ready(self, conn: _Conn, epoch: int) -> None:
         join = self.joins.get(conn.replica)  # type: ignore[arg-type]

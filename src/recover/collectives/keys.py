@@ -14,7 +14,7 @@ written anywhere else, so the layout can be read (and changed) in one sitting:
     step/{t}/g{g}/decision          the commit decision of that attempt (written once)
     coord/replicas                  R, the replicas the job was started with
     join/{e}/donor/{rank}           where the donor's rank serves join e's state
-    join/{e}/info/{replica}         how that transfer went (metrics)
+    join/info/{replica}             how its latest transfer went (metrics)
     rec/{t}                         the committed step's metrics record (first writer wins)
     run/stopped                     why the run stopped early (below --min-replicas, ...)
 
@@ -105,9 +105,9 @@ def donor_key(epoch: int, rank: int) -> str:
     return f"join/{epoch}/donor/{rank}"
 
 
-def join_info_key(replica: int, epoch: int) -> str:
-    """JSON {transfer_s, bytes, step} of a joiner's state transfer (for the metrics)."""
-    return f"join/{epoch}/info/{replica}"
+def join_info_key(replica: int) -> str:
+    """JSON {transfer_s, bytes, step} of a joiner's latest state transfer (for the metrics)."""
+    return f"join/info/{replica}"
 
 
 # -- the trainer's records ------------------------------------------------------------------

@@ -57,7 +57,8 @@ class Member:
         # generation includes this replica; members learn of a joiner as `join_request`.
         self.joining = False
         self.join_epoch = -1
-        self.join_request: tuple[int, int] | None = None  # (replica, epoch) waiting to be served
+        # (replica, epoch, first step it may join at) of a joiner waiting to be served
+        self.join_request: tuple[int, int, int] | None = None
         # Progress watchdog: while armed, a main thread that reports no progress for `_stuck_s`
         # is stuck (a deadlock, a hung kernel): the process fences itself (EXIT_STUCK).
         self._on_stuck = on_stuck or _exit_stuck
@@ -65,6 +66,7 @@ class Member:
         self._progress = time.monotonic()
         self._welcomed = threading.Event()  # the coordinator answered our hello
         self._hb_paused = False
+        self._admit_after = -1
         self.replica, self.rank, self.nranks = replica, rank, nranks
         self.heartbeat_s, self.timeout_s = heartbeat_s, timeout_s
         self._on_fenced = on_fenced or _exit_fenced
@@ -105,8 +107,10 @@ class Member:
         # Every read has a timeout; sends are a few bytes into an empty buffer and never wait.
         self._sock.settimeout(READ_TICK_S)
         self._heard = time.monotonic()
+        # A replacement may ask not to be admitted before a step (the `restart` fault's step).
+        at = os.environ.get("RECOVER_JOIN_AT", "0")
         hello = (f"hello {self.replica} {self.rank} {self.nranks} {os.getpid()} {self.token} "
-                 f"{self.fingerprint}\n")
+                 f"{self.fingerprint} {int(at) if at.isdigit() else 0}\n")
         self._sock.sendall(hello.encode())
         self._hb_store = self.store.clone()
         self._rd_store = self.store.clone()
@@ -249,12 +253,14 @@ class Member:
 
     def _refresh(self, store) -> None:
         """Learn every generation published so far (count is bumped after members are set)."""
+        if not self._welcomed.is_set():
+            return  # until the coordinator answered our hello, we do not know if we are joining
         count = keys.store_int(store, keys.GEN_COUNT)
         with self._lock:
             known = self._gen
         for g in range(known + 1, count):
             members = keys.decode_members(store.get(keys.members_key(g)))
-            if self.joining and self.replica in members:
+            if self.joining and self.replica in members and g > self._admit_after:
                 self.joining = False  # admitted: from now on a generation without us fences us
             if self.join_request is not None and self.join_request[0] in members:
                 self.join_request = None
@@ -333,12 +339,15 @@ class Member:
         try:
             if words[:1] == ["welcome"]:
                 self._welcomed.set()
-            elif words[:1] == ["join"]:  # join <replica> <epoch>: a joiner waits for a donor
-                self.join_request = (int(words[1]), int(words[2]))
+            elif words[:1] == ["join"]:  # join <replica> <epoch> <step>: a joiner waits for a donor
+                self.join_request = (int(words[1]), int(words[2]), int(words[3]))
             elif words[:1] == ["joinend"]:  # joinend <epoch>: admitted or given up
                 if self.join_request is not None and self.join_request[1] == int(words[1]):
                     self.join_request = None
-            elif words[:1] == ["joining"]:  # joining <epoch>: we are the joiner
+            elif words[:1] == ["joining"]:  # joining <epoch> <generation now>: we are the joiner
+                # Generations up to now may hold our earlier incarnation: only a later one that
+                # includes us admits us.
+                self._admit_after = int(words[2])
                 self.joining, self.join_epoch = True, int(words[1])
                 self._welcomed.set()
             elif words[:1] == ["refused"]:

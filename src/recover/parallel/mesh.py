@@ -11,6 +11,7 @@ rank's position: with ("pp", "tp"), rank = pp * tp_size + tp.
 from __future__ import annotations
 
 import datetime
+import os
 
 import torch.distributed as dist
 from torch.distributed import PrefixStore
@@ -39,6 +40,10 @@ def replica_mesh(layout: str, shards: int = 1, tp: int = 1, stages: int = 1) -> 
 def init_replica_group(host: str, port: int, replica: int, rank: int, nranks: int,
                        timeout_s: float = 60.0) -> None:
     """The replica's default process group, on the coordinator's store (prefix per replica)."""
+    # A restarted replica builds its group afresh: its earlier incarnation's keys are stale.
+    # RECOVER_INCARNATION (recover train's restarts), TORCHELASTIC_RESTART_COUNT (torchrun's).
+    inc = os.environ.get("RECOVER_INCARNATION") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = connect_store(host, port, timeout_s)
-    dist.init_process_group("gloo", store=PrefixStore(f"replica{replica}/pg", store), rank=rank,
+    dist.init_process_group("gloo", store=PrefixStore(f"replica{replica}.{inc}/pg", store),
+                            rank=rank,
                             world_size=nranks, timeout=datetime.timedelta(seconds=timeout_s))

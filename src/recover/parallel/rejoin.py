@@ -106,7 +106,7 @@ def receive(member: Member, rank: int, module: nn.Module,
             continue
         state.finish(meta)
         took = time.monotonic() - t0
-        member.store.set(keys.join_info_key(member.replica, epoch),
+        member.store.set(keys.join_info_key(member.replica),
                          json.dumps({"transfer_s": round(took, 4), "bytes": got,
                                      "step": st.step}))
         member.report_ready(epoch)

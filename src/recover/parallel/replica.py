@@ -64,7 +64,8 @@ class Replica:
                  reduce_dtype: torch.dtype | None = None, backend: str = "gloo",
                  optimizer: torch.optim.Optimizer | None = None,
                  state: Mapping[str, Any] | None = None, token: str | None = None,
-                 fingerprint: str = "-") -> None:
+                 fingerprint: str = "-", scheduled_joins: Mapping[int, int] | None = None
+                 ) -> None:
         self.module, self.mesh, self.n = module, mesh, microbatches
         # What a replica that joins mid-run receives from a donor, besides the module: the
         # optimizer and any user state (objects with state_dict()/load_state_dict()).
@@ -110,6 +111,8 @@ class Replica:
                                  strategy=strategy,
                                  reduce_dtype=None if exact else reduce_dtype)
         self.engine.on_join = self._donate
+        # Fault injection only (a `restart` fault): the plan of step S waits for replica R.
+        self.engine.scheduled_joins = dict(scheduled_joins or {})
         # A replica started after the run began (a replacement, a torchrun restart) joins it:
         # it receives a running replica's state and continues from that step (`start_step`).
         self.start_step, self.joined, self.transfer_s = 0, False, 0.0

@@ -189,6 +189,7 @@ class StepEngine:
         # (`recover.Replica` serves the joiner its state when this replica is the donor).
         self.on_join: Callable[[int, dict], None] | None = None
         self._served: set[int] = set()
+        self.scheduled_joins: dict[int, int] = {}  # fault injection: replica -> step (see above)
         self._proposed: set[int] = set()
         # One gradient-sized scratch buffer, reused by every reduce unless an abandoned
         # operation may still write into it (then a new one is made and this one dropped).
@@ -437,8 +438,11 @@ class StepEngine:
         return chain
 
     def _propose(self, step: int, chain: Chain, g: int, members: list[int]) -> dict:
+        if not chain:
+            self._await_scheduled_join(step, members)
         joiner = self.member.join_request if not chain else None
-        if joiner is not None and joiner[0] not in members and joiner[1] not in self._proposed:
+        if joiner is not None and joiner[0] not in members and joiner[1] not in self._proposed \
+                and step >= joiner[2]:
             # Admit at this boundary: the step waits for the joiner (see `run`), served by us.
             self._proposed.add(joiner[1])
             return {"gen": g, "assign": {},
@@ -447,6 +451,21 @@ class StepEngine:
                   if self.speed_aware else None)
         assign = self.strategy.assign(step, self.n, chain, members, speeds)
         return {"gen": g, "assign": {str(m): ids for m, ids in assign.items() if ids}}
+
+    def _await_scheduled_join(self, step: int, members: list[int]) -> None:
+        """Fault injection (`restart:replica=R,step=S`): at boundary S the plan waits, bounded,
+        for replica R's replacement to register, so the scenario is reproducible. A real
+        replacement is not waited for: it joins at the first boundary after it registered."""
+        for replica, at in self.scheduled_joins.items():
+            if step != at or replica in members:
+                continue
+            deadline = time.monotonic() + 3 * self.timeout_s
+            while time.monotonic() < deadline and not self.member.coordinator_lost:
+                req = self.member.join_request
+                if req is not None and req[0] == replica:
+                    return
+                self.member.progress()
+                time.sleep(0.01)
 
     # -- speeds ------------------------------------------------------------------------------
     def _record_speed(self, compute_s: float, count: int) -> None:

@@ -234,15 +234,26 @@ def _launch(cfg: RunConfig, start: int, console: Console, quiet: bool, external_
     try:
         store = connect_store("127.0.0.1", port, 30.0)
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        for r in range(0 if external_workers else cfg.layout.replicas):
+        incarnations: dict[int, int] = {}
+
+        def start_replica(r: int, join_at: int = 0) -> None:
+            """All ranks of replica r; again after a `restart` fault (a new incarnation, which
+            joins the running job at a step boundary >= join_at: recover.parallel.rejoin)."""
+            inc = incarnations[r] = incarnations.get(r, -1) + 1
             for k in range(cfg.layout.ranks_per_replica()):  # multi-rank: a process per rank
                 name = f"replica{r}.log" if k == 0 else f"replica{r}.rank{k}.log"
                 procs[(r, k)] = _start(
                     server, "recover.train.worker:main",
                     ["--run-dir", str(out), "--replica", str(r), "--rank", str(k),
-                     "--coordinator", f"127.0.0.1:{port}"], out / "logs" / name, env)
+                     "--coordinator", f"127.0.0.1:{port}"], out / "logs" / name,
+                    {**env, "RECOVER_INCARNATION": str(inc), "RECOVER_JOIN_AT": str(join_at)})
             workers[r] = procs[(r, 0)]
-        everyone = dict(enumerate(procs.values()))
+
+        for r in range(0 if external_workers else cfg.layout.replicas):
+            start_replica(r)
+        restarts = {f.replica: f.step for f in validate_faults(cfg.ft.faults, cfg.layout.replicas,
+                                                               cfg.run.steps)
+                    if f.kind == "restart"}
         watch = _AbortWatch(workers) if abort_on_loss else None
         end = cfg.run.stop_at or cfg.run.steps
         tokens = cfg.data.microbatches * cfg.data.microbatch_size * cfg.model.block_size
@@ -255,7 +266,8 @@ def _launch(cfg: RunConfig, start: int, console: Console, quiet: bool, external_
                           f"{start}..{end - 1}, out {out}", highlight=False)
         stall_limit = cfg.ft.join_timeout_s + cfg.ft.reduce_timeout_s + 60
         try:
-            message = _supervise(store, sink, end, everyone, external_workers, stall_limit)
+            message = _supervise(store, sink, end, procs, external_workers, stall_limit,
+                                 restarts, start_replica)
         except Exception as e:  # the store is gone: the coordinator process died
             if not _exited(coord, 5.0):
                 raise
@@ -364,11 +376,23 @@ class _AbortWatch:
         self._thread.join(timeout=30)
 
 
-def _supervise(store: Any, sink: MetricsSink, end: int, workers: dict[int, Process],
-               external: bool, stall_limit: float) -> str:
-    """Write records as they arrive until the last step, or until the run cannot go on."""
+def _supervise(store: Any, sink: MetricsSink, end: int, procs: dict[tuple[int, int], Process],
+               external: bool, stall_limit: float, restarts: dict[int, int] | None = None,
+               restart: Any = None) -> str:
+    """Write records as they arrive until the last step, or until the run cannot go on; start a
+    replica again once step S-1 committed for a `restart:replica=R,step=S` fault (if it died)."""
     last_progress = time.monotonic()
+    restarts = dict(restarts or {})
     while sink.next < end:
+        for r, at in list(restarts.items()):
+            # Started again as soon as it is gone (a replacement takes seconds to start); it is
+            # admitted at the first step boundary >= `at` after it registered.
+            ranks = [p for (rr, _), p in procs.items() if rr == r]
+            if all(p.poll() is not None for p in ranks):
+                del restarts[r]
+                restart(r, at)
+                last_progress = time.monotonic()
+        workers = dict(enumerate(procs.values()))
         if sink.poll():
             last_progress = time.monotonic()
             continue

@@ -64,7 +64,9 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
                       strategy=_strategy(cfg), exact=cfg.compute.exact,
                       backend=cfg.compute.backend, optimizer=opt,
                       reduce_dtype=layout.DTYPES.get(cfg.compute.reduce_dtype),
-                      token=run_token(run_dir).decode(), fingerprint=fingerprint(cfg))
+                      token=run_token(run_dir).decode(), fingerprint=fingerprint(cfg),
+                      scheduled_joins={f.replica: f.step for f in faults.all
+                                       if f.kind == "restart"})
     except (CoordinatorLost, TimeoutError) as e:  # refused (another run), or no coordinator
         log(f"cannot join: {e}")
         return EXIT_USAGE

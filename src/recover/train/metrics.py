@@ -44,6 +44,7 @@ def step_record(res: StepResult, lr: float, grad_norm: float, timer: StepTimer) 
     """The metrics line of a committed step, as a replica publishes it (`rec/{step}`)."""
     return {"step": res.step, "loss": res.loss, "lr": lr, "grad_norm": grad_norm,
             "microbatches": res.microbatches, "live_replicas": len(res.members),
+            "members": res.members,
             "quotas": {str(k): v for k, v in res.quotas.items()},
             "generation": res.generation, "recovered": res.recovered,
             "recovery_s": round(res.recovery_s, 4), "attempts": res.attempts,
@@ -77,6 +78,7 @@ class MetricsSink:
             rec["time_s"] = round(t_commit - self.run_start, 4)
             rec["tokens"] = (rec["step"] + 1) * self.tokens_per_step
             rec["tokens_per_s"] = round(self.tokens_per_step / max(rec["step_time_s"], 1e-9), 1)
+            self._note_joins(rec)
             with open(self.path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
             self.records.append(rec)
@@ -85,6 +87,20 @@ class MetricsSink:
             n += 1
             self._forget(rec["step"] - 2)
         return n
+
+    def _note_joins(self, rec: dict[str, Any]) -> None:
+        """`joined`: replicas that are members now and were not at the previous step, with the
+        time their state transfer took (published by the joiner)."""
+        if not self.records or "members" not in self.records[-1]:
+            return
+        new = sorted(set(rec["members"]) - set(self.records[-1]["members"]))
+        if not new:
+            return
+        rec["joined"] = new
+        infos = [keys.try_get(self.store, keys.join_info_key(r)) for r in new]
+        took = [json.loads(i)["transfer_s"] for i in infos if i]
+        if took:
+            rec["transfer_s"] = max(took)
 
     def _forget(self, step: int) -> None:
         """Delete the store keys of `step`, which no live replica can read any more: a record
