@@ -73,7 +73,9 @@ def id_loss(i: int) -> float:
 
 
 def expected_grad(step: int, n: int, position: int, numel: int) -> torch.Tensor:
-    return sum((id_grad(i, position, numel) for i in step_ids(step, n)), torch.zeros(numel))
+    total = sum((id_grad(i, position, numel).double() for i in step_ids(step, n)),
+                torch.zeros(numel, dtype=torch.float64))
+    return total
 
 
 def decision_key(step: int, g: int) -> str:
@@ -149,6 +151,7 @@ class Rank:
         self.fenced: str | None = None
         self.error: str | None = None
         self.results: dict[int, tuple[StepResult, torch.Tensor]] = {}
+        self.ops: dict[int, float] = {}  # step -> the engine's store round trips in that step
         self.step = -1
         self.done = threading.Event()
         self.member: Member | None = None
@@ -217,16 +220,25 @@ class Rank:
             member.join()
             comm = _Comm(member, position=self.rank, timeout_s=h.timeout_s)
             comm.rank_state = self
-            self.grad = grad = torch.zeros(h.numel)
+            self.grad = grad = torch.zeros(h.numel, dtype=h.dtype)
             engine = StepEngine(member, comm, grad, h.n, min_replicas=h.min_replicas,
                                 timeout_s=h.timeout_s, hook=self._hook,
                                 speed_aware=h.speed_aware, positions=h.positions)
             _GRAVE.extend([member, comm, engine, grad])
+            self.engine = engine
             for t in range(h.steps):
                 self.step = t
+                self.ops[t] = engine.stats["store_ops"]
                 grad.zero_()
                 res = engine.run(t, self._compute)
                 self.results[t] = (res, grad.clone())
+                self.ops[t] = engine.stats["store_ops"] - self.ops[t]
+                if h.records and self.rank == 0:  # as the trainer does: the sink deletes old keys
+                    member.store.compare_set(keys.record_key(t), "", json.dumps(
+                        {"step": t, "generation": res.generation, "attempts": res.attempts,
+                         "members": res.members, "t_commit": time.time(), "step_time_s": 0.01,
+                         "live_replicas": len(res.members), "recovered": res.recovered,
+                         "loss": res.loss}))
                 self.fire("optimizer", 0)
             member.leave()
         except BaseException:
@@ -237,7 +249,7 @@ class Rank:
 
     def _compute(self, i: int, j: int) -> float:
         self.fire("compute", j)
-        self.grad += id_grad(i, self.rank, self.h.numel)
+        self.grad += id_grad(i, self.rank, self.h.numel).to(self.h.dtype)
         return id_loss(i)
 
     def _hook(self, phase: str, step: int, j: int) -> None:
@@ -253,7 +265,9 @@ class Harness:
     def __init__(self, tmp: Path, replicas: int, *, positions: int = 1, n: int = 8,
                  steps: int = 3, faults: list[Fault] | None = None, stale_s: float = 3.0,
                  timeout_s: float = 30.0, numel: int = 256, speed_aware: bool = False,
-                 min_replicas: int = 1, barrier_at_commit: bool = False) -> None:
+                 min_replicas: int = 1, barrier_at_commit: bool = False,
+                 records: bool = False, dtype: torch.dtype = torch.float32) -> None:
+        self.records, self.dtype = records, dtype
         self.replicas, self.positions, self.n, self.steps = replicas, positions, n, steps
         self.faults = faults or []
         self.timeout_s, self.numel = timeout_s, numel
@@ -328,7 +342,7 @@ class Harness:
             if rank.replica in survivors:
                 assert sorted(rank.results) == list(range(self.steps)), rank.name
             for t, (res, grad) in rank.results.items():
-                want = expected_grad(t, self.n, rank.rank, self.numel)
+                want = expected_grad(t, self.n, rank.rank, self.numel).to(grad.dtype)
                 assert torch.equal(grad, want), (
                     f"rank {rank.name} step {t}: reduced gradient is off by "
                     f"{float((grad - want).abs().max())} (quotas {res.quotas})")

@@ -1,0 +1,91 @@
+"""The control plane at scale and in any precision, in-process (tests/_inproc.py's harness).
+
+- A failure-free step costs each rank at most 4 store round trips (the engine's own counter),
+  whatever R and the positions per replica.
+- The store's key count stays flat over many steps: the metrics sink deletes old steps' keys.
+- The reduce's verification is exact for bf16 and fp16 gradients and for N = 65,536 ids; beyond
+  the proven limits the engine refuses to start, with a clear error.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+from _inproc import Harness
+from recover.recovery.step import MAX_MICROBATCHES
+from recover.train.metrics import MetricsSink
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.mark.parametrize("replicas,positions", [(4, 1), (3, 2)])
+def test_at_most_four_store_round_trips_per_rank_per_step(tmp_path: Path, replicas: int,
+                                                          positions: int) -> None:
+    h = Harness(tmp_path, replicas, positions=positions, n=12, steps=6).run()
+    h.check(list(range(replicas)))
+    for rank in h.ranks.values():
+        per_step = [rank.ops[t] for t in range(1, h.steps)]  # step 0 also builds the group
+        assert max(per_step) <= 4, (rank.name, per_step)
+
+
+def test_store_key_count_is_flat(tmp_path: Path) -> None:
+    steps = 150
+    h = Harness(tmp_path, 3, n=6, steps=steps, records=True)
+    sink = MetricsSink(h.store(), tmp_path / "metrics.jsonl", 0, steps, 1, 0.0,
+                       Console(quiet=True), quiet=True)
+    counts: dict[int, int] = {}
+    stop = threading.Event()
+
+    def drain() -> None:  # the launcher's metrics sink, deleting what no replica can read
+        while not stop.is_set() and sink.next < steps:
+            if sink.poll():
+                counts[sink.next] = h.coord.store.num_keys()
+            stop.wait(0.005)
+
+    t = threading.Thread(target=drain, daemon=True)
+    t.start()
+    h.run(timeout_s=200)
+    stop.set()
+    t.join(10)
+    # (not h.check(): it reads the decisions, which the sink has deleted by design)
+    assert all(sorted(r.results) == list(range(steps)) for r in h.ranks.values())
+    assert all(res.microbatches == 6 for r in h.ranks.values() for res, _ in r.results.values())
+    early = max(v for k, v in counts.items() if 20 <= k <= 40)
+    late = max(v for k, v in counts.items() if k >= steps - 20)
+    assert late <= early + 2, (early, late)  # without deletion: ~3 keys more per step
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_gradients_verify(tmp_path: Path, dtype: torch.dtype) -> None:
+    """v0.1 carried the trailer in the gradient's dtype: in bf16 the checksum arrived wrong and no
+    step could commit. Now it travels apart, in float64."""
+    h = Harness(tmp_path, 3, n=8, steps=3, numel=64, dtype=dtype).run()
+    for rank in h.ranks.values():
+        for res, grad in rank.results.values():
+            assert res.microbatches == 8 and res.attempts == 1, res
+            assert grad.dtype == dtype and bool(torch.isfinite(grad).all())
+
+
+def test_65536_microbatches_verify(tmp_path: Path) -> None:
+    # float64 gradients: the sum of these integer gradients over 65,536 ids needs 34 bits
+    h = Harness(tmp_path, 2, n=65536, steps=1, numel=4, dtype=torch.float64).run(timeout_s=200)
+    h.check([0, 1])  # exact sums, quotas summing to N, one commit, verified count and checksum
+
+
+def test_limits_are_refused_clearly() -> None:
+    from types import SimpleNamespace
+
+    from recover.recovery import StepEngine
+
+    member = SimpleNamespace(replica=0, replicas=4, store=None)
+    comm = SimpleNamespace(position=0)
+    with pytest.raises(ValueError, match="outside \\[1, 1048576\\]"):
+        StepEngine(member, comm, torch.zeros(1), MAX_MICROBATCHES + 1)  # type: ignore[arg-type]
+    member.replicas = (1 << 16) + 1
+    with pytest.raises(ValueError, match="replicas exceed 65536"):
+        StepEngine(member, comm, torch.zeros(1), 8)  # type: ignore[arg-type]
