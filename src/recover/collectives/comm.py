@@ -95,6 +95,11 @@ class FaultTolerantComm:
         if backend == "nccl" and (device is None or device.type != "cuda"):
             raise ValueError("the nccl backend needs device=torch.device('cuda', i)")
         self.backend, self.device = backend, device
+        # A member missing at the barrier this long is named to the coordinator (evidence).
+        self.suspect_s = (member.fence_after_s or 6.0) / 3 if hasattr(member, "fence_after_s") \
+            else 2.0
+        # Fault injection: while this returns True, cross-replica traffic fails here.
+        self.link_down: Callable[[], bool] | None = None
         self.ifname = ifname or os.environ.get(IFNAME_ENV) or None
         self._addr: str | None = None  # the address gloo binds (resolved at the first build)
         self.member, self.position = member, position
@@ -124,6 +129,12 @@ class FaultTolerantComm:
         if len(members) == 1:
             self._superseded(g)
             return
+        if self.link_down is not None and self.link_down():
+            # Fault injection (`partition`): this rank reaches none of its peers. It says so,
+            # naming everyone: the coordinator weighs that against what the others name.
+            others = [m for m in members if m != self.member.replica]
+            self.member.report_fail(g, others)
+            raise ReplicaFault(g, [], "partitioned: no peer reachable")
         pg = self._group(g, members)
         t0 = time.monotonic()
         works = [pg.allreduce([t]) for t in tensors]
@@ -330,17 +341,30 @@ class FaultTolerantComm:
               "the one on their network", file=sys.stderr, flush=True)
 
     def _barrier(self, g: int, prefix: str, size: int) -> None:
-        """Wait until every member of g arrived; give up as soon as g is superseded."""
+        """Wait until every member of g arrived; give up as soon as g is superseded. A member
+        that has not arrived after `suspect_s` is named to the coordinator (evidence: it is
+        evicted if others name it too, e.g. a partitioned member that cannot reach anyone)."""
         key = f"{prefix}/arrive"
         store = self.member.store
+        rank = self.member.members(g).index(self.member.replica)
+        store.set(f"{prefix}/arrived/{rank}", "1")
         store.add(key, 1)
-        deadline = time.monotonic() + self.timeout_s
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        named = False
         while keys.store_int(store, key) < size:
             self._superseded(g)
             self.member.check()
             if time.monotonic() > deadline:
                 self.member.report_fail(g)
                 raise ReplicaFault(g, [], "barrier timed out")
+            if not named and time.monotonic() - start > self.suspect_s:
+                named = True
+                members = self.member.members(g)
+                missing = [members[r] for r in range(size)
+                           if not store.check([f"{prefix}/arrived/{r}"])]
+                if missing:
+                    self.member.report_fail(g, missing)
             self.member.progress()
             time.sleep(self.poll_s)
 

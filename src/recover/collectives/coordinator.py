@@ -82,6 +82,7 @@ class Coordinator:
         self.joins: dict[int, _Join] = {}  # replica -> its admission in progress
         self.epochs = 0
         self.accusations: dict[int, set[int]] = {}  # accused -> accusers, this generation
+        self.accused_since: float | None = None
         self.exit_when_done = exit_when_done
         self.expected, self.host, self.port = expected, host, port
         # None: store port + 1 for a fixed store port (predictable for firewalls), else any.
@@ -337,6 +338,10 @@ class Coordinator:
             for r in guilty:
                 self._mark_lost(r, f"unreachable, named by replica(s) "
                                    f"{sorted(self.accusations[r])}")
+        elif suspects:
+            # Not conclusive yet (one reporter naming everyone): give the others 2 x stale_s to
+            # name someone (a member missing at their barrier); then rebuild anyway.
+            self.accused_since = self.accused_since or time.monotonic()
         else:
             self._mark_lost(None, f"reduce failed at replica {reporter}")
 
@@ -419,6 +424,9 @@ class Coordinator:
                 break
             if conn.replica in self.members and conn.replica not in self.lost:
                 self._mark_lost(conn.replica, f"silent for {silent:.2f}s (rank {conn.rank})")
+        if self.accused_since and now - self.accused_since > 2 * self.stale_s:
+            self.accused_since = None
+            self._mark_lost(None, "failed reduces named no member conclusively")
         for replica, join in list(self.joins.items()):
             if join.epoch >= 0 and now - join.since > self.join_timeout_s:
                 self._join_failed(replica, join.epoch, f"no state within {self.join_timeout_s}s")
@@ -453,6 +461,7 @@ class Coordinator:
         self.client.add(keys.GEN_COUNT, 1)
         self.generation, self.members = g, sorted(members)
         self.lost, self.pending_since, self.accusations = {}, None, {}
+        self.accused_since = None
         self._log({"event": "generation", "gen": g, "members": self.members, "reason": reason})
         for conn in list(self._conns.values()):
             self._send(conn, f"gen {g}\n")

@@ -64,8 +64,8 @@ class Replica:
                  reduce_dtype: torch.dtype | None = None, backend: str = "gloo",
                  optimizer: torch.optim.Optimizer | None = None,
                  state: Mapping[str, Any] | None = None, token: str | None = None,
-                 fingerprint: str = "-", scheduled_joins: Mapping[int, int] | None = None
-                 ) -> None:
+                 fingerprint: str = "-", scheduled_joins: Mapping[int, int] | None = None,
+                 link_down: Callable[[], bool] | None = None) -> None:
         self.module, self.mesh, self.n = module, mesh, microbatches
         # What a replica that joins mid-run receives from a donor, besides the module: the
         # optimizer and any user state (objects with state_dict()/load_state_dict()).
@@ -105,6 +105,7 @@ class Replica:
         atexit.register(self.leave)  # a clean exit says goodbye even without an explicit leave()
         self.comm = FaultTolerantComm(self.member, position=self.rank, timeout_s=timeout_s,
                                       backend=backend, device=self.grads.device)
+        self.comm.link_down = link_down  # fault injection only (a `partition` fault)
         self.engine = StepEngine(self.member, self.comm, self.grads, microbatches,
                                  min_replicas=min_replicas, timeout_s=timeout_s, hook=hook,
                                  speed_aware=speed_aware, positions=self.nranks,

@@ -66,7 +66,8 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
                       reduce_dtype=layout.DTYPES.get(cfg.compute.reduce_dtype),
                       token=run_token(run_dir).decode(), fingerprint=fingerprint(cfg),
                       scheduled_joins={f.replica: f.step for f in faults.all
-                                       if f.kind == "restart"})
+                                       if f.kind == "restart"},
+                      link_down=lambda: faults.partitioned(step))
     except (CoordinatorLost, TimeoutError) as e:  # refused (another run), or no coordinator
         log(f"cannot join: {e}")
         return EXIT_USAGE
