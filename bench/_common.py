@@ -51,6 +51,17 @@ def cpu_seconds(pid: int) -> float:
         return 0.0
 
 
+def peak_rss(pid: int) -> int:
+    """A live process's resident-set high-water mark (VmHWM), in bytes; 0 if gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    return 0
+
+
 class Sampler:
     """Samples, every `every_s`, how many steps a run has committed and each process's CPU clock.
 
@@ -62,6 +73,7 @@ class Sampler:
         self.root, self.metrics, self.every_s = root_pid, metrics, every_s
         self.kinds: dict[int, str] = {root_pid: "launcher"}
         self.samples: list[tuple[float, int, dict[int, float]]] = []
+        self.peak_rss: dict[int, int] = {}  # pid -> the kernel's high-water mark (VmHWM), bytes
         self._offset, self._lines, self._scan = 0, 0, 0.0
 
     def sample(self) -> None:
@@ -85,6 +97,9 @@ class Sampler:
         except OSError:
             pass
         cpu = {pid: cpu_seconds(pid) for pid in self.kinds}
+        for pid, kind in self.kinds.items():
+            if kind == "worker":  # the kernel keeps the peak: a late sample loses nothing
+                self.peak_rss[pid] = max(self.peak_rss.get(pid, 0), peak_rss(pid))
         self.samples.append((time.time(), self._lines, {p: c for p, c in cpu.items() if c}))
 
     def per_step(self, lo: int, hi: int, kinds: tuple[str, ...] = ("worker", "coordinator")
