@@ -47,7 +47,7 @@ class RankCheckpoints:
         if cfg.layout.ranks_per_replica() > 1:
             self.group = dist.new_group(
                 backend="gloo", timeout=datetime.timedelta(seconds=cfg.ft.reduce_timeout_s))
-            if "pp" in cfg.layout.split(","):
+            if "pp" in cfg.layout.name.split(","):
                 # Every stage names its blocks from 0: stage s's state lives under its own scope.
                 self.scope = f"stage{rm.mesh.get_local_rank('pp')}"
 
