@@ -66,6 +66,9 @@ def _new_group(backend: str, store: PrefixStore, rank: int, size: int, timeout_s
     return ProcessGroupNCCL(store, rank, size, opts)
 
 
+ABANDON_SETTLE_S = 0.25  # after a newer generation, how long an op may still end by itself
+
+
 class ReplicaFault(RuntimeError):
     """A reduction of `generation` did not complete here; `lost` are the replicas known gone."""
 
@@ -160,8 +163,16 @@ class FaultTolerantComm:
                 if done():
                     break
                 if self.member.generation() != g:
-                    self._abandon(pg, futs, tensors)
-                    raise ReplicaFault(g, self._lost_since(g), "a newer generation was published")
+                    # A peer that died makes gloo fail the op within ~40 ms (DESIGN §5): give it
+                    # that long, so the buffers are free again; only a hung peer's op is held.
+                    settle = time.monotonic() + ABANDON_SETTLE_S
+                    while not done() and time.monotonic() < settle:
+                        wake.wait(0.01)
+                    if not done():
+                        self._abandon(pg, futs, tensors)
+                        raise ReplicaFault(g, self._lost_since(g),
+                                           "a newer generation was published")
+                    break
                 if time.monotonic() > deadline:
                     self._abandon(pg, futs, tensors)
                     self.member.report_fail(g)

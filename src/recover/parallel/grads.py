@@ -76,7 +76,7 @@ class ShardedGrads:
         """Each parameter's local gradient (None where it has none yet), in pack order."""
         return [None if p.grad is None else local_tensor(p.grad) for p in self.params]
 
-    def assign_parts(self, parts: list[torch.Tensor]) -> None:
+    def assign_parts(self, parts: Iterable[torch.Tensor]) -> None:
         with torch.no_grad():
             for p, s, part in zip(self.params, self.shapes, parts, strict=True):
                 if p.grad is None:

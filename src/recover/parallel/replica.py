@@ -297,6 +297,8 @@ def _check_exact(mesh: DeviceMesh | None) -> None:
         raise ValueError(f"exact mode needs torch.set_num_threads(1) (now "
                          f"{torch.get_num_threads()}): CPU reductions split over threads sum "
                          "in a thread-count-dependent order")
+    # cuBLAS needs a fixed workspace to be deterministic (its documented requirement).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
 
 

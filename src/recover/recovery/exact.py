@@ -66,8 +66,11 @@ class ExactGrads:
                 if not math.isfinite(m) or math.ldexp(m, self.shifts[k]) >= 2.0**self.limit_bits:
                     self.overflow += 1
                 self.local_max[k] = max(self.local_max[k], m if math.isfinite(m) else math.inf)
-                q = torch.round(torch.ldexp(flat.double(), torch.tensor(self.shifts[k])))
-                self.acc[offset: offset + size] += q.nan_to_num(0.0, 0.0, 0.0).to(torch.int64)
+                # g * 2^s is exact in g's own dtype (a power of two), its round too, and so is
+                # the integer-valued result's conversion to int64: no float64 copy is needed.
+                q = flat.mul(2.0 ** self.shifts[k]).round_().nan_to_num_(0.0, 0.0, 0.0)
+                self.acc[offset: offset + size] += q.to(torch.int64)
+                del q
                 part.zero_()
             offset += size
         q_loss = math.ldexp(loss, LOSS_BITS) if math.isfinite(loss) else math.inf
@@ -82,13 +85,12 @@ class ExactGrads:
 
     def assign(self, reduced: torch.Tensor) -> None:
         self.loss = math.ldexp(float(reduced[-1]), -LOSS_BITS)
-        parts: list[torch.Tensor] = []
-        offset = 0
-        for k, size in enumerate(self.sizes):
-            seg = reduced[offset: offset + size].double()
-            parts.append(torch.ldexp(seg, torch.tensor(-self.shifts[k])))
-            offset += size
-        self.inner.assign_parts(parts)  # type: ignore[attr-defined]
+        offsets = [sum(self.sizes[:k]) for k in range(len(self.sizes))]
+        # One tensor at a time (a generator): the integer rounded once to float32, then scaled
+        # by a power of two (exact), never a float64 copy of the whole gradient.
+        self.inner.assign_parts(  # type: ignore[attr-defined]
+            reduced[o: o + n].to(torch.float32).mul_(2.0 ** -self.shifts[k])
+            for k, (o, n) in enumerate(zip(offsets, self.sizes, strict=True)))
 
     def zero(self) -> None:
         self.acc.zero_()
