@@ -66,6 +66,9 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                    help="start no replicas here: serve the coordinator on --port and wait for "
                         "replicas launched elsewhere (torchrun), writing metrics")
     p.add_argument("--port", type=int, default=0, help="coordinator store port (0 = any)")
+    p.add_argument("--host", default=None,
+                   help="address the coordinator's store and liveness listener bind (default: "
+                        "127.0.0.1, or every interface with --external-workers)")
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -96,7 +99,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg.run.dump_final = True  # the final parameters are compared with the reference's too
     if args.external_workers and not args.port:
         raise RecoverError("--external-workers needs a fixed --port for the replicas to reach")
-    res = launch(cfg, console, external_workers=args.external_workers, port=args.port)
+    host = args.host or ("0.0.0.0" if args.external_workers else "127.0.0.1")
+    res = launch(cfg, console, external_workers=args.external_workers, port=args.port,
+                 host=host)
     if not res.ok:
         print(f"recover train: {res.message}", file=sys.stderr)
         return 1

@@ -107,7 +107,8 @@ class Coordinator:
         """Start the store and the liveness listener; return the store's port."""
         self.store = TCPStore(self.host, self.port, is_master=True, wait_for_workers=False,
                               use_libuv=True)
-        self.client = keys.connect_store("127.0.0.1", self.store.port, 30.0)
+        local = self.host if self.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
+        self.client = keys.connect_store(local, self.store.port, 30.0)
         want = self.liveness_port
         if want is None:
             want = self.port + 1 if self.port else 0

@@ -131,11 +131,13 @@ def _start(server: ForkServer | None, entry: str, argv: list[str], log: Path,
 
 
 def _start_coordinator(cfg: RunConfig, out: Path, port: int = 0,
-                       server: ForkServer | None = None) -> tuple[Process, int]:
+                       server: ForkServer | None = None,
+                       host: str = "127.0.0.1") -> tuple[Process, int]:
     port_file = out / "coordinator.port"
     port_file.unlink(missing_ok=True)
     proc = _start(server, "recover.collectives.coordinator:main",
-                  ["--replicas", str(cfg.layout.replicas), "--port", str(port), "--port-file",
+                  ["--replicas", str(cfg.layout.replicas), "--host", host, "--port", str(port),
+                   "--port-file",
                    str(port_file), "--stale-s", str(cfg.ft.stale_s), "--join-timeout-s",
                    str(cfg.ft.join_timeout_s), "--log", str(out / "coordinator.jsonl"),
                    "--token-file", str(out / "run.token"), "--fingerprint", fingerprint(cfg)],
@@ -185,7 +187,7 @@ def _all_gone(store: Any, workers: dict[int, Process], external: bool) -> bool:
 
 def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
            external_workers: bool = False, port: int = 0,
-           abort_on_loss: bool = False) -> RunResult:
+           abort_on_loss: bool = False, host: str | None = None) -> RunResult:
     """Run training to the end (or until it cannot go on) and return what happened.
 
     With `external_workers`, no replica is started here: they are launched elsewhere (one
@@ -203,8 +205,9 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
     # workers: the coordinator is then the only local process.
     server = _fork_server(console, quiet) if not external_workers else None
     try:
+        host = host or ("0.0.0.0" if external_workers else "127.0.0.1")
         return _launch(cfg, start, console, quiet, external_workers, port, abort_on_loss,
-                       t_start, server)
+                       t_start, server, host)
     finally:
         if server is not None:
             server.close()
@@ -224,11 +227,11 @@ def _fork_server(console: Console, quiet: bool) -> ForkServer | None:
 
 def _launch(cfg: RunConfig, start: int, console: Console, quiet: bool, external_workers: bool,
             port: int, abort_on_loss: bool, t_start: float,
-            server: ForkServer | None) -> RunResult:
+            server: ForkServer | None, host: str = "127.0.0.1") -> RunResult:
     """`launch` once DIR is prepared: start the processes, supervise, end them."""
     out = Path(cfg.run.out)
     metrics = out / "metrics.jsonl"
-    coord, port = _start_coordinator(cfg, out, port, server)
+    coord, port = _start_coordinator(cfg, out, port, server, host)
     workers: dict[int, Process] = {}  # rank 0 of each replica
     procs: dict[tuple[int, int], Process] = {}  # every (replica, rank)
     try:
