@@ -45,8 +45,7 @@ class StepState:
         self.step = int(sd["step"][0])
         torch.set_rng_state(sd["rng"])
         if self.exact is not None:
-            self.exact.max_seen = [float(v) for v in sd["exact_max"].tolist()]
-            self.exact.shifts = self.exact._shifts(self.exact.max_seen)
+            self.exact.set_maxima(sd["exact_max"].tolist())
 
 
 def _log(msg: str) -> None:

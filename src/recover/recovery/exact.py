@@ -119,6 +119,11 @@ class ExactGrads:
         self.shifts = self._shifts(self.max_seen)
         return overflowed
 
+    def set_maxima(self, maxima: Sequence[float]) -> None:
+        """Adopt agreed maxima (a joiner's, from its donor): the exponents follow from them."""
+        self.max_seen = [float(v) for v in maxima]
+        self.shifts = self._shifts(self.max_seen)
+
     def _shifts(self, maxima: Sequence[float]) -> list[int]:
         """s_k: the largest shift that leaves HEADROOM_BITS of room over the maximum."""
         out = []

@@ -165,10 +165,17 @@ def plot(
         fontsize=10,
     )
     ax.legend(loc="upper left", fontsize=8)
+    return save_figure(fig, ax, path)
+
+
+def save_figure(fig, ax, path: str | Path) -> str:  # type: ignore[no-untyped-def]
+    """Grid, write (making the folder), close; return the path written."""
     ax.grid(alpha=0.3)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
     plt.close(fig)
     return str(out)
 

@@ -17,7 +17,7 @@ from typing import Any
 from recover.errors import ConfigError
 from recover.sim.curve import COLUMNS, load_curve
 from recover.sim.params import SimParams, young_daly_steps
-from recover.sim.report import fmt
+from recover.sim.report import fmt, save_figure
 from recover.sim.scale import (
     FTHSDP_AT_100K,
     QUICK_HORIZON_H,
@@ -231,12 +231,7 @@ def plot_ettr(rows: list[SizeRow], path: str, spec: ScaleSpec) -> str:
     ax.set_title(f"effective training time ratio, Llama 3 failure rate{tag}", fontsize=10)
     ax.set_ylim(0, 1.02)
     ax.legend(loc="lower left", fontsize=8)
-    ax.grid(alpha=0.3)
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return str(out)
+    return save_figure(fig, ax, path)
 
 
 def write_json(rows: list[SizeRow], spec: ScaleSpec, path: Path) -> str:
