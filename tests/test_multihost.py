@@ -307,7 +307,7 @@ def adam_steps(ckpt: Path, tmp: Path) -> set[int]:
 def check_run(o: Outcome, ref: Outcome, tmp: Path) -> None:
     why = o.diagnostics()
     assert o.coordinator.returncode == 0, f"the coordinator's `recover train` failed\n{why}"
-    n = json.loads((o.out / "config.json").read_text())["microbatches"]
+    n = json.loads((o.out / "config.json").read_text())["data"]["microbatches"]
     recs = o.metrics()
     assert [r["step"] for r in recs] == list(range(STEPS)), why
     assert all(r["microbatches"] == n for r in recs), [r["microbatches"] for r in recs]
