@@ -1,0 +1,452 @@
+"""Control-plane cost as the job grows: 4 to 128 ranks of the step protocol on one machine.
+
+What: per scale (R replicas x P ranks each), a real coordinator and R*P rank processes, all forked
+from this process after one `import torch` (no thread exists here before a fork), run the step
+protocol (`StepEngine.run`) on a --numel float tensor: each step's N = R microbatches add a known
+integer-valued gradient (checked exactly after every commit). P > 1 runs multi-position engines
+(`StepEngine(..., positions=P)`, one `FaultTolerantComm` per position). Measured, per scale:
+
+  store ops      store round trips per rank per failure-free step: `engine.stats["store_ops"]`
+                 deltas plus the engine's blocking key waits (`engine.waiter.get`, one round trip
+                 each, on a helper thread that `store_ops` does not count); mean over steps of
+                 the max over ranks.
+  control        failure-free: the last rank's reduce returns -> the commit is known on every
+                 rank (max over ranks of each; time.time(), one clock); median over steps.
+  kill           SIGKILL of one rank (so one replica) at a random moment of a step -> every
+                 survivor committed a step in the new generation, split into
+     detect      kill -> the coordinator publishes the new generation (`coordinator.jsonl`);
+     agree       -> the last survivor starts its reduce in it, less its recompute of lost
+                 microbatches in between (shown as `recomp`); of which `teardown`: the time
+                 its engine spent discarding failed reduces (end of `reduce_` -> the engine's
+                 next hook: destroying a gloo group a dead peer left mid-operation);
+                 `agree_med` is the median survivor's agree;
+     rebuild     that survivor's new communicator: `comm.stats` barrier_s + build_s deltas;
+     reduce      its redone collective (`comm.stats` reduce_s delta);
+     rest        -> the last survivor's commit (decision, stragglers).
+
+Every process is ended by PID in a `finally` (`recover.procs`). Outputs in --out: `scale.json`
+(the P = 1 curve: {"ranks", "store_ops_per_rank_step", "control_plane_s", "detect_s",
+"agree_s", "rebuild_s", "reduce_s"}), `scale_detail.json` (every scale and kill), `scale.png`,
+and each scale's logs; `--write-curve` also copies `scale.json` to
+`src/recover/sim/data/scale_curve.json` (the simulator's input). Last lines:
+`store_ops_per_rank_step=<max over scales>` and `scale_protocol_ratio=<(detect + agree) at the
+largest P = 1 scale / at 4 ranks>`.
+
+    python bench/scale.py --quick          # 4, 16, 64 ranks; < 3 min
+    python bench/scale.py --write-curve    # 4, 16, 64, 128 ranks, and 8 x 8, 16 x 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import random
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch  # noqa: F401  (imported once here, shared copy-on-write by every forked rank)
+
+from _common import BENCH_DIR, cores, loadavg, median, out_dir, say, table
+from _scale_rank import RankArgs, rank_main
+from recover.collectives import coordinator
+from recover.procs import stop_pids
+
+CURVE = BENCH_DIR.parent / "src" / "recover" / "sim" / "data" / "scale_curve.json"
+PARTS = ("detect", "agree", "recomp", "rebuild", "reduce", "rest")  # add up to "total"
+EXTRA = (*PARTS, "total", "teardown", "agree_med")
+
+
+class FalseAlarm(RuntimeError):
+    """The membership changed without a kill (a live rank was declared lost)."""
+
+
+# -- processes ------------------------------------------------------------------------------
+def fork_call(fn: Callable[[Any], Any], arg: Any, log: Path) -> int:
+    """Fork a child that runs fn(arg) with stdout/stderr appended to `log`; return its PID.
+
+    The child always leaves through os._exit, so it never runs this process's `finally`
+    blocks (which would end its siblings)."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID`: every thread's stack to log
+        code = int(fn(arg) or 0)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+class Children:
+    """Our forked children by name. A PID is signalled only until we reap it (the kernel cannot
+    reuse an unreaped child's PID); every wait is bounded."""
+
+    def __init__(self) -> None:
+        self.pid: dict[Any, int] = {}
+        self.code: dict[Any, int] = {}  # exit codes of reaped children
+
+    def reap(self) -> None:
+        for name, pid in self.pid.items():
+            if name not in self.code:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    self.code[name] = os.waitstatus_to_exitcode(status)
+
+    def unreaped(self) -> list[int]:
+        return [p for n, p in self.pid.items() if n not in self.code]
+
+    def stop(self, names: list[Any], grace_s: float = 5.0) -> None:
+        self.reap()
+        stop_pids([self.pid[n] for n in names if n not in self.code], grace_s=grace_s)
+        deadline = time.monotonic() + 10.0
+        while any(n not in self.code for n in names) and time.monotonic() < deadline:
+            self.reap()
+            time.sleep(0.01)
+
+
+def dump_stacks(kids: Children, names: list[Any]) -> None:
+    """Ask each live rank for its threads' stacks (in its .err log): why a run got stuck."""
+    kids.reap()
+    for n in names:
+        if n not in kids.code:
+            os.kill(kids.pid[n], signal.SIGUSR1)
+    time.sleep(1.0)
+
+
+def pss_mib(pids: list[int]) -> tuple[float, float]:
+    """(sum of proportional set sizes, max resident set size) of `pids`, MiB, from /proc."""
+    total, top = 0.0, 0.0
+    for pid in pids:
+        try:
+            text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        except OSError:
+            continue
+        kb = {ln.split(":")[0]: int(ln.split()[1]) for ln in text.splitlines()[1:]}
+        total += kb.get("Pss", 0) / 1024
+        top = max(top, kb.get("Rss", 0) / 1024)
+    return total, top
+
+
+class Tail:
+    """Reads the complete JSON lines appended to a log since the last call."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.recs = path, 0, []
+
+    def read(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except OSError:
+            return self.recs
+        end = chunk.rfind(b"\n") + 1
+        self.offset += end
+        self.recs += [json.loads(ln) for ln in chunk[:end].splitlines() if ln.strip()]
+        return self.recs
+
+    def steps(self) -> list[dict]:
+        return [r for r in self.read() if r.get("ev") == "step"]
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(0.05)
+
+
+# -- analysis (pure functions of the logs) --------------------------------------------------
+def failure_free(steps: dict[Any, list[dict]], lo: int, hi: int) -> dict[str, float]:
+    """Store round trips and control-plane time of the steps lo..hi-1 that every rank
+    committed at its first attempt in generation 0."""
+    by_step: dict[int, list[dict]] = {}
+    for recs in steps.values():
+        for s in recs:
+            if lo <= s["step"] < hi and s["gen"] == 0 and s["attempts"] == 1:
+                by_step.setdefault(s["step"], []).append(s)
+    full = {t: rs for t, rs in by_step.items() if len(rs) == len(steps)}
+    if not full:
+        raise ValueError(f"no failure-free step in {lo}..{hi - 1} committed by every rank")
+    ops = [max(s["ops"] + s["waits"] for s in rs) for rs in full.values()]
+    eng = [max(s["ops"] for s in rs) for rs in full.values()]
+    ctl = [max(s["t_commit"] for s in rs) - max(s["reduces"][-1][2] for s in rs)
+           for rs in full.values()]
+    commits = sorted(max(s["t_commit"] for s in rs) for rs in full.values())
+    return {"store_ops": sum(ops) / len(ops), "store_ops_max": max(ops),
+            "engine_ops": sum(eng) / len(eng), "control_s": median(ctl),
+            "period_s": median([b - a for a, b in zip(commits, commits[1:], strict=False)]),
+            "steps": len(full)}
+
+
+def breakdown(steps: dict[Any, list[dict]], t_kill: float, t_gen: float, g0: int
+              ) -> dict[str, float]:
+    """Kill -> every survivor (the keys of `steps`) committed in a generation after g0.
+
+    The parts (PARTS) add up to `total` and follow the last survivor to start its reduce in the
+    new generation; `teardown` (the part of its agree) is the time its engine spent discarding
+    failed reduces (end of reduce_ -> the engine's next hook) after the generation was
+    published, and `agree_med` the median survivor's agree."""
+    start, rebuild, coll, commit, recomp, teardown = {}, {}, {}, {}, {}, {}
+    raised = 0
+    for k, recs in steps.items():
+        for s in recs:
+            call = next((c for c in s["reduces"] if c[0] > g0), None)
+            if call is not None and k not in start:
+                start[k], commit[k] = call[1], s["t_commit"]
+                rebuild[k], coll[k] = call[4] + call[5], call[6]
+        if k not in start:
+            raise ValueError(f"rank {k} has no reduce after generation {g0}")
+        failed = [(c, t) for s in recs for c, t in zip(s["reduces"], s["after"], strict=False)
+                  if c[3] is not True and c[2] >= t_kill]
+        raised += len(failed)
+        teardown[k] = sum(max(0.0, min(t, start[k]) - max(c[2], t_gen)) for c, t in failed)
+        recomp[k] = sum(max(0.0, min(c1, start[k]) - max(c0, t_gen))
+                        for s in recs for c0, c1 in s["computes"])
+    last = max(start, key=start.get)
+    res = {"detect": t_gen - t_kill, "agree": start[last] - t_gen - recomp[last],
+           "recomp": recomp[last], "rebuild": rebuild[last], "reduce": coll[last],
+           "total": max(commit.values()) - t_kill, "raised": float(raised),
+           "teardown": teardown[last],
+           "agree_med": median([start[k] - t_gen - recomp[k] for k in start])}
+    res["rest"] = res["total"] - sum(res[p] for p in PARTS[:-1])
+    return res
+
+
+# -- one scale ------------------------------------------------------------------------------
+def generations(path: Path) -> list[dict]:
+    return [e for e in Tail(path).read() if e.get("event") == "generation"]
+
+
+def run_scale(reps: int, pos: int, a: argparse.Namespace, rng: random.Random, d: Path) -> dict:
+    d.mkdir(parents=True, exist_ok=True)
+    kids, clog, stop_file = Children(), d / "coordinator.jsonl", d / "stop_at"
+    ranks = [(r, p) for r in range(reps) for p in range(pos)]
+    try:
+        kids.pid["coord"] = fork_call(coordinator.main, [
+            "--replicas", str(reps), "--port", "0", "--port-file", str(d / "port"),
+            "--stale-s", str(a.stale_s), "--join-timeout-s", str(a.timeout_s),
+            "--log", str(clog)], d / "coordinator.log")
+        wait_for(lambda: (d / "port").exists(), 60, "the coordinator's port file")
+        port = int((d / "port").read_text())
+        tails = {}
+        t0 = time.monotonic()
+        for r, p in ranks:
+            log = d / f"rank{r}.{p}.jsonl"
+            kids.pid[(r, p)] = fork_call(rank_main, RankArgs(
+                port, r, p, pos, reps, a.numel, a.compute_s, a.timeout_s, 10**6, log,
+                stop_file, os.getpid()), d / f"rank{r}.{p}.err")
+            tails[(r, p)] = Tail(log)
+        fork_s = time.monotonic() - t0
+        live = set(range(reps))
+
+        def check(expected_members: set[int]) -> None:
+            """Raise if a survivor died or the coordinator dropped a replica we did not kill."""
+            kids.reap()
+            for k in ranks:
+                if k[0] in live and k in kids.code:
+                    err = (d / f"rank{k[0]}.{k[1]}.err").read_text(errors="replace")[-1500:]
+                    raise RuntimeError(f"rank {k} exited {kids.code[k]} unexpectedly:\n{err}")
+            for e in generations(clog):
+                if not expected_members <= set(e["members"]):
+                    raise FalseAlarm(f"generation {e['gen']}: {e.get('reason', '?')}")
+
+        def reached(n: int, keys: list[Any], after_gen: int = -1) -> Callable[[], bool]:
+            def cond() -> bool:
+                check(live)
+                return all(sum(s["gen"] > after_gen for s in tails[k].steps()) >= n
+                           for k in keys)
+            return cond
+
+        hi = a.warm + a.steps
+        wait_for(reached(hi, ranks), a.timeout_s * 3, f"{hi} failure-free steps on every rank")
+        setup_s = time.monotonic() - t0
+        pss, rss = pss_mib(kids.unreaped())
+        ff = failure_free({k: tails[k].steps() for k in ranks}, a.warm, hi)
+        kills = []
+        for _ in range(min(a.kills, max(1, reps // 4))):
+            g0 = max(e["gen"] for e in generations(clog))
+            time.sleep(rng.uniform(0.0, ff["period_s"]))
+            victim = (rng.choice(sorted(live)), rng.randrange(pos))
+            before = len(live) * pos
+            t_kill = time.time()
+            os.kill(kids.pid[victim], signal.SIGKILL)
+            live.discard(victim[0])
+            survivors = [k for k in ranks if k[0] in live]
+            wait_for(reached(a.settle, survivors, g0), a.timeout_s * 3,
+                     "every survivor's commits in the new generation")
+            t_gen = next(e["time"] for e in generations(clog) if e["gen"] > g0)
+            bd = breakdown({k: [s for s in tails[k].steps() if s["t_commit"] > t_kill]
+                            for k in survivors}, t_kill, t_gen, g0)
+            kills.append({"victim": list(victim), "ranks_before": before, **bd})
+        bad = [(k, s["step"]) for k in ranks for s in tails[k].steps() if not s["correct"]]
+        if bad:
+            raise RuntimeError(f"wrong reduced gradient at (rank, step) {bad[:5]}")
+        last = max(s["step"] for k in ranks if k[0] in live for s in tails[k].steps())
+        tmp = stop_file.with_suffix(".tmp")
+        tmp.write_text(str(last + 3))
+        os.replace(tmp, stop_file)  # every survivor stops before the same step, then leaves
+        wait_for(lambda: kids.reap() or all(k in kids.code for k in ranks), 60,
+                 "the ranks to stop")
+    except BaseException:
+        dump_stacks(kids, [k for k in ranks if k in kids.pid])
+        raise
+    finally:
+        kids.stop([k for k in ranks if k in kids.pid])
+        kids.stop(["coord"])
+    return {"ranks": len(ranks), "replicas": reps, "positions": pos, "setup_s": setup_s,
+            "fork_s": fork_s,
+            "pss_mib": pss, "max_rss_mib": rss, "load": loadavg(), **ff,
+            "kills": kills, **{p: median([k[p] for k in kills]) for p in EXTRA}}
+
+
+# -- output ---------------------------------------------------------------------------------
+def curve(res: list[dict]) -> dict[str, list[float]]:
+    """The P = 1 scales in the simulator's schema (keep it exactly: `recover.sim` reads it)."""
+    one = sorted((r for r in res if r["positions"] == 1), key=lambda r: r["ranks"])
+    return {"ranks": [r["ranks"] for r in one],
+            "store_ops_per_rank_step": [round(r["store_ops"], 3) for r in one],
+            "control_plane_s": [round(r["control_s"], 5) for r in one],
+            "detect_s": [round(r["detect"], 5) for r in one],
+            "agree_s": [round(r["agree"], 5) for r in one],
+            "rebuild_s": [round(r["rebuild"], 5) for r in one],
+            "reduce_s": [round(r["reduce"], 5) for r in one]}
+
+
+def plot(res: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for pos, style in ((1, "-o"), (8, "--s")):
+        rs = sorted((r for r in res if r["positions"] == pos), key=lambda r: r["ranks"])
+        if not rs:
+            continue
+        x = [r["ranks"] for r in rs]
+        for key in ("detect", "agree", "rebuild", "reduce", "control_s"):
+            ax.plot(x, [r[key] * 1e3 for r in rs], style, label=f"{key} (P={pos})")
+        bx.plot(x, [r["store_ops"] for r in rs], style, label=f"P={pos}")
+    ax.set(xscale="log", yscale="log", xlabel="ranks (R x P)", ylabel="ms",
+           title="kill -> committed, and failure-free control plane")
+    bx.axhline(4, color="grey", lw=0.8, ls=":")
+    bx.set(xscale="log", xlabel="ranks (R x P)", ylabel="round trips",
+           title="store round trips per rank per failure-free step", ylim=(0, None))
+    for axis in (ax, bx):
+        axis.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="4, 16, 64 ranks, fewer steps (< 3 min)")
+    ap.add_argument("--out", help="folder for outputs and logs (default: a new temp dir)")
+    ap.add_argument("--scales", help="comma-separated RxP, e.g. 4x1,16x1 (default by --quick)")
+    ap.add_argument("--numel", type=int, default=1024, help="floats per rank's gradient")
+    ap.add_argument("--compute-s", type=float, default=0.01, help="sleep per microbatch")
+    ap.add_argument("--warm", type=int, default=2, help="leading steps not measured")
+    ap.add_argument("--steps", type=int, help="measured failure-free steps (8 quick, 20 full)")
+    ap.add_argument("--kills", type=int, help="kills per scale, one after another (1 quick, 2 "
+                    "full; at most R/4)")
+    ap.add_argument("--settle", type=int, default=2,
+                    help="commits in the new generation before the next kill / the end")
+    ap.add_argument("--stale-s", type=float, default=30.0,
+                    help="heartbeat silence = lost (a SIGKILL is seen by the closed liveness "
+                         "socket, not by this: it only has to avoid false alarms; 10 s gave one "
+                         "at 64 ranks here, where store round trips can stall for 5 s)")
+    ap.add_argument("--timeout-s", type=float, default=120.0, help="protocol timeouts")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--retries", type=int, default=1, help="reruns of a scale after a false alarm")
+    ap.add_argument("--write-curve", action="store_true", help=f"also write {CURVE}")
+    a = ap.parse_args()
+    a.steps = a.steps or (8 if a.quick else 20)
+    a.kills = a.kills or (1 if a.quick else 2)
+    spec = a.scales or ("4x1,16x1,64x1" if a.quick else "4x1,16x1,64x1,128x1,8x8,16x8")
+    scales = [tuple(int(v) for v in s.split("x")) for s in spec.split(",")]
+    root = out_dir(a.out, "scale")
+    rng = random.Random(a.seed)
+    say(f"scale: R x P in {spec}; {a.numel} float32 per rank, N = R microbatches of "
+        f"{a.compute_s * 1e3:.0f} ms (a sleep) each, {a.warm} + {a.steps} failure-free steps, "
+        f"then {a.kills} SIGKILL(s) of a random rank; out {root}")
+    say(f"assumptions: {cores()} CPU core(s) shared by every rank and the coordinator, load "
+        f"average {loadavg():.1f} at start; gloo over 127.0.0.1; stale-s {a.stale_s}; "
+        f"processes forked from this one after `import torch`; other load is not controlled")
+    res = []
+    t0 = time.monotonic()
+    for reps, pos in scales:
+        for attempt in range(a.retries + 1):
+            try:
+                r = run_scale(reps, pos, a, rng, root / f"r{reps}p{pos}-{attempt}")
+                break
+            except FalseAlarm as e:
+                say(f"  {reps}x{pos}: FALSE ALARM ({e}); " +
+                    ("retrying" if attempt < a.retries else "giving up"))
+        else:
+            raise SystemExit(f"{reps}x{pos}: false alarms in every attempt")
+        res.append(r)
+        say(f"  {reps}x{pos}: set up in {r['setup_s']:.0f}s (forks {r['fork_s']:.1f}s), "
+            f"{r['steps']} failure-free steps "
+            f"(period {r['period_s'] * 1e3:.0f} ms), kill -> committed {r['total'] * 1e3:.0f} ms; "
+            f"PSS {r['pss_mib']:.0f} MiB in all, max RSS {r['max_rss_mib']:.0f} MiB; load "
+            f"{r['load']:.1f}; {time.monotonic() - t0:.0f}s so far")
+    cols = ("detect", "agree", "teardown", "agree_med", "recomp", "rebuild", "reduce", "rest")
+    rows = [(f"{r['replicas']}x{r['positions']}", r["ranks"],
+             f"{r['engine_ops']:.2f}/{r['store_ops']:.2f}", f"{r['control_s'] * 1e3:.1f}",
+             f"{r['period_s'] * 1e3:.0f}", f"{r['total'] * 1e3:.0f}",
+             *(f"{r[p] * 1e3:.0f}" for p in cols), f"{r['pss_mib']:.0f}") for r in res]
+    say("")
+    table(rows, ("RxP", "ranks", "ops", "ctl", "step", "kill->ok", *cols, "PSS MiB"))
+    say("  ops: store round trips per rank per failure-free step, engine.stats['store_ops'] / "
+        "that plus the engine's blocking key waits; ctl: failure-free control plane; step: "
+        "failure-free step period; times in ms, median over kills; teardown is inside agree, "
+        "agree_med is the median survivor's agree (agree: the last survivor's)")
+    data = curve(res)
+    (root / "scale.json").write_text(json.dumps(data, indent=1) + "\n")
+    (root / "scale_detail.json").write_text(json.dumps(res, indent=1) + "\n")
+    plot(res, root / "scale.png")
+    if a.write_curve:
+        CURVE.parent.mkdir(parents=True, exist_ok=True)
+        CURVE.write_text(json.dumps(data, indent=1) + "\n")
+        say(f"wrote {CURVE}")
+    say(f"wrote {root / 'scale.json'}, {root / 'scale_detail.json'}, {root / 'scale.png'}")
+    print(f"store_ops_per_rank_step={max(r['store_ops'] for r in res):.2f}", flush=True)
+    one = sorted((r for r in res if r["positions"] == 1), key=lambda r: r["ranks"])
+    if len(one) < 2:
+        say("scale_protocol_ratio needs two P = 1 scales")
+        return 0
+    small, big = one[0], one[-1]
+    ratio = (big["detect"] + big["agree"]) / (small["detect"] + small["agree"])
+    med = (big["detect"] + big["agree_med"]) / (small["detect"] + small["agree_med"])
+    say(f"detect + agree: {(small['detect'] + small['agree']) * 1e3:.0f} ms at "
+        f"{small['ranks']} ranks, {(big['detect'] + big['agree']) * 1e3:.0f} ms at {big['ranks']}"
+        f" (with the median survivor's agree: ratio {med:.2f}); goals: store ops <= 4, "
+        f"ratio <= 2")
+    print(f"scale_protocol_ratio={ratio:.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Smoke test of `bench/scale.py`'s analysis helpers on hand-made logs (no processes: the
+benchmark itself is not a test). Each expected value is worked out by hand in the comments."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import scale  # noqa: E402
+
+
+def step(t: int, commit: float, reduce_end: float, ops: int = 2, waits: int = 1, gen: int = 0,
+         attempts: int = 1) -> dict:
+    return {"step": t, "gen": gen, "attempts": attempts, "t_commit": commit, "ops": ops,
+            "waits": waits, "reduces": [[gen, reduce_end - 0.01, reduce_end, True, 0.0, 0.0,
+                                         0.01]], "after": [reduce_end], "computes": []}
+
+
+def test_failure_free_takes_the_last_rank_of_each_step() -> None:
+    logs = {
+        (0, 0): [step(0, 9.0, 8.0), step(1, 10.10, 10.00, ops=3, waits=0),
+                 step(2, 11.20, 11.00)],
+        (1, 0): [step(0, 9.0, 8.0), step(1, 10.12, 10.05), step(2, 11.23, 11.10, ops=1,
+                                                                  waits=1)],
+    }
+    ff = scale.failure_free(logs, 1, 3)  # step 0 is warm-up
+    assert ff["steps"] == 2
+    # step 1: last commit 10.12 - last reduce end 10.05; step 2: 11.23 - 11.10
+    assert ff["control_s"] == pytest.approx((0.07 + 0.13) / 2)
+    assert ff["store_ops"] == pytest.approx(3.0)  # max over ranks of ops + waits, each step
+    assert ff["engine_ops"] == pytest.approx(2.5)  # max(3, 2) and max(2, 1)
+    assert ff["period_s"] == pytest.approx(1.11)
+    with pytest.raises(ValueError):
+        scale.failure_free({k: [s for s in v if s["step"] == 0] for k, v in logs.items()}, 1, 3)
+
+
+def test_breakdown_follows_the_last_survivor() -> None:
+    t_kill, t_gen = 100.0, 100.05
+    fail = [0, 99.99, 100.02, "connection reset", 0.0, 0.0, 0.0]
+    a = {"step": 7, "gen": 1, "attempts": 2, "t_commit": 100.30, "ops": 3, "waits": 2,
+         "reduces": [fail, [1, 100.10, 100.25, True, 0.02, 0.03, 0.09]],
+         "after": [100.08, 100.25], "computes": [[100.06, 100.09]]}
+    b = {"step": 7, "gen": 1, "attempts": 2, "t_commit": 100.28, "ops": 3, "waits": 2,
+         "reduces": [[0, 99.99, 100.051, "newer generation", 0.0, 0.0, 0.0],
+                     [1, 100.07, 100.25, True, 0.06, 0.04, 0.07]],
+         "after": [100.052, 100.25], "computes": []}
+    bd = scale.breakdown({(0, 0): [a], (2, 0): [b]}, t_kill, t_gen, 0)
+    assert bd["detect"] == pytest.approx(0.05)
+    # the last to start is (0, 0) at 100.10; it recomputed 100.06..100.09 after the generation
+    assert bd["recomp"] == pytest.approx(0.03)
+    assert bd["agree"] == pytest.approx(0.10 - 0.05 - 0.03)
+    assert bd["teardown"] == pytest.approx(100.08 - t_gen)  # the part after the generation
+    assert bd["rebuild"] == pytest.approx(0.05)
+    assert bd["reduce"] == pytest.approx(0.09)
+    assert bd["total"] == pytest.approx(0.30)
+    assert bd["raised"] == 2
+    assert sum(bd[p] for p in scale.PARTS) == pytest.approx(bd["total"])
+    assert bd["agree_med"] == pytest.approx((0.02 + 0.02) / 2)  # (2, 0): 100.07 - t_gen
+
+
+def test_curve_keeps_the_simulators_schema() -> None:
+    row = {"ranks": 4, "positions": 1, "store_ops": 3.0, "control_s": 0.001, "detect": 0.04,
+           "agree": 0.01, "rebuild": 0.005, "reduce": 0.002}
+    data = scale.curve([{**row, "ranks": 16}, row, {**row, "positions": 8, "ranks": 64}])
+    assert list(data) == ["ranks", "store_ops_per_rank_step", "control_plane_s", "detect_s",
+                          "agree_s", "rebuild_s", "reduce_s"]
+    assert data["ranks"] == [4, 16]  # P = 1 only, sorted by ranks
