@@ -18,7 +18,9 @@ named point of the step protocol; nothing else about the run changes. Spec gramm
 `rank=K` picks one rank of a multi-rank replica (hsdp/tp/pp layouts); default: its last rank.
 
 phases: forward, backward (at local microbatch J, default 0), reduce (while the collective is in
-flight), commit (after the reduce, before the agreement), optimizer (after the commit decision).
+flight), commit (after the reduce, before the agreement), optimizer (after the commit decision),
+donate (a donor, as it starts streaming its state to a joiner at step S), receive (a joiner, as it
+starts receiving its state for admission at step S: the step of its `restart` fault).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 
 from recover.errors import ConfigError
 
-PHASES = ("forward", "backward", "reduce", "commit", "optimizer")
+PHASES = ("forward", "backward", "reduce", "commit", "optimizer", "donate", "receive")
 KINDS = ("kill", "hang", "slow", "deadlock", "partition", "restart")
 
 

@@ -15,7 +15,7 @@ import json
 import socket
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -52,9 +52,12 @@ def _log(msg: str) -> None:
     print(f"recover: {msg}", file=sys.stderr, flush=True)
 
 
+Hook = Callable[[str, int, int], None]
+
+
 def serve(member: Member, rank: int, step: int, join: dict, module: nn.Module,
           optimizer: torch.optim.Optimizer | None, extra: Mapping[str, Any],
-          exact: Any | None) -> None:
+          exact: Any | None, hook: Hook | None = None) -> None:
     """Donor rank: stream this rank's state (after `step` optimizer steps) to the joiner's rank
     `rank`. Any failure is logged and given up: the coordinator then gives the join up too."""
     epoch = int(join["epoch"])
@@ -70,6 +73,8 @@ def serve(member: Member, rank: int, step: int, join: dict, module: nn.Module,
             st = StepState(exact)
             st.step = step
             state = transfer.TrainingState(module, optimizer, {**extra, "_recover": st})
+            if hook is not None:
+                hook("donate", step, 0)  # fault injection: the donor dies mid-transfer
             sent = transfer.send(conn, state.tensors, state.meta)
         _log(f"donated {sent / 1e6:.1f} MB of state at step {step} to replica "
              f"{join['replica']} rank {rank} in {time.monotonic() - t0:.2f}s")
@@ -79,7 +84,8 @@ def serve(member: Member, rank: int, step: int, join: dict, module: nn.Module,
 
 def receive(member: Member, rank: int, module: nn.Module,
             optimizer: torch.optim.Optimizer | None, extra: Mapping[str, Any],
-            exact: Any | None, timeout_s: float) -> tuple[int, float, int]:
+            exact: Any | None, timeout_s: float, hook: Hook | None = None,
+            join_at: int = 0) -> tuple[int, float, int]:
     """Joiner rank: get the state from a donor (another one if a donor dies), tell the
     coordinator, wait for the admission. Returns (step to continue from, transfer s, bytes)."""
     if optimizer is not None:
@@ -96,6 +102,8 @@ def receive(member: Member, rank: int, module: nn.Module,
         try:
             with transfer.connect(addr.decode(), CONNECT_S) as sock:
                 sock.settimeout(CONNECT_S)
+                if hook is not None:
+                    hook("receive", join_at, 0)  # fault injection: the joiner dies mid-transfer
                 meta, got = transfer.receive(sock, state.tensors, state.meta)
         except (OSError, transfer.TransferError) as e:
             _log(f"state transfer from {addr.decode()} (join {epoch}) failed: {e}; asking for "

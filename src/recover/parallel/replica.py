@@ -118,9 +118,10 @@ class Replica:
         # it receives a running replica's state and continues from that step (`start_step`).
         self.start_step, self.joined, self.transfer_s = 0, False, 0.0
         if self.member.joining:
+            join_at = os.environ.get("RECOVER_JOIN_AT", "0")
             self.start_step, self.transfer_s, _ = rejoin.receive(
                 self.member, self.rank, module, optimizer, self.user_state, self.exact,
-                join_timeout_s)
+                join_timeout_s, hook, int(join_at) if join_at.isdigit() else 0)
             self.joined = True
 
     # -- the loop ------------------------------------------------------------------------------
@@ -166,7 +167,7 @@ class Replica:
             bound = self.member.stuck_s
             self.member.disarm()  # a big state takes its time; serve() has its own timeouts
             rejoin.serve(self.member, self.rank, step, join, self.module, self.optimizer,
-                         self.user_state, self.exact)
+                         self.user_state, self.exact, self.engine.hook)
             self.member.arm(bound)
 
     def replica_sum(self, value: float) -> float:
