@@ -5,6 +5,7 @@ Real multi-process runs of `recover train` (coordinator + replica processes, glo
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -30,6 +31,14 @@ def test_reference_run_outputs(ref4: Run) -> None:
     assert recs[-1]["loss"] < recs[0]["loss"] - 0.5, "the loss must fall"
     assert "val_loss" in recs[-1]
     assert (ref4.out / "config.json").exists() and (ref4.out / "ckpt" / "latest").exists()
+    # run_start is the base of time_s: every commit lies after the initial membership, and the
+    # launcher's clock was read before it started the coordinator (bench/rejoin.py relies on it).
+    t0 = float((ref4.out / "run_start").read_text())
+    events = [json.loads(line) for line in (ref4.out / "coordinator.jsonl").read_text().splitlines()
+              if line.startswith("{")]
+    assert t0 <= events[0]["time"]
+    gen0 = next(e for e in events if e["event"] == "generation")
+    assert t0 + recs[0]["time_s"] >= gen0["time"]
     finals = ref4.finals()
     assert sorted(finals) == [0, 1, 2, 3]
     assert all(bitwise_equal(finals[0], f) for f in finals.values()), "replicas diverged"

@@ -201,6 +201,9 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
     cfg, start = prepare_run(cfg)
     truncate_metrics(Path(cfg.run.out) / "metrics.jsonl", start)
     t_start = time.time()
+    # On disk too: `time_s` in metrics.jsonl is relative to it, and other logs (coordinator.jsonl)
+    # carry absolute clocks; bench/rejoin.py lines them up.
+    (Path(cfg.run.out) / "run_start").write_text(f"{t_start:.6f}\n")
     # One fork server per launch: torch is imported once, not once per process. Not for external
     # workers: the coordinator is then the only local process.
     server = _fork_server(console, quiet) if not external_workers else None
