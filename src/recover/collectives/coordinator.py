@@ -317,6 +317,7 @@ class Coordinator:
         self._publish([m for m in self.members if m not in self.lost],
                       f"join of replica {replica} given up ({why})")
         self._end_join(epoch)
+        join.epoch = -1
         if len(join.ranks) == join.nranks:  # still connected: another donor, another boundary
             self._announce_join(replica, join)  # type: ignore[arg-type]
 
@@ -362,12 +363,11 @@ class Coordinator:
         join = self.joins.get(conn.replica)
         if join is not None and conn.replica not in self.members:
             join.ranks.discard(conn.rank)
+            if join.epoch >= 0:  # whoever paused a step for it goes on (a new generation)
+                self._join_failed(conn.replica, join.epoch, "the joiner went away")
             if not any(c.replica == conn.replica for c in self._conns.values()):
                 self.joins.pop(conn.replica, None)
                 self._set_exit(conn.replica, f"lost while joining (pid {conn.pid})")
-            if join.epoch >= 0:
-                self._join_failed(conn.replica, join.epoch, "the joiner went away")
-                self.joins.pop(conn.replica, None)
             return
         if conn.said_bye:
             # A clean exit is not a fault, but the others must stop counting on it: the next
