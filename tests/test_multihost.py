@@ -326,7 +326,7 @@ def check_run(o: Outcome, ref: Outcome, tmp: Path) -> None:
         live = [r["live_replicas"] for r in recs]
         assert live[FAULT_AFTER_STEPS - 1] == REPLICAS and live[-1] == REPLICAS - 1, live
     ckpt = o.out / "ckpt" / (o.out / "ckpt" / "latest").read_text().strip()
-    meta = json.loads((ckpt / "meta.json").read_text())
+    meta = json.loads(json.loads((ckpt / "meta.json").read_text())["manifest"])
     assert ckpt.name == f"step_{STEPS:08d}" and meta["step"] == STEPS, (ckpt, meta["step"])
     assert adam_steps(ckpt, tmp) == {STEPS}, f"{ckpt.name} holds {adam_steps(ckpt, tmp)} steps"
 
