@@ -34,7 +34,10 @@ def test_kill_in_each_phase_down_to_one(ref: Run, corpus: Path, tmp_path: Path,
                  "kill:replica=2,step=6,phase=backward", "kill:replica=1,step=10,phase=reduce")
     record.measured = _MATRIX.measure(run)
     recs = check_run(run, ref, [0])
-    assert [r["live_replicas"] for r in (recs[2], recs[3], recs[6], recs[10])] == [4, 3, 2, 1]
+    assert [r["live_replicas"] for r in (recs[2], recs[3], recs[6])] == [4, 3, 2]
+    # A kill "in the reduce" can land just after the collective completed: then step 10 still
+    # commits with replica 1's ids and step 11 runs without it.
+    assert recs[11]["live_replicas"] == 1
     assert recs[-1]["quotas"] == {"0": 8}
     assert all(f"injecting kill:replica={r}" in run.log(r) for r in (1, 2, 3))
 
