@@ -1,0 +1,142 @@
+"""Soak: consecutive `recover train` runs under a random, seeded fault schedule for M minutes.
+
+Invariant: every run is checked the way tests/faults checks one scenario (exit 0, committed
+steps 0..S-1 exactly once, `microbatches` = N on every line, losses within 1e-5 relative of a
+failure-free reference, surviving replicas' final parameters bitwise equal, the last checkpoint
+loads and equals them); each broken check is one violation. Replica 0 is never faulted, so a run
+always has a survivor. The last line printed is `violations=<n>` (goal: 0 over 30 minutes).
+
+    python bench/soak.py --minutes 30 [--seed 0] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from recover.config import RunConfig
+from recover.runtoken import run_token
+from recover.train.checkpoint import latest_checkpoint, load_checkpoint
+from recover.train.model import build_model
+from recover.train.optim import build_optimizer
+
+R, N, STEPS = 4, 8, 14
+BASE = ["--preset", "debug", "--steps", str(STEPS), "--eval-every", "0", "--warmup-steps", "3",
+        "--replicas", str(R), "--dump-final-params", "--ckpt-every", "5"]
+PHASES = ("forward", "backward", "reduce", "commit", "optimizer")
+
+
+def train(out: Path, data: Path, faults: list[str], timeout: float = 300) -> int:
+    args = [sys.executable, "-m", "recover", "train", "--out", str(out), "--data", str(data),
+            *BASE]
+    for f in faults:
+        args += ["--fault", f]
+    with open(f"{out}.log", "wb") as log:
+        p = subprocess.Popen(args, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                             start_new_session=True)
+        try:
+            return p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return -1
+        finally:
+            try:  # the whole tree of this run, by its session's process-group id
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def schedule(rng: random.Random) -> list[str]:
+    """1-3 faults on distinct replicas among 1..R-1: kill (maybe restarted), hang, slow."""
+    faults = []
+    for r in rng.sample(range(1, R), rng.randint(1, 3)):
+        kind, step = rng.choice(("kill", "kill", "hang", "slow")), rng.randrange(1, STEPS - 3)
+        if kind == "kill":
+            faults.append(f"kill:replica={r},step={step},phase={rng.choice(PHASES)}")
+            if rng.random() < 0.4:
+                faults.append(f"restart:replica={r},step={rng.randrange(step + 2, STEPS)}")
+        elif kind == "hang":
+            faults.append(f"hang:replica={r},step={step},seconds={rng.choice((1, 3, 5))},"
+                          f"phase={rng.choice(PHASES[:3])}")
+        else:
+            faults.append(f"slow:replica={r},factor={rng.choice((2, 3))},step={step}")
+    return faults
+
+
+def violations(out: Path, rc: int, ref_losses: list[float]) -> list[str]:
+    if rc != 0:
+        return [f"exit {rc}"]
+    bad = []
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
+    if [r["step"] for r in recs] != list(range(STEPS)):
+        bad.append("steps not contiguous")
+    if any(r["microbatches"] != N for r in recs):
+        bad.append("microbatches != N")
+    rel = max((abs(r["loss"] - y) / abs(y) for r, y in zip(recs, ref_losses, strict=False)),
+              default=1.0)
+    if rel >= 1e-5:
+        bad.append(f"loss off by {rel:.2e}")
+    finals = [torch.load(p, weights_only=True) for p in sorted((out / "final").glob("*.pt"))]
+    if not finals or any(not _equal(finals[0], f) for f in finals):
+        bad.append("survivors' final parameters differ (or none)")
+    try:
+        cfg = RunConfig.load(out / "config.json")
+        model = build_model(cfg.model, cfg.run.seed + 1)
+        key = run_token(out)
+        path = latest_checkpoint(out / "ckpt", key)
+        assert path is not None, "no checkpoint"
+        meta = load_checkpoint(path, model, build_optimizer(model, cfg), key=key)
+        if meta["step"] != STEPS or (finals and not _equal(model.state_dict(), finals[0])):
+            bad.append(f"last checkpoint (step {meta['step']}) is not the final state")
+    except Exception as e:  # any failure to load is the violation being counted
+        bad.append(f"checkpoint does not load: {e}")
+    return bad
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None, help="keep the runs here (default: tmp)")
+    args = ap.parse_args()
+    root = args.out or Path(tempfile.mkdtemp(prefix="recover-soak-"))
+    root.mkdir(parents=True, exist_ok=True)
+    data = root / "text.txt"
+    rng = random.Random(args.seed)
+    words = "the of and to in is that it was for on are with as his they be at one".split()
+    data.write_text(" ".join(rng.choice(words) for _ in range(40_000)))
+    if train(root / "ref", data, []) != 0:
+        print(f"reference run failed: see {root}/ref.log\nviolations=1")
+        return 1
+    ref = [json.loads(x)["loss"]
+           for x in (root / "ref" / "metrics.jsonl").read_text().splitlines() if x]
+    total, runs, deadline = 0, 0, time.monotonic() + 60 * args.minutes
+    while time.monotonic() < deadline:
+        faults = schedule(rng)
+        out = root / f"run{runs:03d}"
+        t0 = time.monotonic()
+        bad = violations(out, train(out, data, faults), ref)
+        total += len(bad)
+        print(f"run {runs}: {' '.join(faults)} -> {'ok' if not bad else '; '.join(bad)} "
+              f"({time.monotonic() - t0:.0f}s)", flush=True)
+        runs += 1
+    print(f"runs={runs} (in {root})")
+    print(f"violations={total}")
+    return 0 if total == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Crashes, hangs, stragglers, deadlocks and rejoins in real `recover train` runs.
+
+Each test is one run (several faults per run where they do not interfere) checked by
+`conftest.check_run` against the shared failure-free reference; what a scenario adds (who
+survives, who was fenced, how fast) is asserted here. Replica r owns ids 8s+2r, 8s+2r+1
+of each step with static quotas (ids of step s: 8s..8s+7; R=4, N=8), which is what the
+microbatch-aimed faults rely on.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from _run import Run
+from faults.conftest import _MATRIX, Row, check_run, faulty, gaps
+
+pytestmark = pytest.mark.timeout(200)
+STALE_S = 2.0  # the default --stale-s (recover.config.FtConfig)
+
+
+@pytest.fixture(scope="module")
+def ref(ref4: Run) -> Run:
+    return ref4
+
+
+def test_kill_in_each_phase_down_to_one(ref: Run, corpus: Path, tmp_path: Path,
+                                        record: Row) -> None:
+    record.scenario = "crash in forward, backward, reduce; down to one survivor"
+    record.expected = "each loss recovered in-step; replica 0 ends alone with all 8 microbatches"
+    run = faulty(tmp_path, corpus, "kill:replica=3,step=3,phase=forward,microbatch=1",
+                 "kill:replica=2,step=6,phase=backward", "kill:replica=1,step=10,phase=reduce")
+    record.measured = _MATRIX.measure(run)
+    recs = check_run(run, ref, [0])
+    assert [r["live_replicas"] for r in (recs[2], recs[3], recs[6])] == [4, 3, 2]
+    # A kill "in the reduce" can land just after the collective completed: then step 10 still
+    # commits with replica 1's ids and step 11 runs without it.
+    assert recs[11]["live_replicas"] == 1
+    assert recs[-1]["quotas"] == {"0": 8}
+    assert all(f"injecting kill:replica={r}" in run.log(r) for r in (1, 2, 3))
+
+
+def test_two_at_once_and_optimizer_phase(ref: Run, corpus: Path, tmp_path: Path,
+                                         record: Row) -> None:
+    record.scenario = "two crashes at once (commit phase), then one after the commit decision"
+    record.expected = "both losses handled in one recovery; the optimizer-phase loss too"
+    run = faulty(tmp_path, corpus, "kill:replica=1,step=4,phase=commit",
+                 "kill:replica=2,step=4,phase=commit", "kill:replica=3,step=9,phase=optimizer")
+    record.measured = _MATRIX.measure(run)
+    recs = check_run(run, ref, [0])
+    # Killed after the reduce: step 4's gradient already holds their ids; step 5 runs without.
+    assert recs[3]["live_replicas"] == 4 and recs[5]["live_replicas"] == 2
+    assert recs[-1]["live_replicas"] == 1
+
+
+def test_crash_during_recovery(ref: Run, corpus: Path, tmp_path: Path, record: Row) -> None:
+    record.scenario = "crash during recovery (the recomputing replica dies)"
+    record.expected = "the second loss is recovered too; the step commits once"
+    # Replica 2 computes its own 2 microbatches (j=0,1) of step 5; its third (j=2) exists only
+    # when it recomputes replica 1's, so the kill lands inside the recovery.
+    run = faulty(tmp_path, corpus, "kill:replica=1,step=5,phase=forward",
+                 "kill:replica=2,step=5,phase=backward,microbatch=2")
+    record.measured = _MATRIX.measure(run)
+    recs = check_run(run, ref, [0, 3])
+    assert "injecting kill" in run.log(2), run.log(2)[-2000:]
+    # Step 5's ids are 40..47; replicas 1 and 2 owned 42..45, all recomputed by 0 and 3.
+    assert recs[5]["live_replicas"] == 2 and sorted(recs[5]["recovered"]) == [42, 43, 44, 45]
+
+
+def test_hang_fenced(ref: Run, corpus: Path, tmp_path: Path, record: Row) -> None:
+    record.scenario = "hang (SIGSTOP 3 s) in backward, then a crash in the optimizer phase"
+    record.expected = "the hung replica is fenced and exits; survivors bitwise equal"
+    run = faulty(tmp_path, corpus, "hang:replica=3,step=4,seconds=3,phase=backward",
+                 "kill:replica=1,step=8,phase=optimizer")
+    record.measured = _MATRIX.measure(run)
+    recs = check_run(run, ref, [0, 2])
+    assert "fenced" in run.log(3), run.log(3)[-2000:]
+    assert recs[-1]["live_replicas"] == 2
+
+
+def test_straggler_and_rejoin_during_fault(ref: Run, corpus: Path, tmp_path: Path,
+                                           record: Row) -> None:
+    record.scenario = "straggler (3x slow) not fenced; a crash and its replacement rejoining"
+    record.expected = "straggler stays a member; replica 2 rejoins, 4 live at the end"
+    run = faulty(tmp_path, corpus, "slow:replica=1,factor=3", "kill:replica=2,step=4,"
+                 "phase=backward", "restart:replica=2,step=7", static=False)
+    record.measured = _MATRIX.measure(run)
+    recs = check_run(run, ref, [0, 1, 2, 3])
+    assert all(1 in r["members"] for r in recs), "a straggler must not be fenced"
+    assert recs[4]["live_replicas"] == 3 and recs[-1]["live_replicas"] == 4
+    assert any(2 in r["members"] for r in recs[7:8]), [r["members"] for r in recs]
+
+
+def test_deadlock_fenced_in_time(ref: Run, corpus: Path, tmp_path: Path, record: Row) -> None:
+    record.scenario = "deadlock in reduce (main thread stuck, heartbeats alive)"
+    record.expected = f"progress watchdog fences it (exit 7); step 10 commits within " \
+                      f"3 x stale-s + 5 = {3 * STALE_S + 5:.0f} s"
+    run = faulty(tmp_path, corpus, "deadlock:replica=1,step=10,phase=reduce")
+    recs = check_run(run, ref, [0, 2, 3])
+    took = recs[10]["time_s"] - recs[9]["time_s"]
+    record.measured = f"step 10 committed {took:.2f} s after step 9; " + _MATRIX.measure(run)
+    assert took < 3 * STALE_S + 5, took
+    assert "injecting deadlock" in run.log(1)
+    exits = json.loads((run.out / "exit_codes.json").read_text())
+    assert exits.get("1.0") == 7, exits
+
+
+def test_all_lost(ref: Run, corpus: Path, tmp_path: Path, record: Row) -> None:
+    record.scenario = "all replicas lost (every one killed in step 6)"
+    record.expected = "clean non-zero exit, a clear message, the step-5 checkpoint loads"
+    run = faulty(tmp_path, corpus, *(f"kill:replica={r},step=6,phase={p}" for r, p in
+                                     enumerate(("forward", "backward", "reduce", "commit"))),
+                 expect_rc=None)
+    record.measured = f"exit {run.returncode}; " + _MATRIX.measure(run)
+    check_run(run, ref, [], steps=6)
+    assert "Traceback" not in run.stderr
+    assert "lost" in run.stderr.lower() or "checkpoint" in run.stderr.lower(), run.stderr[-2000:]
+    assert max(gaps(run.metrics())) < 30

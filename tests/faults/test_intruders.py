@@ -1,0 +1,110 @@
+"""Strangers at the coordinator: a worker of another run, and fuzzed liveness-port input.
+
+Invariant checked: what does not belong to the run is refused (with a clear reason to a worker,
+a logged `refused`/`malformed` event for raw input) and the run is unaffected: all four replicas
+stay members and `conftest.check_run` holds. The run is slowed (every replica 8x, which changes
+no number) so that the strangers arrive while it trains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from _procs import session_server
+from _run import Launch, Run
+from faults.conftest import _MATRIX, Row, check_run, fault_args
+from recover.train.forkserver import Process
+
+pytestmark = pytest.mark.timeout(240)
+SLOW = [f"slow:replica={r},factor=8" for r in range(4)]
+
+
+def _started(out: Path, launch: Launch, steps: int = 2) -> dict:
+    """The coordinator's start event, once `steps` steps committed."""
+    deadline = time.monotonic() + 120
+    while not (out / "metrics.jsonl").exists() or \
+            len((out / "metrics.jsonl").read_text().splitlines()) < steps:
+        assert time.monotonic() < deadline and launch.proc.poll() is None, launch.stderr()[-2000:]
+        time.sleep(0.05)
+    return json.loads((out / "coordinator.jsonl").read_text().splitlines()[0])
+
+
+def _foreign_worker(run_dir: Path, port: int, log: Path, env: dict[str, str]) -> tuple[int, str]:
+    """A real worker process aimed at this run's coordinator; (exit code, its stderr)."""
+    argv = ["--run-dir", str(run_dir), "--replica", "1", "--coordinator", f"127.0.0.1:{port}"]
+    server = session_server()  # forked with torch imported: it arrives while the run trains
+    if server is not None:
+        p: Process = server.spawn("recover.train.worker:main", argv, log, env=env,
+                                  new_session=True)
+    else:
+        with open(log, "wb") as err:
+            p = subprocess.Popen([sys.executable, "-m", "recover.train.worker", *argv],
+                                 stdout=err, stderr=err, stdin=subprocess.DEVNULL, env=env,
+                                 start_new_session=True)
+    try:
+        p.wait(90)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, 9)  # by its own session id: only this worker
+        p.wait(10)
+        raise AssertionError("a foreign worker was not refused in time:\n"
+                             f"{log.read_text()}") from None
+    return p.returncode, log.read_text(errors="replace")
+
+
+def _fuzz(port: int, token: str, seed: int = 0) -> None:
+    """Raw lines to the liveness port, each on its own connection, ends closed by us."""
+    rng = random.Random(seed)
+    lines = [b"hb\n", b"fail 0 1,2\n", b"lost x\n", b"bye\n", b"ready 1\n", b"hello\n",
+             b"hello x y z w\n", b"hello 99 0 1 1\n", b"hello 0 0 1 1 wrongtoken -\n",
+             f"hello 1 0 1 1 {token} -\n".encode(),  # right token, but replica 1 is connected
+             f"hello 0 0 1 1 {token} notthefingerprint\n".encode(),
+             b"\xff\xfe\x00garbage\n", b"A" * 10000, b"\n\n\n"]
+    lines += [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200))) + b"\n"
+              for _ in range(20)]
+    for line in lines:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.settimeout(2)
+            try:
+                s.sendall(line)
+                s.recv(256)  # a refusal, or the close; either way the coordinator answered
+            except OSError:
+                pass
+
+
+def test_foreign_worker_and_fuzzed_input(ref4: Run, corpus: Path, tmp_path: Path,
+                                         record: Row) -> None:
+    record.scenario = "worker of another run / wrong token; fuzzed liveness-port input"
+    record.expected = "refused with a clear reason; malformed lines logged; run unaffected"
+    out = tmp_path / "run"
+    launch = Launch(out, *fault_args(*SLOW), data=corpus)
+    try:
+        start = _started(out, launch)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        # Another run's directory (its own token and config), then this run's with a wrong token.
+        rc_other, err_other = _foreign_worker(ref4.out, start["port"], tmp_path / "w1.log", env)
+        rc_token, err_token = _foreign_worker(out, start["port"], tmp_path / "w2.log",
+                                              {**env, "RECOVER_RUN_TOKEN": "not-this-run"})
+        _fuzz(start["liveness_port"], (out / "run.token").read_text().strip())
+        assert launch.proc.poll() is None, "the run ended before the strangers were done"
+    finally:
+        run = launch.finish(180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    record.measured = _MATRIX.measure(run)
+    assert rc_other != 0 and "refused" in err_other and "token" in err_other, err_other[-2000:]
+    assert rc_token != 0 and "refused" in err_token and "token" in err_token, err_token[-2000:]
+    recs = check_run(run, ref4, [0, 1, 2, 3])
+    assert all(r["live_replicas"] == 4 for r in recs)
+    events = [json.loads(x) for x in (out / "coordinator.jsonl").read_text().splitlines()]
+    kinds = [e["event"] for e in events]
+    assert kinds.count("refused") >= 5 and kinds.count("malformed") >= 10, kinds
+    assert any("already connected" in e.get("why", "") for e in events)
+    assert any("config differs" in e.get("why", "") for e in events)
