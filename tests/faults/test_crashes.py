@@ -35,6 +35,8 @@ def test_kill_in_each_phase_down_to_one(ref: Run, corpus: Path, tmp_path: Path,
     record.measured = _MATRIX.measure(run)
     recs = check_run(run, ref, [0])
     assert [r["live_replicas"] for r in (recs[2], recs[3], recs[6])] == [4, 3, 2]
+    # Killed mid-compute with equal quotas over [0, 1, 2]: exactly its ids (54, 55) recomputed.
+    assert recs[6]["recovered"] == [54, 55], recs[6]["recovered"]
     # A kill "in the reduce" can land just after the collective completed: then step 10 still
     # commits with replica 1's ids and step 11 runs without it.
     assert recs[11]["live_replicas"] == 1
@@ -91,6 +93,8 @@ def test_straggler_and_rejoin_during_fault(ref: Run, corpus: Path, tmp_path: Pat
     assert all(1 in r["members"] for r in recs), "a straggler must not be fenced"
     assert recs[4]["live_replicas"] == 3 and recs[-1]["live_replicas"] == 4
     assert any(2 in r["members"] for r in recs[7:8]), [r["members"] for r in recs]
+    late = recs[-4:]  # speed-aware quotas: the 3x straggler gets fewer microbatches
+    assert all(r["quotas"]["1"] < max(r["quotas"].values()) for r in late), late
 
 
 def test_deadlock_fenced_in_time(ref: Run, corpus: Path, tmp_path: Path, record: Row) -> None:
@@ -118,3 +122,19 @@ def test_all_lost(ref: Run, corpus: Path, tmp_path: Path, record: Row) -> None:
     assert "Traceback" not in run.stderr
     assert "lost" in run.stderr.lower() or "checkpoint" in run.stderr.lower(), run.stderr[-2000:]
     assert max(gaps(run.metrics())) < 30
+
+
+def test_partition_evicted_on_evidence(ref: Run, corpus: Path, tmp_path: Path,
+                                       record: Row) -> None:
+    record.scenario = "partition: one replica's cross-replica traffic fails, heartbeats alive"
+    record.expected = ("the others name it at their barrier; evicted on that evidence (never a "
+                       "reporter); it is fenced (3); survivors commit")
+    run = faulty(tmp_path, corpus, "partition:replica=1,step=5")
+    record.measured = _MATRIX.measure(run)
+    recs = check_run(run, ref, [0, 2, 3])
+    assert recs[-1]["live_replicas"] == 3
+    events = [json.loads(x) for x in (run.out / "coordinator.jsonl").read_text().splitlines()]
+    evicted = [e for e in events if e["event"] == "generation" and 1 not in e["members"]]
+    assert evicted and "replica 1: unreachable, named by" in evicted[0]["reason"], evicted[:1]
+    assert evicted[0]["members"] == [0, 2, 3]  # none of the reporters
+    assert json.loads((run.out / "exit_codes.json").read_text())["1.0"] == 3
