@@ -39,6 +39,7 @@ class RankArgs:
     log: Path
     stop_file: Path  # holds the step at which every rank stops (written once by the parent)
     parent: int  # the bench's PID: an orphaned rank stops instead of stepping on forever
+    trace: bool = False  # every engine store call and key wait, with its result, to stderr
 
 
 def weight(i: int) -> float:
@@ -82,7 +83,34 @@ class TimedComm(FaultTolerantComm):
                                s1["build_s"] - s0["build_s"], s1["reduce_s"] - s0["reduce_s"]])
 
 
-def count_waits(engine: StepEngine) -> list[int]:
+class TracedStore:
+    """Forwards to the engine's store client and prints each call with its result (--trace):
+    to see which decision or chain value each rank read when ranks disagree."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any) -> Any:
+            t0 = time.time()
+            out: Any = "raised"
+            try:
+                out = attr(*args)
+                return out
+            finally:
+                trace(t0, f"{name}{args!r:.160} -> {out!r:.80}")
+        return call
+
+
+def trace(t0: float, what: str) -> None:
+    print(f"trace {t0:.4f} +{time.time() - t0:.4f} {what}", file=sys.stderr, flush=True)
+
+
+def count_waits(engine: StepEngine, traced: bool = False) -> list[int]:
     """Count the engine's blocking key waits: each is one store round trip, made on a helper
     thread with its own client, which `engine.stats["store_ops"]` does not count."""
     counter = [0]
@@ -90,7 +118,11 @@ def count_waits(engine: StepEngine) -> list[int]:
 
     def counted(*a: Any, **k: Any) -> Any:
         counter[0] += 1
-        return get(*a, **k)
+        t0 = time.time()
+        out = get(*a, **k)
+        if traced:
+            trace(t0, f"wait{a!r:.160} -> {out!r:.80}")
+        return out
 
     engine.waiter.get = counted  # type: ignore[method-assign]
     return counter
@@ -116,7 +148,9 @@ def rank_main(a: RankArgs) -> NoReturn:
     engine = StepEngine(member, comm, grad, a.n, timeout_s=a.timeout_s, positions=a.nranks,
                         hook=lambda phase, step, j: after.append(time.time())
                         if phase == "commit" else None)
-    waits = count_waits(engine)
+    waits = count_waits(engine, a.trace)
+    if a.trace:
+        engine.store = TracedStore(engine.store)
     base = pattern(a.numel)
     log = open(a.log, "a", buffering=1)
     log.write(json.dumps({"ev": "joined", "t": time.time(), "pid": os.getpid(),

@@ -24,10 +24,12 @@ integer-valued gradient (checked exactly after every commit). P > 1 runs multi-p
      reduce      its redone collective (`comm.stats` reduce_s delta);
      rest        -> the last survivor's commit (decision, stragglers).
 
-Every process is ended by PID in a `finally` (`recover.procs`). Outputs in --out: `scale.json`
-(the P = 1 curve: {"ranks", "store_ops_per_rank_step", "control_plane_s", "detect_s",
-"agree_s", "rebuild_s", "reduce_s"}), `scale_detail.json` (every scale and kill), `scale.png`,
-and each scale's logs; `--write-curve` also copies `scale.json` to
+A survivor that dies, a wrong gradient or a stuck step (every live rank's stacks are then dumped
+into its .err log) is a protocol failure: reported, never hidden, and the scale is retried
+(--retries). Every process is ended by PID in a `finally` (`recover.procs`). Outputs in --out:
+`scale.json` (the P = 1 curve: {"ranks", "store_ops_per_rank_step", "control_plane_s",
+"detect_s", "agree_s", "rebuild_s", "reduce_s"}), `scale_detail.json` (every scale and kill,
+and the failures), `scale.png`, and each scale's logs; `--write-curve` also copies `scale.json` to
 `src/recover/sim/data/scale_curve.json` (the simulator's input). Last lines:
 `store_ops_per_rank_step=<max over scales>` and `scale_protocol_ratio=<(detect + agree) at the
 largest P = 1 scale / at 4 ranks>`.
@@ -65,6 +67,11 @@ EXTRA = (*PARTS, "total", "teardown", "agree_med")
 
 class FalseAlarm(RuntimeError):
     """The membership changed without a kill (a live rank was declared lost)."""
+
+
+class ProtocolFailure(RuntimeError):
+    """A survivor died or committed a wrong gradient: a failure of the library, not of the
+    bench (its logs, with every live rank's stacks, stay in the scale's folder)."""
 
 
 # -- processes ------------------------------------------------------------------------------
@@ -255,7 +262,7 @@ def run_scale(reps: int, pos: int, a: argparse.Namespace, rng: random.Random, d:
             log = d / f"rank{r}.{p}.jsonl"
             kids.pid[(r, p)] = fork_call(rank_main, RankArgs(
                 port, r, p, pos, reps, a.numel, a.compute_s, a.timeout_s, 10**6, log,
-                stop_file, os.getpid()), d / f"rank{r}.{p}.err")
+                stop_file, os.getpid(), a.trace), d / f"rank{r}.{p}.err")
             tails[(r, p)] = Tail(log)
         fork_s = time.monotonic() - t0
         live = set(range(reps))
@@ -266,7 +273,7 @@ def run_scale(reps: int, pos: int, a: argparse.Namespace, rng: random.Random, d:
             for k in ranks:
                 if k[0] in live and k in kids.code:
                     err = (d / f"rank{k[0]}.{k[1]}.err").read_text(errors="replace")[-1500:]
-                    raise RuntimeError(f"rank {k} exited {kids.code[k]} unexpectedly:\n{err}")
+                    raise ProtocolFailure(f"rank {k} exited {kids.code[k]} unexpectedly:\n{err}")
             for e in generations(clog):
                 if not expected_members <= set(e["members"]):
                     raise FalseAlarm(f"generation {e['gen']}: {e.get('reason', '?')}")
@@ -301,7 +308,7 @@ def run_scale(reps: int, pos: int, a: argparse.Namespace, rng: random.Random, d:
             kills.append({"victim": list(victim), "ranks_before": before, **bd})
         bad = [(k, s["step"]) for k in ranks for s in tails[k].steps() if not s["correct"]]
         if bad:
-            raise RuntimeError(f"wrong reduced gradient at (rank, step) {bad[:5]}")
+            raise ProtocolFailure(f"wrong reduced gradient at (rank, step) {bad[:5]}")
         last = max(s["step"] for k in ranks if k[0] in live for s in tails[k].steps())
         tmp = stop_file.with_suffix(".tmp")
         tmp.write_text(str(last + 3))
@@ -340,13 +347,15 @@ def plot(res: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = dict(zip(("detect", "agree", "rebuild", "reduce", "control_s"),
+                      ("C0", "C1", "C2", "C3", "C4"), strict=True))
     for pos, style in ((1, "-o"), (8, "--s")):
         rs = sorted((r for r in res if r["positions"] == pos), key=lambda r: r["ranks"])
         if not rs:
             continue
         x = [r["ranks"] for r in rs]
-        for key in ("detect", "agree", "rebuild", "reduce", "control_s"):
-            ax.plot(x, [r[key] * 1e3 for r in rs], style, label=f"{key} (P={pos})")
+        for key, color in colors.items():
+            ax.plot(x, [r[key] * 1e3 for r in rs], style, color=color, label=f"{key} (P={pos})")
         bx.plot(x, [r["store_ops"] for r in rs], style, label=f"P={pos}")
     ax.set(xscale="log", yscale="log", xlabel="ranks (R x P)", ylabel="ms",
            title="kill -> committed, and failure-free control plane")
@@ -377,12 +386,18 @@ def main() -> int:
                     help="heartbeat silence = lost (a SIGKILL is seen by the closed liveness "
                          "socket, not by this: it only has to avoid false alarms; 10 s gave one "
                          "at 64 ranks here, where store round trips can stall for 5 s)")
-    ap.add_argument("--timeout-s", type=float, default=120.0, help="protocol timeouts")
+    ap.add_argument("--timeout-s", type=float,
+                    help="protocol timeouts; a stuck step is declared after 3x (default 120, "
+                         "60 with --quick)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--retries", type=int, default=1, help="reruns of a scale after a false alarm")
     ap.add_argument("--write-curve", action="store_true", help=f"also write {CURVE}")
+    ap.add_argument("--trace", action="store_true",
+                    help="log every engine store call and key wait with its result to each "
+                         "rank's .err log (diagnosis of a protocol failure; slows the ranks)")
     a = ap.parse_args()
     a.steps = a.steps or (8 if a.quick else 20)
+    a.timeout_s = a.timeout_s or (60.0 if a.quick else 120.0)
     a.kills = a.kills or (1 if a.quick else 2)
     spec = a.scales or ("4x1,16x1,64x1" if a.quick else "4x1,16x1,64x1,128x1,8x8,16x8")
     scales = [tuple(int(v) for v in s.split("x")) for s in spec.split(",")]
@@ -394,7 +409,8 @@ def main() -> int:
     say(f"assumptions: {cores()} CPU core(s) shared by every rank and the coordinator, load "
         f"average {loadavg():.1f} at start; gloo over 127.0.0.1; stale-s {a.stale_s}; "
         f"processes forked from this one after `import torch`; other load is not controlled")
-    res = []
+    res: list[dict] = []
+    failures: list[dict] = []  # reported, never hidden: they are the library's
     t0 = time.monotonic()
     for reps, pos in scales:
         for attempt in range(a.retries + 1):
@@ -404,8 +420,13 @@ def main() -> int:
             except FalseAlarm as e:
                 say(f"  {reps}x{pos}: FALSE ALARM ({e}); " +
                     ("retrying" if attempt < a.retries else "giving up"))
+            except (ProtocolFailure, TimeoutError) as e:
+                where = root / f"r{reps}p{pos}-{attempt}"
+                failures.append({"scale": f"{reps}x{pos}", "logs": str(where), "error": str(e)})
+                say(f"  {reps}x{pos}: FAILED ({str(e).splitlines()[0]}); logs and stacks in "
+                    f"{where}; " + ("retrying" if attempt < a.retries else "giving up"))
         else:
-            raise SystemExit(f"{reps}x{pos}: false alarms in every attempt")
+            raise SystemExit(f"{reps}x{pos}: no valid attempt")
         res.append(r)
         say(f"  {reps}x{pos}: set up in {r['setup_s']:.0f}s (forks {r['fork_s']:.1f}s), "
             f"{r['steps']} failure-free steps "
@@ -425,13 +446,17 @@ def main() -> int:
         "agree_med is the median survivor's agree (agree: the last survivor's)")
     data = curve(res)
     (root / "scale.json").write_text(json.dumps(data, indent=1) + "\n")
-    (root / "scale_detail.json").write_text(json.dumps(res, indent=1) + "\n")
+    (root / "scale_detail.json").write_text(json.dumps({"scales": res, "failures": failures},
+                                                       indent=1) + "\n")
     plot(res, root / "scale.png")
     if a.write_curve:
         CURVE.parent.mkdir(parents=True, exist_ok=True)
         CURVE.write_text(json.dumps(data, indent=1) + "\n")
         say(f"wrote {CURVE}")
     say(f"wrote {root / 'scale.json'}, {root / 'scale_detail.json'}, {root / 'scale.png'}")
+    say(f"protocol failures (a survivor died or a wrong gradient; retried): {len(failures)}"
+        + "".join(f"\n  {f['scale']}: {f['error'].splitlines()[0][:150]} ({f['logs']})"
+                  for f in failures))
     print(f"store_ops_per_rank_step={max(r['store_ops'] for r in res):.2f}", flush=True)
     one = sorted((r for r in res if r["positions"] == 1), key=lambda r: r["ranks"])
     if len(one) < 2:
