@@ -132,9 +132,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
 
 
 NOT_COVERED = [
-    ("partition (`--fault partition:...`)",
-     "parsed by `recover.faults`, but no code path acts on `FaultInjector.partitioned()`: "
-     "the fault does nothing yet, so a test of it could not fail"),
     ("coordinator killed and restarted",
      "no coordinator restart exists: a dead coordinator makes the run checkpoint and stop "
      "(tests/test_recovery.py::test_coordinator_death_checkpoints_and_stops covers that)"),
