@@ -99,8 +99,7 @@ class FaultTolerantComm:
             raise ValueError("the nccl backend needs device=torch.device('cuda', i)")
         self.backend, self.device = backend, device
         # A member missing at the barrier this long is named to the coordinator (evidence).
-        self.suspect_s = (member.fence_after_s or 6.0) / 3 if hasattr(member, "fence_after_s") \
-            else 2.0
+        self.suspect_s = (getattr(member, "fence_after_s", None) or 6.0) / 3
         # Fault injection: while this returns True, cross-replica traffic fails here.
         self.link_down: Callable[[], bool] | None = None
         self.ifname = ifname or os.environ.get(IFNAME_ENV) or None

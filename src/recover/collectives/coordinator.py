@@ -29,6 +29,7 @@ from pathlib import Path
 from torch.distributed import TCPStore
 
 from recover.collectives import keys
+from recover.collectives.admission import Hello, Join, convicted, refusal
 
 DEBOUNCE_S = 0.02  # collect simultaneous failures into one generation
 HB_CHECK_S = 0.05  # judge silence at most this often (heartbeats are lines on the socket)
@@ -56,18 +57,6 @@ class _Replica:
     ranks: set[int] = field(default_factory=set)
 
 
-@dataclass
-class _Join:
-    """A replica being admitted mid-run: its ranks' hellos, then their verified states."""
-
-    nranks: int
-    epoch: int = -1
-    ranks: set[int] = field(default_factory=set)
-    ready: set[int] = field(default_factory=set)
-    since: float = field(default_factory=time.monotonic)
-    at: int = 0  # not before this step boundary
-
-
 class Coordinator:
     """Hosts the store and decides generations. Call `start()` then `serve(stop)`."""
 
@@ -79,7 +68,7 @@ class Coordinator:
         # trajectory-defining config (when set; else the first member's sets it): DESIGN §10.
         self.token, self.fingerprint = token, fingerprint
         self.heard: dict[int, _Conn] = {}  # fd -> conn, least recently heard first
-        self.joins: dict[int, _Join] = {}  # replica -> its admission in progress
+        self.joins: dict[int, Join] = {}  # replica -> its admission in progress
         self.epochs = 0
         self.accusations: dict[int, set[int]] = {}  # accused -> accusers, this generation
         self.accused_since: float | None = None
@@ -237,33 +226,21 @@ class Coordinator:
             raise ValueError(f"unknown message {kind!r}")
 
     def _hello(self, conn: _Conn, words: list[str]) -> None:
-        # hello <replica> <rank> <nranks> <pid> [<token> <fingerprint> [<join at step>]]
-        replica, rank, nranks, pid = (int(w) for w in words[1:5])
-        token = words[5] if len(words) > 5 else "-"
-        fingerprint = words[6] if len(words) > 6 else "-"
-        join_at = int(words[7]) if len(words) > 7 else 0
+        h = Hello.parse(words)
         if conn.replica is not None:
             raise ValueError("a second hello on one connection")
-        why = None
-        if not (0 <= replica < self.expected and nranks >= 1 and 0 <= rank < nranks):
-            why = f"replica {replica} rank {rank}/{nranks} is outside this run's {self.expected}"
-        elif self.token is not None and token != self.token:
-            why = "wrong run token (another run's worker, or RECOVER_RUN_TOKEN is not this run's)"
-        elif self.fingerprint not in (None, "-") and fingerprint not in ("-", self.fingerprint):
-            why = ("its config differs from this run's (seed, N, model, data or optimizer): "
-                   "a worker of another run")
-        elif any(c.replica == replica and c.rank == rank for c in self._conns.values()):
-            why = f"replica {replica} rank {rank} is already connected"
-        else:
-            known = self.replicas.get(replica) or self.joins.get(replica)
-            if known is not None and known.nranks != nranks and replica in self.members:
-                why = f"replica {replica} has {known.nranks} ranks, not {nranks}"
+        known = self.replicas.get(h.replica) or self.joins.get(h.replica)
+        why = refusal(h, self.expected, self.token, self.fingerprint,
+                      any(c.replica == h.replica and c.rank == h.rank
+                          for c in self._conns.values()),
+                      known.nranks if known is not None and h.replica in self.members else None)
         if why is not None:
             self._send(conn, f"refused {why}\n")
-            self._log({"event": "refused", "replica": replica, "rank": rank, "pid": pid,
+            self._log({"event": "refused", "replica": h.replica, "rank": h.rank, "pid": h.pid,
                        "why": why})
             self._drop_conn(conn)
             return
+        replica, rank, nranks, pid, fingerprint = h.replica, h.rank, h.nranks, h.pid, h.fingerprint
         if self.fingerprint in (None, "-") and fingerprint != "-":
             self.fingerprint = fingerprint  # the first member's config defines the run
         conn.replica, conn.rank, conn.nranks, conn.pid = replica, rank, nranks, pid
@@ -275,16 +252,16 @@ class Coordinator:
             self._send(conn, "welcome\n")
             return
         # Mid-run: admission at a step boundary, after a live state transfer (DESIGN §10).
-        join = self.joins.setdefault(replica, _Join(nranks))
+        join = self.joins.setdefault(replica, Join(nranks))
         join.ranks.add(rank)
-        join.at = max(join.at, join_at)
+        join.at = max(join.at, h.join_at)
         self._set_exit(replica, "joining")
         if len(join.ranks) == join.nranks and join.epoch < 0:
             self._announce_join(replica, join)
         elif join.epoch >= 0:
             self._send(conn, f"joining {join.epoch} {self.generation}\n")
 
-    def _announce_join(self, replica: int, join: _Join) -> None:
+    def _announce_join(self, replica: int, join: Join) -> None:
         self.epochs += 1
         join.epoch, join.ready, join.since = self.epochs, set(), time.monotonic()
         self._log({"event": "join", "replica": replica, "epoch": join.epoch})
@@ -327,16 +304,13 @@ class Coordinator:
                 self._send(c, f"joinend {epoch}\n")
 
     def _evidence(self, reporter: int, suspects: list[int]) -> None:
-        """A failed reduce: rebuild; and evict whom the evidence names. A member named by more
-        distinct reporters than any other goes (a partitioned rank names everyone, everyone
-        names it); never a reporter for being a reporter, and nobody on a tie of one to one."""
+        """A failed reduce: rebuild; and evict whom the evidence convicts (admission.convicted:
+        a partitioned rank names everyone, everyone names it)."""
         for s_ in suspects:
             if s_ != reporter and s_ in self.members:
                 self.accusations.setdefault(s_, set()).add(reporter)
-        top = max((len(a) for a in self.accusations.values()), default=0)
-        guilty = [r for r, a in self.accusations.items() if len(a) == top]
-        if top >= 2 or (top == 1 and len(guilty) == 1 and
-                        not self.accusations.get(next(iter(self.accusations[guilty[0]])))):
+        guilty = convicted(self.accusations)
+        if guilty:
             for r in guilty:
                 self._mark_lost(r, f"unreachable, named by replica(s) "
                                    f"{sorted(self.accusations[r])}")

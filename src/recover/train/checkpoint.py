@@ -132,12 +132,9 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
     if group is not None:
         tmp = root / _bcast_text(tmp.name, group)  # the writer's folder, on every rank
     try:
-        if group is None:
-            with _quiet_no_dist():
-                dcp.save(state, checkpoint_id=tmp, no_dist=True)
-        else:
-            # DCP's last collective returns only after every rank's files and .metadata exist.
-            dcp.save(state, checkpoint_id=tmp, process_group=group)
+        # With a group, DCP's last collective returns only after every rank's files and
+        # .metadata exist.
+        _dcp(dcp.save, state, tmp, group)
     except CheckpointException as e:  # a BaseException: callers' `except Exception` miss it
         raise CheckpointError(f"cannot save checkpoint {final}: {_cause(e)}") from None
     failed: Exception | None = None
@@ -162,6 +159,15 @@ def latest_checkpoint(root: Path, key: bytes) -> Path | None:
 def verify_checkpoint(path: Path, key: bytes) -> dict[str, Any]:
     """Authenticate a checkpoint's manifest and check every file without loading; return it."""
     return files.verify(Path(path), key)
+
+
+def _dcp(op: Any, state: dict[str, Any], path: Path, group: Any) -> None:
+    """DCP save or load: collective over `group`, or this process alone."""
+    if group is None:
+        with _quiet_no_dist():
+            op(state, checkpoint_id=path, no_dist=True)
+    else:
+        op(state, checkpoint_id=path, process_group=group)
 
 
 def _cause(e: BaseException) -> str:
@@ -258,11 +264,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     optimizer.zero_grad(set_to_none=True)
     state = _state_for(model, optimizer, meta["optimizer_state"], scope)
     try:
-        if group is None:
-            with _quiet_no_dist():
-                dcp.load(state, checkpoint_id=path, no_dist=True)
-        else:
-            dcp.load(state, checkpoint_id=path, process_group=group)
+        _dcp(dcp.load, state, path, group)
     except (Exception, CheckpointException) as e:
         # CheckpointException derives from BaseException, so `except Exception` alone misses it.
         raise CheckpointError(f"cannot load checkpoint {path}: {_cause(e)}") from None
