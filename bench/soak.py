@@ -1,4 +1,5 @@
-"""Soak: consecutive `recover train` runs under a random, seeded fault schedule for M minutes.
+"""Soak: consecutive `recover train` runs under a random, seeded fault schedule for M minutes
+(replica kills, restarts, hangs, slowdowns, and coordinator kills).
 
 Invariant: every run is checked the way tests/faults checks one scenario (exit 0, committed
 steps 0..S-1 exactly once, `microbatches` = N on every line, losses within 1e-5 relative of a
@@ -56,8 +57,13 @@ def train(out: Path, data: Path, faults: list[str], timeout: float = 300) -> int
 
 
 def schedule(rng: random.Random) -> list[str]:
-    """1-3 faults on distinct replicas among 1..R-1: kill (maybe restarted), hang, slow."""
+    """1-3 faults on distinct replicas among 1..R-1: kill (maybe restarted), hang, slow; and in
+    a third of the runs, the coordinator SIGKILLed (by replica 0, at a random point; the launcher
+    restarts it with --recover)."""
     faults = []
+    if rng.random() < 1 / 3:
+        faults.append(f"coordinator:replica=0,step={rng.randrange(1, STEPS - 1)},"
+                      f"phase={rng.choice(PHASES)}")
     for r in rng.sample(range(1, R), rng.randint(1, 3)):
         kind, step = rng.choice(("kill", "kill", "hang", "slow")), rng.randrange(1, STEPS - 3)
         if kind == "kill":

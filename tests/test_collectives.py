@@ -389,6 +389,11 @@ def test_sigstop_is_fenced_and_exits_by_itself(cluster: Cluster) -> None:
         first_ok = next(e["t"] for e in cluster.events(s, "reduce") if e["gen"] == fence["gen"])
         faults = [e for e in cluster.events(s, "fault") if first_ok < e["t"] < first_leave]
         assert not faults, (s, faults)
+    # The survivors' reduce stuck on the stopped victim was ended from their side (its sockets
+    # shut down), so no buffer stayed held for gloo's 30 s timeout.
+    stuck = [e for s in survivors for e in cluster.events(s, "fault") if e["gen"] < fence["gen"]]
+    assert stuck, "no survivor had a reduce in flight with the stopped victim"
+    assert not any(e["held"] for e in stuck), stuck
     stale = [e for e in cluster.events(victim, "reduce") if e["t"] > t_stop]
     while_stopped = [len([e for e in cluster.events(s, "reduce") if t_stop < e["t"] < t_cont])
                      for s in survivors]

@@ -73,7 +73,9 @@ def test_below_min_replicas_stops_with_checkpoint(corpus: Path, tmp_path: Path) 
 
 def test_coordinator_death_checkpoints_and_stops(corpus: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    run = Launch(out, *BASE, "--steps", "400", "--replicas", "2", data=corpus)
+    # Not restarted (restarts 0): the replicas keep their state for 2 s, then checkpoint and stop.
+    run = Launch(out, *BASE, "--steps", "400", "--replicas", "2", "--coordinator-restarts", "0",
+                 "--coordinator-wait-s", "2", data=corpus)
     try:
         deadline = time.monotonic() + 120
         while not (out / "metrics.jsonl").exists() or \
@@ -87,3 +89,5 @@ def test_coordinator_death_checkpoints_and_stops(corpus: Path, tmp_path: Path) -
     assert res.returncode == 1
     assert "coordinator died" in res.stderr and "Traceback" not in res.stderr
     assert any((out / "ckpt").glob("step_*")), "the leader must checkpoint the committed state"
+    log = (out / "logs" / "replica0.log").read_text()
+    assert "waiting up to 2s for it to restart" in log and "no coordinator came back" in log, log

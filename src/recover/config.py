@@ -153,6 +153,12 @@ class FaultToleranceConfig:
     stale_s: float = setting(2.0, "heartbeat silence that declares a replica lost")
     reduce_timeout_s: float = setting(60.0, "backstop timeout of one reduction")
     join_timeout_s: float = setting(120.0, "how long replicas wait for each other to join")
+    # A coordinator that dies is restarted (`recover coordinator --recover`); meanwhile the
+    # replicas keep their state. Past this bound the last leader checkpoints and all stop.
+    coordinator_wait_s: float = setting(60.0, "how long replicas wait, keeping their state, for a"
+                                        " coordinator that died to come back (0: stop at once)")
+    coordinator_restarts: int = setting(3, "times `recover train` restarts a coordinator that "
+                                        "died (0: never; the replicas then checkpoint and stop)")
     faults: list[str] = setting(help="inject a fault, e.g. kill:replica=2,step=10,"
                                 "phase=backward", flag="--fault", factory=list, metavar="SPEC")
 
@@ -160,6 +166,8 @@ class FaultToleranceConfig:
         _check_choices(self)
         _need(self.heartbeat_s > 0 and self.stale_s > 2 * self.heartbeat_s,
               "--stale-s must exceed twice the heartbeat interval")
+        _need(self.coordinator_wait_s >= 0 and self.coordinator_restarts >= 0,
+              "--coordinator-wait-s and --coordinator-restarts must be >= 0")
 
 
 @dataclass

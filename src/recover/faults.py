@@ -14,6 +14,9 @@ named point of the step protocol; nothing else about the run changes. Spec gramm
     restart:replica=R,step=S                                 the launcher starts replica R's
                                                              processes again once step S-1 has
                                                              committed (they rejoin the run)
+    coordinator:replica=R,step=S[,phase=P][,microbatch=J]    this replica SIGKILLs the
+                                                             coordinator's process (a local run:
+                                                             `recover train` restarts it)
 
 `rank=K` picks one rank of a multi-rank replica (hsdp/tp/pp layouts); default: its last rank.
 
@@ -32,12 +35,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from recover.errors import ConfigError
 
 PHASES = ("forward", "backward", "reduce", "commit", "optimizer", "donate", "receive")
-KINDS = ("kill", "hang", "slow", "deadlock", "partition", "restart")
+KINDS = ("kill", "hang", "slow", "deadlock", "partition", "restart", "coordinator")
 
 
 @dataclass
@@ -81,7 +85,8 @@ def parse_fault(spec: str) -> Fault:
                "slow": {"replica", "factor", "step", "rank"},
                "deadlock": {"replica", "step", "phase", "microbatch", "rank"},
                "partition": {"replica", "step", "rank"},
-               "restart": {"replica", "step"}}[kind]
+               "restart": {"replica", "step"},
+               "coordinator": {"replica", "step", "phase", "microbatch", "rank"}}[kind]
     unknown = sorted(set(fields) - allowed)
     if unknown:
         raise ConfigError(f"bad --fault {spec!r}: unknown key(s) {', '.join(unknown)}")
@@ -130,6 +135,8 @@ class FaultInjector:
         self.all = list(faults)  # every replica's (a restart is scheduled run-wide)
         self.faults = [f for f in faults if f.replica == replica and f.target_rank(nranks) == rank]
         self.fired: set[int] = set()
+        # The coordinator's pid, for a `coordinator` fault (the loop points it at the store).
+        self.coordinator_pid: Callable[[], int] = lambda: 0
 
     def partitioned(self, step: int) -> bool:
         """Whether this rank's cross-replica traffic is cut at `step` (a `partition` fault)."""
@@ -152,6 +159,11 @@ class FaultInjector:
                 time.sleep(random.uniform(0.0, 0.003))  # land inside the collective, not before
             if f.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            elif f.kind == "coordinator":
+                pid = self.coordinator_pid()
+                if pid <= 0:
+                    raise RuntimeError(f"--fault {f}: the coordinator's pid is unknown")
+                os.kill(pid, signal.SIGKILL)
             elif f.kind == "deadlock":
                 # The main thread waits for ever on a lock nobody releases; the heartbeat and
                 # liveness threads go on, so only evidence of no progress can evict it.

@@ -7,6 +7,8 @@ Invariants:
 - `convicted` names a member only on evidence others corroborate: the member named by the most
   distinct reporters, if at least two name it, or if one uncontested reporter does; never a
   reporter for reporting, and nobody on a tie of one against one.
+- `resume_plan` lets a restarted coordinator resume only from a step some replica holds whole
+  (every rank at it), the highest such; every other replica is healed to it by state transfer.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Hello:
-    """hello <replica> <rank> <nranks> <pid> [<token> <fingerprint> [<join at step>]]"""
+    """hello <replica> <rank> <nranks> <pid> [<token> <fingerprint> [<join at step>
+    [<steps applied> <generation>]]]: the last two from a process that was running when its
+    coordinator died (-1 otherwise), so a restarted coordinator can resume the run."""
 
     replica: int
     rank: int
@@ -26,13 +30,17 @@ class Hello:
     token: str = "-"
     fingerprint: str = "-"
     join_at: int = 0
+    applied: int = -1
+    generation: int = -1
 
     @classmethod
     def parse(cls, words: list[str]) -> Hello:
         """Raises ValueError or IndexError on a malformed line (the caller logs and drops it)."""
         replica, rank, nranks, pid = (int(w) for w in words[1:5])
         return cls(replica, rank, nranks, pid, words[5] if len(words) > 5 else "-",
-                   words[6] if len(words) > 6 else "-", int(words[7]) if len(words) > 7 else 0)
+                   words[6] if len(words) > 6 else "-", int(words[7]) if len(words) > 7 else 0,
+                   int(words[8]) if len(words) > 8 else -1,
+                   int(words[9]) if len(words) > 9 else -1)
 
 
 def refusal(h: Hello, expected: int, token: str | None, fingerprint: str | None,
@@ -67,6 +75,14 @@ def convicted(accusations: dict[int, set[int]]) -> list[int]:
 
 
 @dataclass
+class Member:
+    """A member replica as the coordinator knows it: its rank count and connected ranks."""
+
+    nranks: int
+    ranks: set[int] = field(default_factory=set)
+
+
+@dataclass
 class Join:
     """A replica being admitted mid-run: its ranks' hellos, then their verified states."""
 
@@ -76,3 +92,22 @@ class Join:
     ready: set[int] = field(default_factory=set)
     since: float = field(default_factory=time.monotonic)
     at: int = 0  # not before this step boundary
+
+
+def resume_plan(applied: dict[int, dict[int, int]]) -> tuple[int, list[int], list[int]] | None:
+    """A restarted coordinator's first generation, from what each complete replica's ranks
+    say they applied (replica -> rank -> optimizer steps; -1: a process that holds no run state).
+
+    Returns (step the run resumes at, members, replicas to heal), or None if no replica can
+    resume. Members are the replicas whose ranks all hold the same step, the highest such; every
+    other replica (behind, ahead of it, or with ranks that disagree) is healed by a state
+    transfer from a member, which overwrites its whole state, so no step is lost or applied twice
+    whichever side of the commit each rank was on when the coordinator died.
+    """
+    whole = {r: next(iter(set(a.values()))) for r, a in applied.items()
+             if len(set(a.values())) == 1 and min(a.values()) >= 0}
+    if not whole:
+        return None
+    step = max(whole.values())
+    members = sorted(r for r, a in whole.items() if a == step)
+    return step, members, sorted(r for r in applied if r not in members)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo
 
-from recover.collectives import keys
+from recover.collectives import keys, sever
 from recover.collectives.member import Member, is_loopback
 
 IFNAME_ENV = "GLOO_SOCKET_IFNAME"  # torch's own variable; `--gloo-ifname` sets it for a worker
@@ -110,6 +110,7 @@ class FaultTolerantComm:
         self.timeout_s, self.poll_s, self.recheck_s = timeout_s, poll_s, recheck_s
         self._pg: object | None = None
         self._pg_gen = -1
+        self._socks: list[sever.Sock] = []  # the gloo sockets of `_pg` (see `sever`)
         self._holding: list[_Held] = []
         # Cumulative, for profilers: seconds building groups / in barriers / in reduces.
         self.stats: dict[str, float] = {"build_s": 0.0, "barrier_s": 0.0, "reduces": 0,
@@ -182,8 +183,10 @@ class FaultTolerantComm:
             for fut in futs:
                 fut.value()
         except Exception as e:
-            # Drop the group at once: closing our sockets makes every other member's pending op
-            # fail within tens of ms instead of at the timeout (DESIGN §5).
+            # Sever and drop the group at once: closing our sockets makes every other member's
+            # pending op fail within ms instead of at the timeout (DESIGN §5), and a group
+            # with no live connection is destroyed without waiting on gloo's threads.
+            sever.sever(self._socks)
             self._drop()
             self.member.report_fail(g)
             raise ReplicaFault(g, self._lost_since(g), str(e).splitlines()[0][:200]) from None
@@ -216,7 +219,9 @@ class FaultTolerantComm:
         return any(b.data_ptr() == ptr for h in self._holding for b in h.bufs)
 
     def close(self) -> None:
-        self._pg = None
+        if self.backend == "gloo":
+            sever.sever(self._socks)  # nobody will use it again: let peers' ops end at once
+        self._pg, self._socks = None, []
         self._holding.clear()
 
     # -- internals ---------------------------------------------------------------------------
@@ -249,10 +254,15 @@ class FaultTolerantComm:
         box: dict[str, object] = {}
         store = PrefixStore(prefix + "/pg", self.member.store.clone())
 
+        spare = {self.member.port, self.member.live_port}
+
         def build() -> None:
             try:
+                before = sever.sockets() if self.backend == "gloo" else {}
                 pg = _new_group(self.backend, store, rank, size, self.timeout_s, self.ifname,
                                 addr)
+                if self.backend == "gloo":
+                    box["socks"] = sever.opened_since(before, spare)
                 if self.backend == "nccl":  # connect now, inside the abandonable build, not
                     pg.eager_connect_single_device(self.device)  # lazily at the first reduce
                 box["pg"] = pg
@@ -278,6 +288,7 @@ class FaultTolerantComm:
         self.stats["barrier_s"] += t1 - t0
         self.stats["build_s"] += time.monotonic() - t1
         self._pg, self._pg_gen = box["pg"], g
+        self._socks = box.get("socks", [])  # type: ignore[assignment]
         return self._pg
 
     # -- the interface gloo binds ------------------------------------------------------------
@@ -380,8 +391,16 @@ class FaultTolerantComm:
 
     def _abandon(self, pg: object, futs: list[torch.futures.Future],
                  bufs: Sequence[torch.Tensor]) -> None:
-        # A peer may be hung with its sockets open: gloo may still write into `buf`, so keep
-        # the group, the future and the buffer alive until the op ends; never shut it down.
+        # A peer may be hung with its sockets open: gloo would write into `bufs` until its own
+        # timeout. Shutting the group's sockets down ends the op at once (`sever`); only if it
+        # still has not ended are the group, the futures and the buffers kept until it does.
+        if self.backend == "gloo" and self._pg is pg and sever.sever(self._socks):
+            settle = time.monotonic() + ABANDON_SETTLE_S
+            while not all(f.done() for f in futs) and time.monotonic() < settle:
+                time.sleep(0.002)
+            if all(f.done() for f in futs):
+                self._drop()
+                return
         if self.backend == "nccl":
             # Unlike gloo, aborting an NCCL communicator ends the operations in flight
             # (ncclCommAbort), after which the buffer is no longer written.
@@ -393,10 +412,10 @@ class FaultTolerantComm:
         with _IN_FLIGHT_LOCK:
             _IN_FLIGHT.append(held)
         if self._pg is pg:
-            self._pg, self._pg_gen = None, -1
+            self._pg, self._pg_gen, self._socks = None, -1, []
 
     def _drop(self) -> None:
-        self._pg, self._pg_gen = None, -1
+        self._pg, self._pg_gen, self._socks = None, -1, []
         self._reap()
 
     def _reap(self) -> None:

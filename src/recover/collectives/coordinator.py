@@ -29,10 +29,12 @@ from pathlib import Path
 from torch.distributed import TCPStore
 
 from recover.collectives import keys
-from recover.collectives.admission import Hello, Join, convicted, refusal
+from recover.collectives.admission import Hello, Join, Member, convicted, refusal
+from recover.collectives.coord_joins import Admissions
 
 DEBOUNCE_S = 0.02  # collect simultaneous failures into one generation
 HB_CHECK_S = 0.05  # judge silence at most this often (heartbeats are lines on the socket)
+STALL_S = 0.5  # a gap between two turns of the loop longer than this is the coordinator's own
 PING_S = 0.25  # longest gap between two bytes to a member (members fence after 3 x stale_s)
 
 
@@ -51,19 +53,14 @@ class _Conn:
     heard: float = field(default_factory=time.monotonic)
 
 
-@dataclass
-class _Replica:
-    nranks: int
-    ranks: set[int] = field(default_factory=set)
-
-
-class Coordinator:
+class Coordinator(Admissions):
     """Hosts the store and decides generations. Call `start()` then `serve(stop)`."""
 
     def __init__(self, expected: int, host: str = "0.0.0.0", port: int = 0, stale_s: float = 2.0,
                  join_timeout_s: float = 120.0, log_path: str | None = None,
                  exit_when_done: bool = False, liveness_port: int | None = None,
-                 token: str | None = None, fingerprint: str | None = None) -> None:
+                 token: str | None = None, fingerprint: str | None = None,
+                 recover: bool = False) -> None:
         # A member must show the run's token (when set) and the fingerprint of the run's
         # trajectory-defining config (when set; else the first member's sets it): DESIGN §10.
         self.token, self.fingerprint = token, fingerprint
@@ -83,13 +80,23 @@ class Coordinator:
         self.log_path = log_path
         self.generation = -1
         self.members: list[int] = []
-        self.replicas: dict[int, _Replica] = {}
+        self.replicas: dict[int, Member] = {}
         self.lost: dict[int, str] = {}  # replica -> reason, not yet published
         self.pending_since: float | None = None
         self.all_left = False
         self._sel = selectors.DefaultSelector()
         self._hb_checked = 0.0
         self._conns: dict[int, _Conn] = {}  # fd -> conn
+        # --recover: this coordinator replaces one that died. The replicas that kept running
+        # re-register with the steps they applied; the first generation resumes the run
+        # (`_maybe_resume`), numbered after every generation they knew.
+        self.recover = recover
+        self._resume: dict[int, dict[int, int]] = {}  # replica -> rank -> steps applied
+        self._newest_seen = -1  # the newest generation any re-registering rank knew
+        self._join_at: dict[int, int] = {}  # replica -> the step it asked to join at, if any
+        self._last_hello = 0.0
+        self._floor = 0  # this coordinator's first generation (older ones are not in its store)
+        self._gen_count = 0  # the store's GEN_COUNT
 
     # -- setup ---------------------------------------------------------------------------
     def start(self) -> int:
@@ -112,6 +119,7 @@ class Coordinator:
         # Before LIVENESS_ADDR: a member that sees the address can read the fence bound's base.
         self.client.set(keys.COORD_STALE_S, repr(self.stale_s))
         self.client.set(keys.REPLICAS, str(self.expected))
+        self.client.set(keys.COORD_PID, str(os.getpid()))
         self.client.set(keys.LIVENESS_ADDR, f"{socket.gethostname()}:{lport}")
         self.started = time.monotonic()
         self._log({"event": "start", "pid": os.getpid(), "port": self.store.port,
@@ -128,7 +136,15 @@ class Coordinator:
     # -- main loop -----------------------------------------------------------------------
     def serve(self, should_stop=lambda: False) -> int:
         """Run until `should_stop()`, or until every joined replica has left or been lost."""
+        last = time.monotonic()
         while not should_stop():
+            now = time.monotonic()
+            if now - last > STALL_S:
+                # This loop itself was stalled (a store call, the machine): members could not
+                # be heard meanwhile, so that time is not their silence.
+                for conn in self._conns.values():
+                    conn.heard += now - last
+            last = now
             for key, _ in self._sel.select(timeout=0.01):
                 if key.data is None:
                     self._accept()
@@ -246,10 +262,18 @@ class Coordinator:
         conn.replica, conn.rank, conn.nranks, conn.pid = replica, rank, nranks, pid
         self.heard[conn.sock.fileno()] = conn
         self._log({"event": "hello", "replica": replica, "rank": rank, "pid": pid})
+        if self.generation < 0 and self.recover:
+            # Answered once the resume point is decided: welcome, or heal by state transfer.
+            self.replicas.setdefault(replica, Member(nranks)).ranks.add(rank)
+            self._resume.setdefault(replica, {})[rank] = h.applied
+            self._join_at[replica] = max(self._join_at.get(replica, 0), h.join_at)
+            self._newest_seen = max(self._newest_seen, h.generation)
+            self._last_hello = time.monotonic()
+            return
         if self.generation < 0 or replica in self.members:
-            rep = self.replicas.setdefault(replica, _Replica(nranks))
+            rep = self.replicas.setdefault(replica, Member(nranks))
             rep.ranks.add(rank)
-            self._send(conn, "welcome\n")
+            self._send(conn, f"welcome {self._floor}\n")
             return
         # Mid-run: admission at a step boundary, after a live state transfer (DESIGN §10).
         join = self.joins.setdefault(replica, Join(nranks))
@@ -259,49 +283,7 @@ class Coordinator:
         if len(join.ranks) == join.nranks and join.epoch < 0:
             self._announce_join(replica, join)
         elif join.epoch >= 0:
-            self._send(conn, f"joining {join.epoch} {self.generation}\n")
-
-    def _announce_join(self, replica: int, join: Join) -> None:
-        self.epochs += 1
-        join.epoch, join.ready, join.since = self.epochs, set(), time.monotonic()
-        self._log({"event": "join", "replica": replica, "epoch": join.epoch})
-        for c in list(self._conns.values()):
-            if c.replica == replica:
-                self._send(c, f"joining {join.epoch} {self.generation}\n")
-            elif c.replica in self.members:
-                self._send(c, f"join {replica} {join.epoch} {join.at}\n")
-
-    def _join_ready(self, conn: _Conn, epoch: int) -> None:
-        join = self.joins.get(conn.replica)  # type: ignore[arg-type]
-        if join is None or join.epoch != epoch:
-            return
-        join.ready.add(conn.rank)
-        if len(join.ready) == join.nranks:
-            replica = conn.replica
-            del self.joins[replica]  # type: ignore[arg-type]
-            self.replicas[replica] = _Replica(join.nranks, set(join.ranks))  # type: ignore[index]
-            self._set_exit(replica, "running")  # type: ignore[arg-type]
-            self._publish(sorted({*self.members} - set(self.lost) | {replica}),
-                          f"replica {replica} admitted (join {epoch})")
-            self._end_join(epoch)
-
-    def _join_failed(self, replica: int | None, epoch: int, why: str) -> None:
-        join = self.joins.get(replica) if replica is not None else None  # type: ignore[arg-type]
-        if join is None or join.epoch != epoch:
-            return
-        self._log({"event": "join-failed", "replica": replica, "epoch": epoch, "why": why})
-        # Whoever paused a step for this join goes on without it: a new generation.
-        self._publish([m for m in self.members if m not in self.lost],
-                      f"join of replica {replica} given up ({why})")
-        self._end_join(epoch)
-        join.epoch = -1
-        if len(join.ranks) == join.nranks:  # still connected: another donor, another boundary
-            self._announce_join(replica, join)  # type: ignore[arg-type]
-
-    def _end_join(self, epoch: int) -> None:
-        for c in list(self._conns.values()):
-            if c.replica in self.members:
-                self._send(c, f"joinend {epoch}\n")
+            self._send(conn, f"joining {join.epoch} {self.generation} {self._floor}\n")
 
     def _evidence(self, reporter: int, suspects: list[int]) -> None:
         """A failed reduce: rebuild; and evict whom the evidence convicts (admission.convicted:
@@ -407,6 +389,9 @@ class Coordinator:
                 self._join_failed(replica, join.epoch, f"no state within {self.join_timeout_s}s")
 
     def _maybe_first_generation(self, now: float) -> None:
+        if self.recover:
+            self._maybe_resume(now)
+            return
         complete = sorted(r for r, rep in self.replicas.items() if len(rep.ranks) >= rep.nranks)
         timed_out = now - self.started > self.join_timeout_s
         if len(complete) >= self.expected or (timed_out and complete):
@@ -433,7 +418,8 @@ class Coordinator:
         if stored != value:  # only possible if two coordinators share a store: refuse loudly
             raise RuntimeError(f"generation {g} already has members {stored!r}")
         self.client.set(keys.reason_key(g), reason)
-        self.client.add(keys.GEN_COUNT, 1)
+        self.client.add(keys.GEN_COUNT, g + 1 - self._gen_count)  # after a --recover gap too
+        self._gen_count = g + 1
         self.generation, self.members = g, sorted(members)
         self.lost, self.pending_since, self.accusations = {}, None, {}
         self.accused_since = None
@@ -466,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
                     "RECOVER_RUN_TOKEN; none: any member is accepted)")
     ap.add_argument("--fingerprint", help="the run's config fingerprint members must match "
                     "(default: the first member's)")
+    ap.add_argument("--recover", action="store_true",
+                    help="replace a coordinator of this run that died (same address): the "
+                    "replicas re-register and the run resumes from their last committed step")
     args = ap.parse_args(argv)
     token = (Path(args.token_file).read_text().strip() if args.token_file
              else os.environ.get("RECOVER_RUN_TOKEN"))
@@ -474,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.__setitem__("flag", True))
     coord = Coordinator(args.replicas, args.host, args.port, args.stale_s, args.join_timeout_s,
                         args.log, args.exit_when_done, args.liveness_port, token or None,
-                        args.fingerprint)
+                        args.fingerprint, args.recover)
     try:
         port = coord.start()
     except Exception as e:

@@ -36,6 +36,7 @@ COORD_ERROR = "coord/error"
 RUN_STOPPED = "run/stopped"
 REPLICAS = "coord/replicas"
 COORD_STALE_S = "coord/stale_s"  # the coordinator's --stale-s: members derive their fence bound
+COORD_PID = "coord/pid"  # the coordinator's process id (a `coordinator` fault kills it)
 COORD_EXITS = "coord/exits"  # JSON {replica: how the coordinator saw it end} (launcher summary)
 
 EXIT_FENCED = 3  # a process fenced out of the newest generation exits with this code

@@ -27,6 +27,7 @@ from recover.collectives import keys
 
 FENCE_STALE_FACTOR = 3.0  # silence bound = this x the coordinator's --stale-s
 READ_TICK_S = 0.1  # every liveness-socket read and the watchdog wake up at least this often
+REFRESH_S = 2.0  # the store is read for generations this often even without a push
 
 
 class CoordinatorLost(RuntimeError):
@@ -46,13 +47,22 @@ class Member:
                  fence_after_s: float | None = None,
                  on_partitioned: Callable[[str], None] | None = None,
                  token: str | None = None, fingerprint: str = "-",
-                 on_stuck: Callable[[str], None] | None = None) -> None:
+                 on_stuck: Callable[[str], None] | None = None, applied: int = -1,
+                 last_generation: int = -1, restart_wait_s: float = 0.0) -> None:
         self.host, self.port = host, port
         # Shown to the coordinator at join: the run's secret (env RECOVER_RUN_TOKEN) and a
         # fingerprint of the run's trajectory-defining config; a mismatch is refused.
         self.token = token or os.environ.get("RECOVER_RUN_TOKEN") or "-"
         self.fingerprint = fingerprint
         self.refused: str | None = None  # the coordinator's reason, if it refused this process
+        # A process that was running when its coordinator died tells a restarted one where it
+        # stands (steps applied, newest generation); -1: it holds no run state.
+        self.applied, self.last_generation = applied, last_generation
+        # > 0: when the coordinator's connection closes (its process died), the caller waits
+        # this long for a restarted one (`recover.Replica.reconnect`) instead of being fenced
+        # for the silence; the watchdog still ends the process if the caller never takes over.
+        self.restart_wait_s = restart_wait_s
+        self._floor = 0  # generations below this were published by an earlier coordinator
         # Admission mid-run (recover.parallel.Replica does the state transfer): `joining` until a
         # generation includes this replica; members learn of a joiner as `join_request`.
         self.joining = False
@@ -78,6 +88,7 @@ class Member:
         # and whether the coordinator is on another host: cross-replica traffic binds this
         # address unless the user names an interface (recover.collectives.comm).
         self.local_addr = ""
+        self.live_port = 0  # the coordinator's liveness port, once connected
         self.coordinator_remote = False
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -97,7 +108,7 @@ class Member:
         deadline = time.monotonic() + timeout_s
         addr = self._wait_key(keys.LIVENESS_ADDR, deadline).decode()
         self.replicas = int(self._wait_key(keys.REPLICAS, deadline))  # R the job started with
-        lport = int(addr.rsplit(":", 1)[1])
+        lport = self.live_port = int(addr.rsplit(":", 1)[1])
         if self.fence_after_s is None:  # published before LIVENESS_ADDR: present by now
             stale = keys.try_get(self.store, keys.COORD_STALE_S)
             self.fence_after_s = FENCE_STALE_FACTOR * (float(stale) if stale else 2.0)
@@ -110,13 +121,15 @@ class Member:
         # A replacement may ask not to be admitted before a step (the `restart` fault's step).
         at = os.environ.get("RECOVER_JOIN_AT", "0")
         hello = (f"hello {self.replica} {self.rank} {self.nranks} {os.getpid()} {self.token} "
-                 f"{self.fingerprint} {int(at) if at.isdigit() else 0}\n")
+                 f"{self.fingerprint} {int(at) if at.isdigit() else 0} {self.applied} "
+                 f"{self.last_generation}\n")
         self._sock.sendall(hello.encode())
         self._hb_store = self.store.clone()
         self._rd_store = self.store.clone()
         for target, name in ((self._heartbeat_loop, "recover-heartbeat"),
                              (self._reader_loop, "recover-liveness"),
-                             (self._watchdog_loop, "recover-watchdog")):
+                             (self._watchdog_loop, "recover-watchdog"),
+                             (self._refresh_loop, "recover-refresh")):
             threading.Thread(target=target, name=name, daemon=True).start()
         while True:
             with self._lock:
@@ -146,6 +159,17 @@ class Member:
             self._sock.close()
         except OSError:
             pass
+
+    def shutdown(self) -> None:
+        """Stop the background threads and close the liveness socket without a goodbye (the
+        coordinator is gone; a restarted one is joined by a new Member)."""
+        self._stop.set()
+        sock = getattr(self, "_sock", None)  # None if join() failed before connecting
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                sock.close()
 
     def report_fail(self, generation: int, suspects: list[int] | tuple[int, ...] = ()) -> None:
         """Tell the coordinator a reduce of `generation` failed here (forces a rebuild), and
@@ -258,7 +282,7 @@ class Member:
         count = keys.store_int(store, keys.GEN_COUNT)
         with self._lock:
             known = self._gen
-        for g in range(known + 1, count):
+        for g in range(max(known + 1, self._floor), count):
             members = keys.decode_members(store.get(keys.members_key(g)))
             if self.joining and self.replica in members and g > self._admit_after:
                 self.joining = False  # admitted: from now on a generation without us fences us
@@ -285,17 +309,19 @@ class Member:
     def _heartbeat_loop(self) -> None:
         # Heartbeats are a line on the liveness socket: the coordinator reads them with its
         # selector (work per event, nothing per rank per period), and no store round trip is
-        # spent on them. The store is read only as a slow fallback for a missed push.
-        beats = 0
+        # spent on them: a store that stalls (measured: 2-5 s on a loaded machine) must not
+        # silence a live process.
         while not self._stop.is_set():
-            if self._hb_paused:
-                self._stop.wait(self.heartbeat_s)
-                continue
-            try:
+            if not self._hb_paused:
                 self._send("hb\n")
-                beats += 1
-                if beats % 20 == 0:
-                    self._refresh(self._hb_store)
+            self._stop.wait(self.heartbeat_s)
+
+    def _refresh_loop(self) -> None:
+        """The slow fallback for a missed push: read the generations from the store every 2 s,
+        on its own thread and store client (a store call may block while the store stalls)."""
+        while not self._stop.wait(REFRESH_S):
+            try:
+                self._refresh(self._hb_store)
             except Exception:
                 if self._stop.is_set():
                     return
@@ -303,7 +329,6 @@ class Member:
                 with self._changed:
                     self._changed.notify_all()
                 return
-            self._stop.wait(self.heartbeat_s)
 
     def _reader_loop(self) -> None:
         buf = b""
@@ -337,17 +362,19 @@ class Member:
     def _pushed(self, words: list[str]) -> bool:
         """Handle one line from the coordinator; True if the store holds news (a generation)."""
         try:
-            if words[:1] == ["welcome"]:
+            if words[:1] == ["welcome"]:  # welcome [<first generation of this coordinator>]
+                self._floor = int(words[1]) if len(words) > 1 else 0
                 self._welcomed.set()
             elif words[:1] == ["join"]:  # join <replica> <epoch> <step>: a joiner waits for a donor
                 self.join_request = (int(words[1]), int(words[2]), int(words[3]))
             elif words[:1] == ["joinend"]:  # joinend <epoch>: admitted or given up
                 if self.join_request is not None and self.join_request[1] == int(words[1]):
                     self.join_request = None
-            elif words[:1] == ["joining"]:  # joining <epoch> <generation now>: we are the joiner
-                # Generations up to now may hold our earlier incarnation: only a later one that
-                # includes us admits us.
+            elif words[:1] == ["joining"]:  # joining <epoch> <generation now> [<floor>]
+                # We are the joiner. Generations up to now may hold our earlier incarnation:
+                # only a later one that includes us admits us.
                 self._admit_after = int(words[2])
+                self._floor = int(words[3]) if len(words) > 3 else 0
                 self.joining, self.join_epoch = True, int(words[1])
                 self._welcomed.set()
             elif words[:1] == ["refused"]:
@@ -379,17 +406,21 @@ class Member:
                                f"{keys.EXIT_STUCK} so the others can go on")
                 return
             silent = now - self._heard
-            if silent <= bound:
+            died = self.coordinator_lost and self.restart_wait_s > 0
+            # A closed connection (the coordinator's process died) is not a partition of ours:
+            # the caller waits for a restarted coordinator; fence only if it never takes over.
+            limit = bound + (self.restart_wait_s + bound if died else 0.0)
+            if silent <= limit:
                 unread_since = None
                 continue
             try:
-                unread = bool(select.select([self._sock], [], [], 0)[0])
+                unread = not died and bool(select.select([self._sock], [], [], 0)[0])
             except (OSError, ValueError):  # closed by leave()
                 return
             if unread:
                 unread_since = unread_since or now
             if (unread and now - unread_since <= bound) or self._stop.is_set() \
-                    or time.monotonic() - self._heard <= bound:
+                    or time.monotonic() - self._heard <= limit:
                 continue
             self.fenced = True  # comm refuses to reduce from now on, if on_partitioned returns
             self._on_partitioned(

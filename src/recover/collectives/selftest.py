@@ -56,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             comm.reduce_([res], g)
         except ReplicaFault as e:
-            log(event="fault", gen=g, lost=e.lost, why=e.why, wait_s=time.monotonic() - t1)
+            # held: an abandoned operation may still write into `res` (gloo waits on a hung peer)
+            log(event="fault", gen=g, lost=e.lost, why=e.why, wait_s=time.monotonic() - t1,
+                held=comm.in_use(res))
             if member.generation() == g:
                 member.wait_newer(g, args.timeout_s)
             continue

@@ -16,8 +16,10 @@ recover the step.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import os
+import socket
 import sys
 import time
 import traceback
@@ -30,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from recover.collectives import FaultTolerantComm, Member
+from recover.collectives import CoordinatorLost, FaultTolerantComm, Member
 from recover.parallel import rejoin
 from recover.parallel.grads import ShardedGrads, is_dtensor, local_tensor
 from recover.parallel.plain import FlatGrads
@@ -65,7 +67,8 @@ class Replica:
                  optimizer: torch.optim.Optimizer | None = None,
                  state: Mapping[str, Any] | None = None, token: str | None = None,
                  fingerprint: str = "-", scheduled_joins: Mapping[int, int] | None = None,
-                 link_down: Callable[[], bool] | None = None) -> None:
+                 link_down: Callable[[], bool] | None = None,
+                 coordinator_wait_s: float = 0.0) -> None:
         self.module, self.mesh, self.n = module, mesh, microbatches
         # What a replica that joins mid-run receives from a donor, besides the module: the
         # optimizer and any user state (objects with state_dict()/load_state_dict()).
@@ -99,30 +102,88 @@ class Replica:
             self.exact = ExactGrads(layout, microbatches)
         self.grads: GradAccess = self.exact or layout
         host, port, replica = _where(coordinator, replica)
-        self.member = Member(host, port, replica, self.rank, self.nranks, heartbeat_s=heartbeat_s,
-                             timeout_s=join_timeout_s, token=token, fingerprint=fingerprint)
-        self.member.join()
+        # Everything a (re)connection to a coordinator needs: see `reconnect`.
+        self._conf = dict(host=host, port=port, replica=replica, heartbeat_s=heartbeat_s,
+                          join_timeout_s=join_timeout_s, token=token, fingerprint=fingerprint,
+                          timeout_s=timeout_s, backend=backend, link_down=link_down,
+                          min_replicas=min_replicas, hook=hook, speed_aware=speed_aware,
+                          strategy=strategy, reduce_dtype=None if exact else reduce_dtype,
+                          scheduled_joins=dict(scheduled_joins or {}))
+        # > 0: the caller calls `reconnect` when the coordinator dies (see Member.restart_wait_s)
+        self.restart_wait_s = coordinator_wait_s
+        try:
+            self._connect()
+        except BaseException:
+            if hasattr(self, "member"):  # its threads must not outlive a failed join
+                self.member.shutdown()
+            raise
         atexit.register(self.leave)  # a clean exit says goodbye even without an explicit leave()
-        self.comm = FaultTolerantComm(self.member, position=self.rank, timeout_s=timeout_s,
-                                      backend=backend, device=self.grads.device)
-        self.comm.link_down = link_down  # fault injection only (a `partition` fault)
-        self.engine = StepEngine(self.member, self.comm, self.grads, microbatches,
-                                 min_replicas=min_replicas, timeout_s=timeout_s, hook=hook,
-                                 speed_aware=speed_aware, positions=self.nranks,
-                                 strategy=strategy,
-                                 reduce_dtype=None if exact else reduce_dtype)
+
+    def _connect(self, applied: int = -1, last_generation: int = -1,
+                 join_timeout_s: float | None = None) -> None:
+        """Join the coordinator (a new Member, communicator and step engine); if it makes this
+        replica a joiner, receive a running replica's state first (`start_step`, `joined`)."""
+        c = self._conf
+        timeout = c["join_timeout_s"] if join_timeout_s is None else join_timeout_s
+        self.member = Member(c["host"], c["port"], c["replica"], self.rank, self.nranks,
+                             heartbeat_s=c["heartbeat_s"], timeout_s=timeout, token=c["token"],
+                             fingerprint=c["fingerprint"], applied=applied,
+                             last_generation=last_generation,
+                             restart_wait_s=self.restart_wait_s)
+        self.member.join()
+        self.comm = FaultTolerantComm(self.member, position=self.rank, timeout_s=c["timeout_s"],
+                                      backend=c["backend"], device=self.grads.device)
+        self.comm.link_down = c["link_down"]  # fault injection only (a `partition` fault)
+        old = getattr(self, "engine", None)
+        self.engine = StepEngine(self.member, self.comm, self.grads, self.n,
+                                 min_replicas=c["min_replicas"], timeout_s=c["timeout_s"],
+                                 hook=c["hook"], speed_aware=c["speed_aware"],
+                                 positions=self.nranks, strategy=c["strategy"],
+                                 reduce_dtype=c["reduce_dtype"])
+        if old is not None:  # what this replica learned of speeds survives a reconnection
+            self.engine.mb_time, self.engine.speeds = old.mb_time, old.speeds
         self.engine.on_join = self._donate
         # Fault injection only (a `restart` fault): the plan of step S waits for replica R.
-        self.engine.scheduled_joins = dict(scheduled_joins or {})
+        self.engine.scheduled_joins = c["scheduled_joins"]
         # A replica started after the run began (a replacement, a torchrun restart) joins it:
         # it receives a running replica's state and continues from that step (`start_step`).
         self.start_step, self.joined, self.transfer_s = 0, False, 0.0
         if self.member.joining:
             join_at = os.environ.get("RECOVER_JOIN_AT", "0")
             self.start_step, self.transfer_s, _ = rejoin.receive(
-                self.member, self.rank, module, optimizer, self.user_state, self.exact,
-                join_timeout_s, hook, int(join_at) if join_at.isdigit() else 0)
+                self.member, self.rank, self.module, self.optimizer, self.user_state, self.exact,
+                timeout, c["hook"], int(join_at) if join_at.isdigit() else 0)
             self.joined = True
+
+    def reconnect(self, applied: int, wait_s: float) -> bool:
+        """The coordinator died: keep this replica's state and join its restarted successor at
+        the same address, within `wait_s`. It resumes the run from the last step some replica
+        holds whole; a replica behind or ahead of it receives that state first (then `joined`
+        and `start_step` say so). False if none came back in time (the caller checkpoints and
+        stops); raises `CoordinatorLost` if the new coordinator refused this replica."""
+        old = self.member  # kept on failure: it still knows who led the last generation
+        last_gen = old.generation()
+        old.shutdown()
+        self.comm.close()
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if not _accepts(self._conf["host"], self._conf["port"]):
+                time.sleep(0.05)  # a plain probe: the store client's own retries back off
+                continue
+            try:
+                self._connect(applied, last_gen, max(1.0, deadline - time.monotonic()))
+                return True
+            except CoordinatorLost as e:
+                if "went away" not in str(e):  # refused, or it cannot resume: final
+                    raise
+            except (TimeoutError, OSError, RuntimeError):
+                pass  # not back yet (the store does not accept connections): try again
+            if self.member is not old:
+                with contextlib.suppress(Exception):
+                    self.member.shutdown()
+                self.member = old
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        return False
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self, step: int, compute: Callable[[int, int], float]) -> StepResult:
@@ -301,6 +362,15 @@ def _check_exact(mesh: DeviceMesh | None) -> None:
     # cuBLAS needs a fixed workspace to be deterministic (its documented requirement).
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
+
+
+def _accepts(host: str, port: int) -> bool:
+    """Whether something listens at host:port now (one connect, 0.5 s bound)."""
+    try:
+        socket.create_connection((host, port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
 
 
 def _where(coordinator: str | None, replica: int | None) -> tuple[str, int, int]:

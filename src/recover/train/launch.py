@@ -131,8 +131,8 @@ def _start(server: ForkServer | None, entry: str, argv: list[str], log: Path,
 
 
 def _start_coordinator(cfg: RunConfig, out: Path, port: int = 0,
-                       server: ForkServer | None = None,
-                       host: str = "127.0.0.1") -> tuple[Process, int]:
+                       server: ForkServer | None = None, host: str = "127.0.0.1",
+                       recover: bool = False) -> tuple[Process, int]:
     port_file = out / "coordinator.port"
     port_file.unlink(missing_ok=True)
     proc = _start(server, "recover.collectives.coordinator:main",
@@ -140,7 +140,8 @@ def _start_coordinator(cfg: RunConfig, out: Path, port: int = 0,
                    "--port-file",
                    str(port_file), "--stale-s", str(cfg.ft.stale_s), "--join-timeout-s",
                    str(cfg.ft.join_timeout_s), "--log", str(out / "coordinator.jsonl"),
-                   "--token-file", str(out / "run.token"), "--fingerprint", fingerprint(cfg)],
+                   "--token-file", str(out / "run.token"), "--fingerprint", fingerprint(cfg),
+                   *(["--recover", "--liveness-port", "0"] if recover else [])],
                   out / "logs" / "coordinator.log")
     deadline = time.monotonic() + 60
     while not port_file.exists():
@@ -271,14 +272,27 @@ def _launch(cfg: RunConfig, start: int, console: Console, quiet: bool, external_
                           "tokens, steps "
                           f"{start}..{end - 1}, out {out}", highlight=False)
         stall_limit = cfg.ft.join_timeout_s + cfg.ft.reduce_timeout_s + 60
-        try:
-            message = _supervise(store, sink, end, procs, external_workers, stall_limit,
-                                 restarts, start_replica)
-        except Exception as e:  # the store is gone: the coordinator process died
-            if not _exited(coord, 5.0):
-                raise
-            message = (f"the coordinator died (exit code {coord.returncode}) at step {sink.next}:"
-                       f" {str(e).splitlines()[0][:120]}; replicas checkpoint and stop")
+        coord_restarts = cfg.ft.coordinator_restarts if cfg.ft.coordinator_wait_s > 0 else 0
+        while True:
+            try:
+                message = _supervise(store, sink, end, procs, external_workers, stall_limit,
+                                     restarts, start_replica)
+                break
+            except Exception as e:  # the store is gone: the coordinator process died
+                if not _exited(coord, 5.0):
+                    raise
+                why = (f"the coordinator died (exit code {coord.returncode}) at step "
+                       f"{sink.next}: {str(e).splitlines()[0][:120]}")
+                if coord_restarts <= 0:
+                    message = f"{why}; replicas checkpoint and stop"
+                    break
+                # Same address: the replicas, which kept their state, re-register with it and
+                # the run resumes from their last committed step (recover.collectives.coord_joins).
+                coord_restarts -= 1
+                if not quiet:
+                    console.print(f"recover: {why}; restarting it (--recover)", highlight=False)
+                coord, _ = _start_coordinator(cfg, out, port, server, host, recover=True)
+                store = sink.store = connect_store("127.0.0.1", port, 30.0)
         if watch is not None:
             watch.stop()
         # Let survivors write the final checkpoint and leave; hung or fenced ones are ended.

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -30,6 +32,7 @@ from recover.train.optim import build_optimizer, lr_at, set_lr
 from recover.workload import id_seed
 
 EXIT_OK, EXIT_USAGE, EXIT_BELOW_MIN, EXIT_COORDINATOR_LOST = 0, 2, 4, 5
+RECORDS_KEPT = 256  # offered again to a restarted coordinator (the launcher may not have read them)
 
 
 def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
@@ -56,25 +59,34 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
         applied = ckpts.resume()
     faults = FaultInjector(validate_faults(ft.faults, cfg.layout.replicas, cfg.run.steps, nranks),
                            replica, rank, nranks)
-    try:
-        rep = Replica(rm.module, n, mesh=rm.mesh, tied=rm.tied, coordinator=f"{host}:{port}",
-                      replica=replica, min_replicas=ft.min_replicas,
-                      timeout_s=ft.reduce_timeout_s, join_timeout_s=ft.join_timeout_s,
-                      heartbeat_s=ft.heartbeat_s, hook=faults.at, speed_aware=ft.speed_aware,
-                      strategy=_strategy(cfg), exact=cfg.compute.exact,
-                      backend=cfg.compute.backend, optimizer=opt,
-                      reduce_dtype=layout.DTYPES.get(cfg.compute.reduce_dtype),
-                      token=run_token(run_dir).decode(), fingerprint=fingerprint(cfg),
-                      scheduled_joins={f.replica: f.step for f in faults.all
-                                       if f.kind == "restart"},
-                      link_down=lambda: faults.partitioned(step))
-    except (CoordinatorLost, TimeoutError) as e:  # refused (another run), or no coordinator
-        log(f"cannot join: {e}")
-        return EXIT_USAGE
+    rep: Replica | None = None
+    wait_until = time.monotonic() + ft.coordinator_wait_s
+    while rep is None:
+        try:
+            rep = Replica(rm.module, n, mesh=rm.mesh, tied=rm.tied, coordinator=f"{host}:{port}",
+                          replica=replica, min_replicas=ft.min_replicas,
+                          timeout_s=ft.reduce_timeout_s, join_timeout_s=ft.join_timeout_s,
+                          heartbeat_s=ft.heartbeat_s, hook=faults.at, speed_aware=ft.speed_aware,
+                          strategy=_strategy(cfg), exact=cfg.compute.exact,
+                          backend=cfg.compute.backend, optimizer=opt,
+                          reduce_dtype=layout.DTYPES.get(cfg.compute.reduce_dtype),
+                          token=run_token(run_dir).decode(), fingerprint=fingerprint(cfg),
+                          scheduled_joins={f.replica: f.step for f in faults.all
+                                           if f.kind == "restart"},
+                          link_down=lambda: faults.partitioned(step),
+                          coordinator_wait_s=ft.coordinator_wait_s)
+        except (CoordinatorLost, TimeoutError) as e:  # refused (another run), or no coordinator
+            # A replacement whose coordinator died while it was being admitted tries again
+            # with the restarted one (bounded like every replica's wait for it).
+            again = "went away" in str(e) or "not admitted" in str(e)
+            if again and time.monotonic() < wait_until:
+                time.sleep(0.2)
+                continue
+            log(f"cannot join: {e}")
+            return EXIT_USAGE
     if rep.joined:  # a replacement: it continues from the donor's step, on the trajectory
         applied = rep.start_step
         log(f"joined the running job at step {applied} ({rep.transfer_s:.2f}s state transfer)")
-    store = rep.member.store
     evals = eval_batches(corpus.val, m.block_size, b, seed, cfg.data.eval_microbatches)
     timer = StepTimer()
     step = applied
@@ -98,45 +110,73 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
         return {"next_microbatch_id": at * n, "trajectory": cfg.trajectory_key()}
 
     end = cfg.run.stop_at or cfg.run.steps
-    try:
-        for step in range(applied, end):
-            timer.start()
-            lr = lr_at(step, cfg)
-            set_lr(opt, lr)
-            rm.module.train()
-            res = rep.step(step, compute)  # COMPUTE -> REDUCE -> agreed COMMIT
-            faults.at("optimizer", step, 0)
-            grad_norm = rep.clip_grad_norm_(cfg.optim.grad_clip)
-            opt.step()
-            applied = step + 1
-            rec = step_record(res, lr, grad_norm, timer)
-            last = step == end - 1
-            if (cfg.data.eval_every and (step + 1) % cfg.data.eval_every == 0) or last:
-                with rep.guard():  # a multi-rank evaluation is an intra-replica collective
-                    rec["val_loss"] = rep.replica_sum(layout.evaluate(rm, evals) * rep.loss_weight)
-            if rank == 0:  # every survivor offers the record; the first one lands (all agree)
-                store.compare_set(keys.record_key(step), "", json.dumps(rec))
-            if (cfg.run.ckpt_every and applied % cfg.run.ckpt_every == 0) or last:
-                with rep.guard():  # every rank: the leader replica's ranks save together
-                    ckpts.save(applied, rep.is_leader, extra(applied))
-    except BelowMinReplicas as e:
-        log(f"stopping: {e}")
-        # committed steps only: the failed step was never applied
-        saved = ckpts.save_on_exit(applied, rep.is_leader, extra(applied))
-        if rep.is_leader:
-            store.set(keys.RUN_STOPPED, f"{e}; {'checkpoint' if saved else 'no checkpoint'} "
-                                        f"at step {applied}")
-        rep.leave()
-        return EXIT_BELOW_MIN
-    except GlooInterfaceError as e:  # a configuration error, not a fault: one line, no traceback
-        log(f"stopping: {e}")
-        return EXIT_USAGE  # without leave(): the coordinator records the replica as lost
-    except (CoordinatorLost, DistError) as e:  # the store went away with the coordinator
-        log(f"stopping: the coordinator is unreachable ({str(e).splitlines()[0]})")
-        if ckpts.save_on_exit(applied, rep.is_leader, extra(applied)):  # the last known leader
-            log(f"saved a checkpoint at step {applied}")
-        # Every step applied: the coordinator leaving now is the end of the run, not a failure.
-        return EXIT_OK if applied == end else EXIT_COORDINATOR_LOST
+    # The records this rank offered last: a restarted coordinator's store has none of them.
+    recent: deque[tuple[int, str]] = deque(maxlen=RECORDS_KEPT)
+    while True:  # once, unless the coordinator dies and a restarted one takes over
+        try:
+            for step in range(applied, end):
+                timer.start()
+                lr = lr_at(step, cfg)
+                set_lr(opt, lr)
+                rm.module.train()
+                res = rep.step(step, compute)  # COMPUTE -> REDUCE -> agreed COMMIT
+                faults.at("optimizer", step, 0)
+                grad_norm = rep.clip_grad_norm_(cfg.optim.grad_clip)
+                opt.step()
+                applied = step + 1
+                rec = step_record(res, lr, grad_norm, timer)
+                last = step == end - 1
+                if (cfg.data.eval_every and (step + 1) % cfg.data.eval_every == 0) or last:
+                    with rep.guard():  # a multi-rank evaluation is an intra-replica collective
+                        rec["val_loss"] = rep.replica_sum(layout.evaluate(rm, evals)
+                                                          * rep.loss_weight)
+                if rank == 0:  # every survivor offers the record; the first one lands (all agree)
+                    recent.append((step, json.dumps(rec)))
+                    rep.member.store.compare_set(keys.record_key(step), "", recent[-1][1])
+                if (cfg.run.ckpt_every and applied % cfg.run.ckpt_every == 0) or last:
+                    with rep.guard():  # every rank: the leader replica's ranks save together
+                        ckpts.save(applied, rep.is_leader, extra(applied))
+            break
+        except BelowMinReplicas as e:
+            log(f"stopping: {e}")
+            # committed steps only: the failed step was never applied
+            saved = ckpts.save_on_exit(applied, rep.is_leader, extra(applied))
+            if rep.is_leader:
+                what = "checkpoint" if saved else "no checkpoint"
+                rep.member.store.set(keys.RUN_STOPPED, f"{e}; {what} at step {applied}")
+            rep.leave()
+            return EXIT_BELOW_MIN
+        except GlooInterfaceError as e:  # a configuration error, not a fault: one line
+            log(f"stopping: {e}")
+            return EXIT_USAGE  # without leave(): the coordinator records the replica as lost
+        except (CoordinatorLost, DistError) as e:  # the store went away with the coordinator
+            why = str(e).splitlines()[0]
+            if applied < end and ft.coordinator_wait_s > 0:
+                log(f"the coordinator is unreachable ({why}); keeping the state of step "
+                    f"{applied} and waiting up to {ft.coordinator_wait_s:g}s for it to restart")
+                try:
+                    back = rep.reconnect(applied, ft.coordinator_wait_s)
+                except CoordinatorLost as refused:
+                    back, why = False, str(refused)
+                if back:
+                    if rep.joined:  # healed: its state is now that of a replica at start_step
+                        log(f"the restarted coordinator resumed the run at step "
+                            f"{rep.start_step}: this replica was at {applied} and received "
+                            f"that state ({rep.transfer_s:.2f}s transfer)")
+                        applied = rep.start_step
+                    else:
+                        log(f"the restarted coordinator resumed the run at step {applied}")
+                    if rank == 0:  # records the new store never saw (the launcher needs them)
+                        for s, r in recent:
+                            if s < applied:
+                                rep.member.store.compare_set(keys.record_key(s), "", r)
+                    continue
+                why = f"no coordinator came back within {ft.coordinator_wait_s:g}s ({why})"
+            log(f"stopping: the coordinator is unreachable ({why})")
+            if ckpts.save_on_exit(applied, rep.is_leader, extra(applied)):  # the last leader
+                log(f"saved a checkpoint at step {applied}")
+            # Every step applied: the coordinator leaving now is the end of the run.
+            return EXIT_OK if applied == end else EXIT_COORDINATOR_LOST
     if cfg.run.dump_final:
         _dump_final(run_dir, rm.module, replica, rank, nranks)
     rep.leave()
