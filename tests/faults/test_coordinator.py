@@ -21,12 +21,14 @@ pytestmark = pytest.mark.timeout(200)
 
 def test_coordinator_killed_and_restarted(ref4: Run, corpus: Path, tmp_path: Path,
                                           record: Row) -> None:
-    record.scenario = ("coordinator killed and restarted: after a commit decision (optimizer "
-                       "phase), then mid-compute (backward)")
+    record.scenario = ("coordinator killed and restarted: while a replacement is being admitted "
+                       "(the donor's `donate` phase), then mid-compute (backward)")
     record.expected = ("the replicas keep their state and wait; `recover train` restarts it "
-                       "(--recover); the run resumes at the last committed step, twice")
-    run = faulty(tmp_path, corpus, "coordinator:replica=0,step=4,phase=optimizer",
-                 "coordinator:replica=2,step=9,phase=backward")
+                       "(--recover); the run resumes at the last committed step; the replacement, "
+                       "which held no state, is healed by transfer and admitted")
+    run = faulty(tmp_path, corpus, "kill:replica=2,step=3,phase=backward",
+                 "restart:replica=2,step=6", "coordinator:replica=0,step=6,phase=donate",
+                 "coordinator:replica=1,step=10,phase=backward")
     events = [json.loads(x) for x in (run.out / "coordinator.jsonl").read_text().splitlines()]
     resumed = [e for e in events if e["event"] == "resumed"]
     starts = [e["time"] for e in events if e["event"] == "start"]
@@ -34,10 +36,12 @@ def test_coordinator_killed_and_restarted(ref4: Run, corpus: Path, tmp_path: Pat
     record.measured = (_MATRIX.measure(run) + "; restart -> resumed "
                        + ", ".join(f"{t:.2f} s" for t in took))
     check_run(run, ref4, [0, 1, 2, 3])
-    # Killed after step 4's decision: every replica applied it and resumed at 5. Killed while
-    # computing step 9: nobody committed it, so the run resumed at 9 and recomputed it.
-    assert [r["step"] for r in resumed] == [5, 9], resumed
-    assert all(r["members"] == [0, 1, 2, 3] for r in resumed), resumed
-    assert len(starts) == 3
-    for r in range(4):
+    assert len(starts) == 3, starts
+    # Killed while replica 0 served the replacement at step 6 (nothing of step 6 computed): the
+    # run resumed at 6 with the three replicas that held it, and healed the replacement (-1: no
+    # state) from one of them. Killed while computing step 10: all four resumed at 10.
+    assert [(r["step"], r["members"], r["heal"]) for r in resumed] == \
+        [(6, [0, 1, 3], [2]), (10, [0, 1, 2, 3], [])], resumed
+    assert resumed[0]["registered"]["2"] == {"0": -1}, resumed[0]
+    for r in (0, 1, 3):
         assert run.log(r).count("the restarted coordinator resumed the run") == 2, run.log(r)

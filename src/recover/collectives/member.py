@@ -64,11 +64,12 @@ class Member:
         self.restart_wait_s = restart_wait_s
         self._floor = 0  # generations below this were published by an earlier coordinator
         # Admission mid-run (recover.parallel.Replica does the state transfer): `joining` until a
-        # generation includes this replica; members learn of a joiner as `join_request`.
+        # generation includes this replica; members learn of joiners in `join_requests`.
         self.joining = False
         self.join_epoch = -1
-        # (replica, epoch, first step it may join at) of a joiner waiting to be served
-        self.join_request: tuple[int, int, int] | None = None
+        # replica -> (epoch, first step it may join at): joiners waiting to be served (several
+        # may wait at once: two replacements started close together)
+        self.join_requests: dict[int, tuple[int, int]] = {}
         # Progress watchdog: while armed, a main thread that reports no progress for `_stuck_s`
         # is stuck (a deadlock, a hung kernel): the process fences itself (EXIT_STUCK).
         self._on_stuck = on_stuck or _exit_stuck
@@ -286,8 +287,8 @@ class Member:
             members = keys.decode_members(store.get(keys.members_key(g)))
             if self.joining and self.replica in members and g > self._admit_after:
                 self.joining = False  # admitted: from now on a generation without us fences us
-            if self.join_request is not None and self.join_request[0] in members:
-                self.join_request = None
+            for r in [r for r in list(self.join_requests) if r in members]:
+                self.join_requests.pop(r, None)
             fenced = self.replica not in members and not self.joining
             if fenced:
                 # Fence before the generation becomes visible: no thread of this process may
@@ -366,10 +367,11 @@ class Member:
                 self._floor = int(words[1]) if len(words) > 1 else 0
                 self._welcomed.set()
             elif words[:1] == ["join"]:  # join <replica> <epoch> <step>: a joiner waits for a donor
-                self.join_request = (int(words[1]), int(words[2]), int(words[3]))
+                self.join_requests[int(words[1])] = (int(words[2]), int(words[3]))
             elif words[:1] == ["joinend"]:  # joinend <epoch>: admitted or given up
-                if self.join_request is not None and self.join_request[1] == int(words[1]):
-                    self.join_request = None
+                for r, (epoch, _) in list(self.join_requests.items()):
+                    if epoch == int(words[1]):
+                        self.join_requests.pop(r, None)
             elif words[:1] == ["joining"]:  # joining <epoch> <generation now> [<floor>]
                 # We are the joiner. Generations up to now may hold our earlier incarnation:
                 # only a later one that includes us admits us.

@@ -440,13 +440,15 @@ class StepEngine:
     def _propose(self, step: int, chain: Chain, g: int, members: list[int]) -> dict:
         if not chain:
             self._await_scheduled_join(step, members)
-        joiner = self.member.join_request if not chain else None
-        if joiner is not None and joiner[0] not in members and joiner[1] not in self._proposed \
-                and step >= joiner[2]:
-            # Admit at this boundary: the step waits for the joiner (see `run`), served by us.
-            self._proposed.add(joiner[1])
-            return {"gen": g, "assign": {},
-                    "join": {"replica": joiner[0], "epoch": joiner[1], "donor": self.me}}
+        # A copy (one C-level operation): the liveness thread adds and removes entries.
+        waiting = sorted(dict(self.member.join_requests).items(), key=lambda kv: kv[1]) \
+            if not chain else []
+        for joiner, (epoch, at) in waiting:  # one join per boundary, oldest first
+            if joiner not in members and epoch not in self._proposed and step >= at:
+                # Admit at this boundary: the step waits for the joiner (see `run`), served by us.
+                self._proposed.add(epoch)
+                return {"gen": g, "assign": {},
+                        "join": {"replica": joiner, "epoch": epoch, "donor": self.me}}
         speeds = ({m: self.speeds[m] for m in members if m in self.speeds}
                   if self.speed_aware else None)
         assign = self.strategy.assign(step, self.n, chain, members, speeds)
@@ -459,10 +461,11 @@ class StepEngine:
         for replica, at in self.scheduled_joins.items():
             if step != at or replica in members:
                 continue
-            deadline = time.monotonic() + 3 * self.timeout_s
+            # Shorter than the others' wait for this plan (3 x timeout): if the replacement
+            # never registers (it died too), they get a plan without it, not a timeout.
+            deadline = time.monotonic() + self.timeout_s
             while time.monotonic() < deadline and not self.member.coordinator_lost:
-                req = self.member.join_request
-                if req is not None and req[0] == replica:
+                if replica in self.member.join_requests:
                     return
                 self.member.progress()
                 time.sleep(0.01)

@@ -84,6 +84,7 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
                 continue
             log(f"cannot join: {e}")
             return EXIT_USAGE
+    faults.coordinator_pid = lambda: int(keys.try_get(rep.member.store, keys.COORD_PID) or 0)
     if rep.joined:  # a replacement: it continues from the donor's step, on the trajectory
         applied = rep.start_step
         log(f"joined the running job at step {applied} ({rep.transfer_s:.2f}s state transfer)")

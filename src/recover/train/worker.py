@@ -9,7 +9,9 @@ process per rank) or by one `torchrun` per replica (env `RECOVER_COORDINATOR=hos
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -33,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
               "RECOVER_COORDINATOR", file=sys.stderr)
         return 2
     from recover.train.loop import run  # after argument checks: importing torch takes seconds
+
+    # `kill -USR1 <pid>` prints every thread's stack into the replica's log (a stuck rank).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     host, port = args.coordinator.rsplit(":", 1)
     return run(Path(args.run_dir), args.replica, args.rank, host, int(port))
