@@ -4,7 +4,8 @@ Invariant: `reduce_(tensors)` leaves in each tensor the full sum over every memb
 generation, or raises `ReplicaFault` on this survivor within a bounded time; it never reports
 success for a partial sum, never waits on a communicator past the moment a newer generation is
 known, and tells its caller (`in_use`) which buffers an abandoned operation may still write into,
-so none is reused before that operation ends.
+so none is reused before that operation ends. A group it stops using is retired, never destroyed
+on the caller's thread nor while its work is in flight (`reaper.py`).
 
 Cross-replica gloo traffic binds one address: the interface the user names (`ifname`, else
 $GLOO_SOCKET_IFNAME), else this host's end of its connection to the coordinator (never the
@@ -31,6 +32,7 @@ from torch.distributed import PrefixStore, ProcessGroupGloo
 
 from recover.collectives import keys
 from recover.collectives.member import Member, is_loopback
+from recover.collectives.reaper import retire as _retire
 
 IFNAME_ENV = "GLOO_SOCKET_IFNAME"  # torch's own variable; `--gloo-ifname` sets it for a worker
 _HINTED: list[bool] = []  # a connect-failure hint was printed by this process (once is enough)
@@ -79,9 +81,9 @@ class ReplicaFault(RuntimeError):
 
 @dataclass
 class _Held:
-    """A communicator abandoned with work in flight: kept alive until gloo lets go of it."""
+    """Buffers an abandoned operation may still write into (`in_use`), until it ends; the
+    group itself is retired (`_retire`)."""
 
-    pg: object
     futs: list[torch.futures.Future]
     bufs: list[torch.Tensor]
     since: float = field(default_factory=time.monotonic)
@@ -111,9 +113,10 @@ class FaultTolerantComm:
         self._pg: object | None = None
         self._pg_gen = -1
         self._holding: list[_Held] = []
-        # Cumulative, for profilers: seconds building groups / in barriers / in reduces.
+        # Cumulative, for profilers: seconds building groups / in barriers / in reduces, and
+        # this process's CPU seconds (every thread) while it built groups (barrier included).
         self.stats: dict[str, float] = {"build_s": 0.0, "barrier_s": 0.0, "reduces": 0,
-                                        "reduce_s": 0.0}
+                                        "reduce_s": 0.0, "build_cpu_s": 0.0}
 
     # -- public ------------------------------------------------------------------------------
     def reduce_(self, tensors: Sequence[torch.Tensor], generation: int | None = None,
@@ -139,7 +142,7 @@ class FaultTolerantComm:
             raise ReplicaFault(g, [], "partitioned: no peer reachable")
         pg = self._group(g, members)
         t0 = time.monotonic()
-        works = [pg.allreduce([t]) for t in tensors]
+        works: list[Any] = [pg.allreduce([t]) for t in tensors]
         done = self._completion(works)
         # One event for "every op finished or the membership changed": the thread sleeps until
         # either happens instead of waking every few ms to compare generations.
@@ -168,12 +171,12 @@ class FaultTolerantComm:
                     while not done() and time.monotonic() < settle:
                         wake.wait(0.01)
                     if not done():
-                        self._abandon(pg, futs, tensors)
+                        self._abandon(pg, works, futs, tensors)
                         raise ReplicaFault(g, self._lost_since(g),
                                            "a newer generation was published")
                     break
                 if time.monotonic() > deadline:
-                    self._abandon(pg, futs, tensors)
+                    self._abandon(pg, works, futs, tensors)
                     self.member.report_fail(g)
                     raise ReplicaFault(g, [], f"no completion within {self.timeout_s:.0f}s")
         finally:
@@ -182,9 +185,13 @@ class FaultTolerantComm:
             for fut in futs:
                 fut.value()
         except Exception as e:
-            # Drop the group at once: closing our sockets makes every other member's pending op
-            # fail within tens of ms instead of at the timeout (DESIGN §5).
-            self._drop()
+            # Retire the group at once (its sockets close as the reaper destroys it, so the other
+            # members' pending ops fail within tens of ms, DESIGN §5), but never here: gloo's
+            # destructor waits for its threads and closes a pair per peer (1 s at 128 ranks).
+            _retire(pg, works, futs)
+            if self._pg is pg:
+                self._pg, self._pg_gen = None, -1
+            works, futs, pg = [], [], None  # this frame outlives the raise (its traceback)
             self.member.report_fail(g)
             raise ReplicaFault(g, self._lost_since(g), str(e).splitlines()[0][:200]) from None
         if self.member.fenced:  # resumed after being fenced: its result must not be used
@@ -216,7 +223,7 @@ class FaultTolerantComm:
         return any(b.data_ptr() == ptr for h in self._holding for b in h.bufs)
 
     def close(self) -> None:
-        self._pg = None
+        self._drop()
         self._holding.clear()
 
     # -- internals ---------------------------------------------------------------------------
@@ -236,7 +243,7 @@ class FaultTolerantComm:
         self._drop()
         rank, size = members.index(self.member.replica), len(members)
         prefix = keys.comm_prefix(g, self.position)
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), time.process_time()
         addr = self._bind_addr() if self.backend == "gloo" else None
         if addr is not None:
             self.member.store.set(keys.gloo_addr(prefix, rank), addr)
@@ -277,6 +284,7 @@ class FaultTolerantComm:
             raise ReplicaFault(g, [], f"communicator build failed: {why}")
         self.stats["barrier_s"] += t1 - t0
         self.stats["build_s"] += time.monotonic() - t1
+        self.stats["build_cpu_s"] += time.process_time() - c0
         self._pg, self._pg_gen = box["pg"], g
         return self._pg
 
@@ -378,7 +386,7 @@ class FaultTolerantComm:
             self.member.progress()
             time.sleep(self.poll_s)
 
-    def _abandon(self, pg: object, futs: list[torch.futures.Future],
+    def _abandon(self, pg: object, works: list[Any], futs: list[torch.futures.Future],
                  bufs: Sequence[torch.Tensor]) -> None:
         # A peer may be hung with its sockets open: gloo may still write into `buf`, so keep
         # the group, the future and the buffer alive until the op ends; never shut it down.
@@ -388,14 +396,13 @@ class FaultTolerantComm:
             with contextlib.suppress(Exception):
                 pg.abort()  # type: ignore[attr-defined]
         # After an NCCL abort nothing writes into the buffers any more: only gloo's are held.
-        held = _Held(pg, futs, [] if self.backend == "nccl" else list(bufs))
-        self._holding.append(held)
-        with _IN_FLIGHT_LOCK:
-            _IN_FLIGHT.append(held)
+        self._holding.append(_Held(futs, [] if self.backend == "nccl" else list(bufs)))
+        _retire(pg, works, futs)
         if self._pg is pg:
             self._pg, self._pg_gen = None, -1
 
     def _drop(self) -> None:
+        _retire(self._pg)
         self._pg, self._pg_gen = None, -1
         self._reap()
 
@@ -404,17 +411,8 @@ class FaultTolerantComm:
         keep = 3 * self.timeout_s
         self._holding = [h for h in self._holding
                          if not all(f.done() for f in h.futs) and now - h.since < keep]
-        with _IN_FLIGHT_LOCK:
-            _IN_FLIGHT[:] = [h for h in _IN_FLIGHT if not all(f.done() for f in h.futs)]
 
 
-# Every group abandoned with work in flight stays referenced here until that work ends, whatever
-# happens to its communicator: a gloo group's destructor joins its worker thread, i.e. waits out
-# the op in flight (measured: a survivor's return from its training loop, which freed the
-# communicator, took 55 s, the group timeout, after a peer's link was cut). Processes end with
-# os._exit, so nothing here is ever destroyed while it could block.
-_IN_FLIGHT: list[_Held] = []
-_IN_FLIGHT_LOCK = threading.Lock()
 
 
 def _iface_addr(name: str) -> str | None:
