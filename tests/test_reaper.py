@@ -35,6 +35,7 @@ def wait_until(cond, timeout_s: float = 5.0) -> bool:  # type: ignore[no-untyped
 
 def test_released_on_the_reaper_after_work_and_last_reference() -> None:
     log: list[str] = []
+    before = reaper.held()  # earlier tests' groups whose work is still in flight stay held
     pg, work = Probe(log), Probe(log)
     fut: torch.futures.Future = torch.futures.Future()
     reaper.retire(pg, [work], [fut])
@@ -47,7 +48,7 @@ def test_released_on_the_reaper_after_work_and_last_reference() -> None:
     del work
     assert wait_until(lambda: len(log) == 2)
     assert log == ["recover-reaper", "recover-reaper"]
-    assert wait_until(lambda: reaper.held() == 0)
+    assert wait_until(lambda: reaper.held() <= before)
 
 
 def test_a_failed_gloo_group_is_destroyed_off_the_callers_thread() -> None:
@@ -71,8 +72,9 @@ def test_a_failed_gloo_group_is_destroyed_off_the_callers_thread() -> None:
     futs = [w.get_future() for w in works]
     assert wait_until(lambda: all(f.done() for f in futs), 15.0)
     pg = groups.pop(0)
+    before = reaper.held()
     t0 = time.monotonic()
     reaper.retire(pg, works, futs)
     del pg, works
     assert time.monotonic() - t0 < 0.05  # never blocks on a destruction
-    assert wait_until(lambda: reaper.held() == 0, 10.0)
+    assert wait_until(lambda: reaper.held() <= before, 10.0)
