@@ -57,7 +57,7 @@ def expected(step: int, n: int, base: torch.Tensor) -> torch.Tensor:
 
 class TimedComm(FaultTolerantComm):
     """Records each reduce call: [generation, start, end, True or why it failed, barrier s, build s,
-    collective s]."""
+    collective s, build CPU s (this process's CPU clock over barrier + build, every thread)]."""
 
     def __init__(self, member: Member, position: int, timeout_s: float) -> None:
         super().__init__(member, position=position, timeout_s=timeout_s)
@@ -80,7 +80,8 @@ class TimedComm(FaultTolerantComm):
         finally:
             s1 = self.stats
             self.calls.append([g, t0, time.time(), ok, s1["barrier_s"] - s0["barrier_s"],
-                               s1["build_s"] - s0["build_s"], s1["reduce_s"] - s0["reduce_s"]])
+                               s1["build_s"] - s0["build_s"], s1["reduce_s"] - s0["reduce_s"],
+                               s1["build_cpu_s"] - s0["build_cpu_s"]])
 
 
 class TracedStore:

@@ -21,16 +21,24 @@ integer-valued gradient (checked exactly after every commit). P > 1 runs multi-p
                  next hook: destroying a gloo group a dead peer left mid-operation);
                  `agree_med` is the median survivor's agree;
      rebuild     that survivor's new communicator: `comm.stats` barrier_s + build_s deltas;
+                 `rebuild_cpu` is its process's CPU time over the same span (`build_cpu_s`,
+                 every thread): its own work, without the wait for a share of the cores (R*P
+                 processes on this machine's cores inflate the wall time, not this);
      reduce      its redone collective (`comm.stats` reduce_s delta);
      rest        -> the last survivor's commit (decision, stragglers).
+     store_cpu   the coordinator's CPU time (it runs the store server) from the kill to the
+                 survivors' --settle commits, less what as many failure-free steps cost it:
+                 the server's work for detection, agreement and the group's rendezvous.
 
 A survivor that dies, a wrong gradient or a stuck step (every live rank's stacks are then dumped
 into its .err log) is a protocol failure: reported, never hidden, and the scale is retried
 (--retries). Every process is ended by PID in a `finally` (`recover.procs`). Outputs in --out:
-`scale.json` (the P = 1 curve: {"ranks", "store_ops_per_rank_step", "control_plane_s",
-"detect_s", "agree_s", "rebuild_s", "reduce_s"}), `scale_detail.json` (every scale and kill,
-and the failures), `scale.png`, and each scale's logs; `--write-curve` also copies `scale.json` to
-`src/recover/sim/data/scale_curve.json` (the simulator's input). Last lines:
+`scale.json` (the P = 1 curve: {"source", "ranks", "group", "store_ops_per_rank_step",
+"control_plane_s", "detect_s", "agree_s", "rebuild_s", "rebuild_cpu_s", "reduce_s"}; "group" is
+the size of the cross-replica group rebuilt, R, here = ranks), `scale_detail.json` (every
+scale and kill, and the failures), `scale.png`, and each scale's logs; `--write-curve` also
+copies `scale.json` to `src/recover/sim/data/scale_curve.json` (the simulator's input). Last
+lines:
 `store_ops_per_rank_step=<max over scales>` and `scale_protocol_ratio=<(detect + agree) at the
 largest P = 1 scale / at 4 ranks>`.
 
@@ -41,14 +49,12 @@ largest P = 1 scale / at 4 ranks>`.
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import json
 import os
 import random
 import signal
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -56,13 +62,13 @@ from typing import Any
 import torch  # noqa: F401  (imported once here, shared copy-on-write by every forked rank)
 
 from _common import BENCH_DIR, cores, loadavg, median, out_dir, say, table
+from _scale_procs import Children, Tail, cpu_s, dump_stacks, fork_call, pss_mib, wait_for
 from _scale_rank import RankArgs, rank_main
 from recover.collectives import coordinator
-from recover.procs import stop_pids
 
 CURVE = BENCH_DIR.parent / "src" / "recover" / "sim" / "data" / "scale_curve.json"
 PARTS = ("detect", "agree", "recomp", "rebuild", "reduce", "rest")  # add up to "total"
-EXTRA = (*PARTS, "total", "teardown", "agree_med")
+EXTRA = (*PARTS, "total", "teardown", "agree_med", "rebuild_cpu", "store_cpu")
 
 
 class FalseAlarm(RuntimeError):
@@ -72,115 +78,6 @@ class FalseAlarm(RuntimeError):
 class ProtocolFailure(RuntimeError):
     """A survivor died or committed a wrong gradient: a failure of the library, not of the
     bench (its logs, with every live rank's stacks, stay in the scale's folder)."""
-
-
-# -- processes ------------------------------------------------------------------------------
-def fork_call(fn: Callable[[Any], Any], arg: Any, log: Path) -> int:
-    """Fork a child that runs fn(arg) with stdout/stderr appended to `log`; return its PID.
-
-    The child always leaves through os._exit, so it never runs this process's `finally`
-    blocks (which would end its siblings)."""
-    pid = os.fork()
-    if pid:
-        return pid
-    code = 1
-    try:
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        sys.stdout = open(1, "w", buffering=1, closefd=False)
-        sys.stderr = open(2, "w", buffering=1, closefd=False)
-        faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID`: every thread's stack to log
-        code = int(fn(arg) or 0)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-class Children:
-    """Our forked children by name. A PID is signalled only until we reap it (the kernel cannot
-    reuse an unreaped child's PID); every wait is bounded."""
-
-    def __init__(self) -> None:
-        self.pid: dict[Any, int] = {}
-        self.code: dict[Any, int] = {}  # exit codes of reaped children
-
-    def reap(self) -> None:
-        for name, pid in self.pid.items():
-            if name not in self.code:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    self.code[name] = os.waitstatus_to_exitcode(status)
-
-    def unreaped(self) -> list[int]:
-        return [p for n, p in self.pid.items() if n not in self.code]
-
-    def stop(self, names: list[Any], grace_s: float = 5.0) -> None:
-        self.reap()
-        stop_pids([self.pid[n] for n in names if n not in self.code], grace_s=grace_s)
-        deadline = time.monotonic() + 10.0
-        while any(n not in self.code for n in names) and time.monotonic() < deadline:
-            self.reap()
-            time.sleep(0.01)
-
-
-def dump_stacks(kids: Children, names: list[Any]) -> None:
-    """Ask each live rank for its threads' stacks (in its .err log): why a run got stuck."""
-    kids.reap()
-    for n in names:
-        if n not in kids.code:
-            os.kill(kids.pid[n], signal.SIGUSR1)
-    time.sleep(1.0)
-
-
-def pss_mib(pids: list[int]) -> tuple[float, float]:
-    """(sum of proportional set sizes, max resident set size) of `pids`, MiB, from /proc."""
-    total, top = 0.0, 0.0
-    for pid in pids:
-        try:
-            text = Path(f"/proc/{pid}/smaps_rollup").read_text()
-        except OSError:
-            continue
-        kb = {ln.split(":")[0]: int(ln.split()[1]) for ln in text.splitlines()[1:]}
-        total += kb.get("Pss", 0) / 1024
-        top = max(top, kb.get("Rss", 0) / 1024)
-    return total, top
-
-
-class Tail:
-    """Reads the complete JSON lines appended to a log since the last call."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.offset, self.recs = path, 0, []
-
-    def read(self) -> list[dict]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                chunk = f.read()
-        except OSError:
-            return self.recs
-        end = chunk.rfind(b"\n") + 1
-        self.offset += end
-        self.recs += [json.loads(ln) for ln in chunk[:end].splitlines() if ln.strip()]
-        return self.recs
-
-    def steps(self) -> list[dict]:
-        return [r for r in self.read() if r.get("ev") == "step"]
-
-
-def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(0.05)
 
 
 # -- analysis (pure functions of the logs) --------------------------------------------------
@@ -214,14 +111,14 @@ def breakdown(steps: dict[Any, list[dict]], t_kill: float, t_gen: float, g0: int
     new generation; `teardown` (the part of its agree) is the time its engine spent discarding
     failed reduces (end of reduce_ -> the engine's next hook) after the generation was
     published, and `agree_med` the median survivor's agree."""
-    start, rebuild, coll, commit, recomp, teardown = {}, {}, {}, {}, {}, {}
+    start, rebuild, coll, commit, recomp, teardown, cpu = {}, {}, {}, {}, {}, {}, {}
     raised = 0
     for k, recs in steps.items():
         for s in recs:
             call = next((c for c in s["reduces"] if c[0] > g0), None)
             if call is not None and k not in start:
                 start[k], commit[k] = call[1], s["t_commit"]
-                rebuild[k], coll[k] = call[4] + call[5], call[6]
+                rebuild[k], coll[k], cpu[k] = call[4] + call[5], call[6], call[7]
         if k not in start:
             raise ValueError(f"rank {k} has no reduce after generation {g0}")
         failed = [(c, t) for s in recs for c, t in zip(s["reduces"], s["after"], strict=False)
@@ -234,7 +131,7 @@ def breakdown(steps: dict[Any, list[dict]], t_kill: float, t_gen: float, g0: int
     res = {"detect": t_gen - t_kill, "agree": start[last] - t_gen - recomp[last],
            "recomp": recomp[last], "rebuild": rebuild[last], "reduce": coll[last],
            "total": max(commit.values()) - t_kill, "raised": float(raised),
-           "teardown": teardown[last],
+           "teardown": teardown[last], "rebuild_cpu": cpu[last],
            "agree_med": median([start[k] - t_gen - recomp[k] for k in start])}
     res["rest"] = res["total"] - sum(res[p] for p in PARTS[:-1])
     return res
@@ -286,7 +183,17 @@ def run_scale(reps: int, pos: int, a: argparse.Namespace, rng: random.Random, d:
             return cond
 
         hi = a.warm + a.steps
+        wait_for(reached(a.warm, ranks), a.timeout_s * 3, "the warm-up steps on every rank")
+
+        def progress() -> tuple[float, int]:
+            """(the coordinator's CPU seconds, the steps every live rank has committed)"""
+            return cpu_s(kids.pid["coord"]), min(len(tails[k].steps()) for k in ranks
+                                                 if k[0] in live)
+
+        c0, n0 = progress()
         wait_for(reached(hi, ranks), a.timeout_s * 3, f"{hi} failure-free steps on every rank")
+        c1, n1 = progress()
+        step_cpu = (c1 - c0) / max(1, n1 - n0)  # the coordinator's CPU per failure-free step
         setup_s = time.monotonic() - t0
         pss, rss = pss_mib(kids.unreaped())
         ff = failure_free({k: tails[k].steps() for k in ranks}, a.warm, hi)
@@ -296,16 +203,19 @@ def run_scale(reps: int, pos: int, a: argparse.Namespace, rng: random.Random, d:
             time.sleep(rng.uniform(0.0, ff["period_s"]))
             victim = (rng.choice(sorted(live)), rng.randrange(pos))
             before = len(live) * pos
+            k0, m0 = progress()
             t_kill = time.time()
             os.kill(kids.pid[victim], signal.SIGKILL)
             live.discard(victim[0])
             survivors = [k for k in ranks if k[0] in live]
             wait_for(reached(a.settle, survivors, g0), a.timeout_s * 3,
                      "every survivor's commits in the new generation")
+            k1, m1 = progress()
             t_gen = next(e["time"] for e in generations(clog) if e["gen"] > g0)
             bd = breakdown({k: [s for s in tails[k].steps() if s["t_commit"] > t_kill]
                             for k in survivors}, t_kill, t_gen, g0)
-            kills.append({"victim": list(victim), "ranks_before": before, **bd})
+            kills.append({"victim": list(victim), "ranks_before": before, **bd,
+                          "store_cpu": max(0.0, k1 - k0 - (m1 - m0) * step_cpu)})
         bad = [(k, s["step"]) for k in ranks for s in tails[k].steps() if not s["correct"]]
         if bad:
             raise ProtocolFailure(f"wrong reduced gradient at (rank, step) {bad[:5]}")
@@ -324,19 +234,24 @@ def run_scale(reps: int, pos: int, a: argparse.Namespace, rng: random.Random, d:
     return {"ranks": len(ranks), "replicas": reps, "positions": pos, "setup_s": setup_s,
             "fork_s": fork_s,
             "pss_mib": pss, "max_rss_mib": rss, "load": loadavg(), **ff,
+            "coord_step_cpu": step_cpu,
             "kills": kills, **{p: median([k[p] for k in kills]) for p in EXTRA}}
 
 
 # -- output ---------------------------------------------------------------------------------
-def curve(res: list[dict]) -> dict[str, list[float]]:
-    """The P = 1 scales in the simulator's schema (keep it exactly: `recover.sim` reads it)."""
+def curve(res: list[dict], source: str = "") -> dict[str, Any]:
+    """The P = 1 scales in the simulator's schema (keep it exactly: `recover.sim` reads it).
+    With P = 1 each rebuilt cross-replica group has R = ranks members (`group`)."""
     one = sorted((r for r in res if r["positions"] == 1), key=lambda r: r["ranks"])
-    return {"ranks": [r["ranks"] for r in one],
+    return {"source": source, "ranks": [r["ranks"] for r in one],
+            "group": [r["replicas"] for r in one],
             "store_ops_per_rank_step": [round(r["store_ops"], 3) for r in one],
             "control_plane_s": [round(r["control_s"], 5) for r in one],
             "detect_s": [round(r["detect"], 5) for r in one],
             "agree_s": [round(r["agree"], 5) for r in one],
             "rebuild_s": [round(r["rebuild"], 5) for r in one],
+            "rebuild_cpu_s": [round(r["rebuild_cpu"], 5) for r in one],
+            "store_cpu_s": [round(r["store_cpu"], 5) for r in one],
             "reduce_s": [round(r["reduce"], 5) for r in one]}
 
 
@@ -433,7 +348,8 @@ def main() -> int:
             f"(period {r['period_s'] * 1e3:.0f} ms), kill -> committed {r['total'] * 1e3:.0f} ms; "
             f"PSS {r['pss_mib']:.0f} MiB in all, max RSS {r['max_rss_mib']:.0f} MiB; load "
             f"{r['load']:.1f}; {time.monotonic() - t0:.0f}s so far")
-    cols = ("detect", "agree", "teardown", "agree_med", "recomp", "rebuild", "reduce", "rest")
+    cols = ("detect", "agree", "teardown", "agree_med", "recomp", "rebuild", "rebuild_cpu",
+            "reduce", "rest", "store_cpu")
     rows = [(f"{r['replicas']}x{r['positions']}", r["ranks"],
              f"{r['engine_ops']:.2f}/{r['store_ops']:.2f}", f"{r['control_s'] * 1e3:.1f}",
              f"{r['period_s'] * 1e3:.0f}", f"{r['total'] * 1e3:.0f}",
@@ -443,8 +359,13 @@ def main() -> int:
     say("  ops: store round trips per rank per failure-free step, engine.stats['store_ops'] / "
         "that plus the engine's blocking key waits; ctl: failure-free control plane; step: "
         "failure-free step period; times in ms, median over kills; teardown is inside agree, "
-        "agree_med is the median survivor's agree (agree: the last survivor's)")
-    data = curve(res)
+        "agree_med is the median survivor's agree (agree: the last survivor's); rebuild_cpu: "
+        "that survivor's CPU time (all its threads) over its rebuild; store_cpu: the coordinator's "
+        "(store server's) CPU for the recovery, less as many failure-free steps' worth")
+    loads = [r["load"] for r in res]
+    data = curve(res, f"bench/scale.py on {cores()} CPU cores shared by all ranks (load "
+                      f"{min(loads):.0f}-{max(loads):.0f}), {time.strftime('%Y-%m-%d')}, "
+                      f"{a.numel} floats, gloo over loopback")
     (root / "scale.json").write_text(json.dumps(data, indent=1) + "\n")
     (root / "scale_detail.json").write_text(json.dumps({"scales": res, "failures": failures},
                                                        indent=1) + "\n")

@@ -17,7 +17,7 @@ def step(t: int, commit: float, reduce_end: float, ops: int = 2, waits: int = 1,
          attempts: int = 1) -> dict:
     return {"step": t, "gen": gen, "attempts": attempts, "t_commit": commit, "ops": ops,
             "waits": waits, "reduces": [[gen, reduce_end - 0.01, reduce_end, True, 0.0, 0.0,
-                                         0.01]], "after": [reduce_end], "computes": []}
+                                         0.01, 0.0]], "after": [reduce_end], "computes": []}
 
 
 def test_failure_free_takes_the_last_rank_of_each_step() -> None:
@@ -40,13 +40,13 @@ def test_failure_free_takes_the_last_rank_of_each_step() -> None:
 
 def test_breakdown_follows_the_last_survivor() -> None:
     t_kill, t_gen = 100.0, 100.05
-    fail = [0, 99.99, 100.02, "connection reset", 0.0, 0.0, 0.0]
+    fail = [0, 99.99, 100.02, "connection reset", 0.0, 0.0, 0.0, 0.0]
     a = {"step": 7, "gen": 1, "attempts": 2, "t_commit": 100.30, "ops": 3, "waits": 2,
-         "reduces": [fail, [1, 100.10, 100.25, True, 0.02, 0.03, 0.09]],
+         "reduces": [fail, [1, 100.10, 100.25, True, 0.02, 0.03, 0.09, 0.004]],
          "after": [100.08, 100.25], "computes": [[100.06, 100.09]]}
     b = {"step": 7, "gen": 1, "attempts": 2, "t_commit": 100.28, "ops": 3, "waits": 2,
-         "reduces": [[0, 99.99, 100.051, "newer generation", 0.0, 0.0, 0.0],
-                     [1, 100.07, 100.25, True, 0.06, 0.04, 0.07]],
+         "reduces": [[0, 99.99, 100.051, "newer generation", 0.0, 0.0, 0.0, 0.0],
+                     [1, 100.07, 100.25, True, 0.06, 0.04, 0.07, 0.003]],
          "after": [100.052, 100.25], "computes": []}
     bd = scale.breakdown({(0, 0): [a], (2, 0): [b]}, t_kill, t_gen, 0)
     assert bd["detect"] == pytest.approx(0.05)
@@ -55,6 +55,7 @@ def test_breakdown_follows_the_last_survivor() -> None:
     assert bd["agree"] == pytest.approx(0.10 - 0.05 - 0.03)
     assert bd["teardown"] == pytest.approx(100.08 - t_gen)  # the part after the generation
     assert bd["rebuild"] == pytest.approx(0.05)
+    assert bd["rebuild_cpu"] == pytest.approx(0.004)
     assert bd["reduce"] == pytest.approx(0.09)
     assert bd["total"] == pytest.approx(0.30)
     assert bd["raised"] == 2
@@ -63,9 +64,13 @@ def test_breakdown_follows_the_last_survivor() -> None:
 
 
 def test_curve_keeps_the_simulators_schema() -> None:
-    row = {"ranks": 4, "positions": 1, "store_ops": 3.0, "control_s": 0.001, "detect": 0.04,
-           "agree": 0.01, "rebuild": 0.005, "reduce": 0.002}
-    data = scale.curve([{**row, "ranks": 16}, row, {**row, "positions": 8, "ranks": 64}])
-    assert list(data) == ["ranks", "store_ops_per_rank_step", "control_plane_s", "detect_s",
-                          "agree_s", "rebuild_s", "reduce_s"]
+    row = {"ranks": 4, "replicas": 4, "positions": 1, "store_ops": 3.0, "control_s": 0.001,
+           "detect": 0.04, "agree": 0.01, "rebuild": 0.005, "rebuild_cpu": 0.001,
+           "store_cpu": 0.01, "reduce": 0.002}
+    data = scale.curve([{**row, "ranks": 16, "replicas": 16}, row,
+                        {**row, "positions": 8, "ranks": 64, "replicas": 8}], "here")
+    assert list(data) == ["source", "ranks", "group", "store_ops_per_rank_step",
+                          "control_plane_s", "detect_s", "agree_s", "rebuild_s", "rebuild_cpu_s",
+                          "store_cpu_s", "reduce_s"]
     assert data["ranks"] == [4, 16]  # P = 1 only, sorted by ranks
+    assert data["group"] == [4, 16]  # each rebuilt group: one member per replica

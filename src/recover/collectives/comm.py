@@ -4,7 +4,8 @@ Invariant: `reduce_(tensors)` leaves in each tensor the full sum over every memb
 generation, or raises `ReplicaFault` on this survivor within a bounded time; it never reports
 success for a partial sum, never waits on a communicator past the moment a newer generation is
 known, and tells its caller (`in_use`) which buffers an abandoned operation may still write into,
-so none is reused before that operation ends.
+so none is reused before that operation ends. A group it stops using is retired, never destroyed
+on the caller's thread nor while its work is in flight (`reaper.py`).
 
 Cross-replica gloo traffic binds one address: the interface the user names (`ifname`, else
 $GLOO_SOCKET_IFNAME), else this host's end of its connection to the coordinator (never the
@@ -31,6 +32,7 @@ from torch.distributed import PrefixStore, ProcessGroupGloo
 
 from recover.collectives import keys, sever
 from recover.collectives.member import Member, is_loopback
+from recover.collectives.reaper import retire as _retire
 
 IFNAME_ENV = "GLOO_SOCKET_IFNAME"  # torch's own variable; `--gloo-ifname` sets it for a worker
 _HINTED: list[bool] = []  # a connect-failure hint was printed by this process (once is enough)
@@ -79,9 +81,9 @@ class ReplicaFault(RuntimeError):
 
 @dataclass
 class _Held:
-    """A communicator abandoned with work in flight: kept alive until gloo lets go of it."""
+    """Buffers an abandoned operation may still write into (`in_use`), until it ends; the
+    group itself is retired (`_retire`)."""
 
-    pg: object
     futs: list[torch.futures.Future]
     bufs: list[torch.Tensor]
     since: float = field(default_factory=time.monotonic)
@@ -112,9 +114,10 @@ class FaultTolerantComm:
         self._pg_gen = -1
         self._socks: list[sever.Sock] = []  # the gloo sockets of `_pg` (see `sever`)
         self._holding: list[_Held] = []
-        # Cumulative, for profilers: seconds building groups / in barriers / in reduces.
+        # Cumulative, for profilers: seconds building groups / in barriers / in reduces, and
+        # this process's CPU seconds (every thread) while it built groups (barrier included).
         self.stats: dict[str, float] = {"build_s": 0.0, "barrier_s": 0.0, "reduces": 0,
-                                        "reduce_s": 0.0}
+                                        "reduce_s": 0.0, "build_cpu_s": 0.0}
 
     # -- public ------------------------------------------------------------------------------
     def reduce_(self, tensors: Sequence[torch.Tensor], generation: int | None = None,
@@ -140,7 +143,7 @@ class FaultTolerantComm:
             raise ReplicaFault(g, [], "partitioned: no peer reachable")
         pg = self._group(g, members)
         t0 = time.monotonic()
-        works = [pg.allreduce([t]) for t in tensors]
+        works: list[Any] = [pg.allreduce([t]) for t in tensors]
         done = self._completion(works)
         # One event for "every op finished or the membership changed": the thread sleeps until
         # either happens instead of waking every few ms to compare generations.
@@ -163,18 +166,12 @@ class FaultTolerantComm:
                 if done():
                     break
                 if self.member.generation() != g:
-                    # A peer that died makes gloo fail the op within ~40 ms (DESIGN §5): give it
-                    # that long, so the buffers are free again; only a hung peer's op is held.
-                    settle = time.monotonic() + ABANDON_SETTLE_S
-                    while not done() and time.monotonic() < settle:
-                        wake.wait(0.01)
-                    if not done():
-                        self._abandon(pg, futs, tensors)
-                        raise ReplicaFault(g, self._lost_since(g),
-                                           "a newer generation was published")
-                    break
+                    # The op can no longer commit in g: end it now (`_abandon`), so the last
+                    # survivor is not held up waiting for a failure to travel round the ring.
+                    self._abandon(pg, works, futs, tensors)
+                    raise ReplicaFault(g, self._lost_since(g), "a newer generation was published")
                 if time.monotonic() > deadline:
-                    self._abandon(pg, futs, tensors)
+                    self._abandon(pg, works, futs, tensors)
                     self.member.report_fail(g)
                     raise ReplicaFault(g, [], f"no completion within {self.timeout_s:.0f}s")
         finally:
@@ -183,11 +180,14 @@ class FaultTolerantComm:
             for fut in futs:
                 fut.value()
         except Exception as e:
-            # Sever and drop the group at once: closing our sockets makes every other member's
-            # pending op fail within ms instead of at the timeout (DESIGN §5), and a group
-            # with no live connection is destroyed without waiting on gloo's threads.
-            sever.sever(self._socks)
-            self._drop()
+            # Sever our side of the group (the other members' pending ops fail within ms, not
+            # at the timeout, DESIGN §5) and retire it: never destroyed here, gloo's destructor
+            # waits for its threads and closes a pair per peer (1 s at 128 ranks).
+            if self._pg is pg:
+                sever.sever(self._socks)
+                self._pg, self._pg_gen, self._socks = None, -1, []
+            _retire(pg, works, futs)
+            works, futs, pg = [], [], None  # this frame outlives the raise (its traceback)
             self.member.report_fail(g)
             raise ReplicaFault(g, self._lost_since(g), str(e).splitlines()[0][:200]) from None
         if self.member.fenced:  # resumed after being fenced: its result must not be used
@@ -221,7 +221,7 @@ class FaultTolerantComm:
     def close(self) -> None:
         if self.backend == "gloo":
             sever.sever(self._socks)  # nobody will use it again: let peers' ops end at once
-        self._pg, self._socks = None, []
+        self._drop()
         self._holding.clear()
 
     # -- internals ---------------------------------------------------------------------------
@@ -241,7 +241,7 @@ class FaultTolerantComm:
         self._drop()
         rank, size = members.index(self.member.replica), len(members)
         prefix = keys.comm_prefix(g, self.position)
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), time.process_time()
         addr = self._bind_addr() if self.backend == "gloo" else None
         if addr is not None:
             self.member.store.set(keys.gloo_addr(prefix, rank), addr)
@@ -287,6 +287,7 @@ class FaultTolerantComm:
             raise ReplicaFault(g, [], f"communicator build failed: {why}")
         self.stats["barrier_s"] += t1 - t0
         self.stats["build_s"] += time.monotonic() - t1
+        self.stats["build_cpu_s"] += time.process_time() - c0
         self._pg, self._pg_gen = box["pg"], g
         self._socks = box.get("socks", [])  # type: ignore[assignment]
         return self._pg
@@ -389,17 +390,23 @@ class FaultTolerantComm:
             self.member.progress()
             time.sleep(self.poll_s)
 
-    def _abandon(self, pg: object, futs: list[torch.futures.Future],
+    def _abandon(self, pg: object, works: list[Any], futs: list[torch.futures.Future],
                  bufs: Sequence[torch.Tensor]) -> None:
         # A peer may be hung with its sockets open: gloo would write into `bufs` until its own
-        # timeout. Shutting the group's sockets down ends the op at once (`sever`); only if it
-        # still has not ended are the group, the futures and the buffers kept until it does.
-        if self.backend == "gloo" and self._pg is pg and sever.sever(self._socks):
+        # timeout. Shutting our side of the group's connections down ends the op within ms
+        # (`sever`); without that (no socket known), a peer that died still fails it within
+        # ~40 ms (DESIGN §5). Only an op still running after ABANDON_SETTLE_S keeps its buffers
+        # held (`in_use`) until it ends; the group is retired either way.
+        if self.backend == "gloo":
+            if self._pg is pg:
+                sever.sever(self._socks)
             settle = time.monotonic() + ABANDON_SETTLE_S
             while not all(f.done() for f in futs) and time.monotonic() < settle:
                 time.sleep(0.002)
             if all(f.done() for f in futs):
-                self._drop()
+                _retire(pg, works, futs)
+                if self._pg is pg:
+                    self._pg, self._pg_gen, self._socks = None, -1, []
                 return
         if self.backend == "nccl":
             # Unlike gloo, aborting an NCCL communicator ends the operations in flight
@@ -407,14 +414,13 @@ class FaultTolerantComm:
             with contextlib.suppress(Exception):
                 pg.abort()  # type: ignore[attr-defined]
         # After an NCCL abort nothing writes into the buffers any more: only gloo's are held.
-        held = _Held(pg, futs, [] if self.backend == "nccl" else list(bufs))
-        self._holding.append(held)
-        with _IN_FLIGHT_LOCK:
-            _IN_FLIGHT.append(held)
+        self._holding.append(_Held(futs, [] if self.backend == "nccl" else list(bufs)))
+        _retire(pg, works, futs)
         if self._pg is pg:
             self._pg, self._pg_gen, self._socks = None, -1, []
 
     def _drop(self) -> None:
+        _retire(self._pg)
         self._pg, self._pg_gen, self._socks = None, -1, []
         self._reap()
 
@@ -423,17 +429,8 @@ class FaultTolerantComm:
         keep = 3 * self.timeout_s
         self._holding = [h for h in self._holding
                          if not all(f.done() for f in h.futs) and now - h.since < keep]
-        with _IN_FLIGHT_LOCK:
-            _IN_FLIGHT[:] = [h for h in _IN_FLIGHT if not all(f.done() for f in h.futs)]
 
 
-# Every group abandoned with work in flight stays referenced here until that work ends, whatever
-# happens to its communicator: a gloo group's destructor joins its worker thread, i.e. waits out
-# the op in flight (measured: a survivor's return from its training loop, which freed the
-# communicator, took 55 s, the group timeout, after a peer's link was cut). Processes end with
-# os._exit, so nothing here is ever destroyed while it could block.
-_IN_FLIGHT: list[_Held] = []
-_IN_FLIGHT_LOCK = threading.Lock()
 
 
 def _iface_addr(name: str) -> str | None:

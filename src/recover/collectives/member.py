@@ -113,6 +113,11 @@ class Member:
         if self.fence_after_s is None:  # published before LIVENESS_ADDR: present by now
             stale = keys.try_get(self.store, keys.COORD_STALE_S)
             self.fence_after_s = FENCE_STALE_FACTOR * (float(stale) if stale else 2.0)
+        # The background threads' store clients connect before the hello: the coordinator times
+        # this member's silence from its hello, and a connect to a busy store server can take
+        # tens of seconds (SYN retries when its accept queue is full: 128 ranks at once here).
+        self._hb_store = self.store.clone()
+        self._rd_store = self.store.clone()
         self._sock = socket.create_connection((self.host, lport), timeout=timeout_s)
         self.local_addr = self._sock.getsockname()[0]
         self.coordinator_remote = not is_loopback(self._sock.getpeername()[0])
@@ -125,8 +130,6 @@ class Member:
                  f"{self.fingerprint} {int(at) if at.isdigit() else 0} {self.applied} "
                  f"{self.last_generation}\n")
         self._sock.sendall(hello.encode())
-        self._hb_store = self.store.clone()
-        self._rd_store = self.store.clone()
         for target, name in ((self._heartbeat_loop, "recover-heartbeat"),
                              (self._reader_loop, "recover-liveness"),
                              (self._watchdog_loop, "recover-watchdog"),

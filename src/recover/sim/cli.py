@@ -32,7 +32,7 @@ from recover.sim.scale_report import run_scale_cli
 from recover.sim.scenario import PAPER_GPU_HOURS, ScenarioSpec, paper_base, pooled, scenario_params
 from recover.sim.sensitivity import paper_thresholds, sensitivity_rows
 
-SCALE_ONLY = ("quick", "sizes", "curve", "curve_fit")
+SCALE_ONLY = ("quick", "sizes", "curve", "curve_fit", "rebuild")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -82,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--curve-fit",
         choices=list(FIT_MODES),
         help="scale: extrapolation of the curve (default mixed; see recover.sim.curve)",
+    )
+    ap.add_argument(
+        "--rebuild",
+        choices=["cpu", "wall"],
+        help="scale: recover's rebuild per group member: the measured CPU time (default, "
+        "contention-free) or the measured wall clock (2 cores shared by every rank)",
     )
     ap.add_argument(
         "--plot", metavar="PNG", help="plot (paper: tokens vs GPU-hours; scale: ETTR vs GPUs)"

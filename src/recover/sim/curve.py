@@ -1,24 +1,33 @@
 """recover's measured control-plane scale curve, and its extrapolation to a job's size.
 
 Invariant: every per-rank cost the scale scenario charges recover comes from the curve file's
-columns through one stated fit per column; nothing is typed in here. A fit never lets a cost fall
-as the job grows (a negative slope is clamped to 0, i.e. the mean), and never goes below 0.
+columns through one stated fit per column, evaluated at the size that column is a function of
+(`x_of`), except the redone reduce (the step model's all-reduce, `recover.sim.scale`); nothing is
+typed in here. A fit never lets a cost fall as the job grows (a negative slope is clamped to 0,
+i.e. the mean), and never goes below 0.
 
-The file (written by `bench/scale.py --write-curve`; a placeholder ships until then) is JSON:
-`{"source": "...", "ranks": [...], "store_ops_per_rank_step": [...], "control_plane_s": [...],
-"detect_s": [...], "agree_s": [...], "rebuild_s": [...], "reduce_s": [...]}`, one entry per
-measured scale (ranks = R x P processes), times in seconds:
+The file (written by `bench/scale.py --write-curve`) is JSON: `{"source": "...", "ranks": [...],
+"group": [...], "store_ops_per_rank_step": [...], "control_plane_s": [...], "detect_s": [...],
+"agree_s": [...], "rebuild_s": [...], "rebuild_cpu_s": [...], "reduce_s": [...]}`, one entry per
+measured scale, times in seconds. `ranks` = R x P processes of the job; `group` (optional, default
+`ranks`) = the members of each cross-replica group that a failure rebuilds: one per replica, R
+(recover builds one such group per position, all in parallel).
 - control_plane_s: failure-free, last reduce returns -> commit known on every rank (per step);
-- detect_s, agree_s, rebuild_s, reduce_s: SIGKILL of one replica -> coordinator's new generation,
-  -> survivors agreed, -> communicator rebuilt, -> redone reduce returned.
+- detect_s, agree_s: SIGKILL of one replica -> coordinator's new generation -> survivors agreed;
+- rebuild_s, reduce_s: -> the group rebuilt, -> the redone reduce returned (wall clock);
+- rebuild_cpu_s: the rebuilding rank's own CPU time over its rebuild (every thread), i.e. its work
+  without the wait for a share of the measuring machine's cores;
+- store_cpu_s (optional): the store server's (coordinator's) CPU time for one recovery, less its
+  failure-free steps' worth: reported beside the assumptions, not charged.
 
-Fits (least squares; `x` is the job's ranks, one per GPU):
-- `mixed` (default): detect, agree and control plane as a + b*log2(x) (the protocol does O(1) store
-  round trips per rank, and a crash is seen by one socket closing); rebuild and reduce as a + b*x
-  (gloo connects a full mesh, so each rank's rebuild and first collective touch every other rank).
+Each column is a function of one size, `x_of(column)`: the job's ranks (one per GPU) for the
+protocol (detect, agree, control plane, store ops: every rank talks to the one coordinator), the
+group's members for the communicator (rebuild, reduce: gloo connects the group's full mesh).
+Fits (least squares in that size):
+- `mixed` (default): the protocol's columns as a + b*log2(x) (O(1) store round trips per rank; a
+  crash is seen by one socket closing); the communicator's as a + b*x (each member's rebuild and
+  first collective touch every other member).
 - `log2` / `linear`: every column with that one form (bounds for a sensitivity check).
-Extrapolating in total ranks is conservative: recover's communicators are per position, of R
-members, not R x P.
 """
 
 from __future__ import annotations
@@ -31,14 +40,18 @@ from pathlib import Path
 from recover.errors import ConfigError
 
 DEFAULT_CURVE = Path(__file__).parent / "data" / "scale_curve.json"
-COST_COLUMNS = ("control_plane_s", "detect_s", "agree_s", "rebuild_s", "reduce_s")
+COST_COLUMNS = ("control_plane_s", "detect_s", "agree_s", "rebuild_s", "rebuild_cpu_s",
+                "reduce_s")
 COLUMNS = ("store_ops_per_rank_step", *COST_COLUMNS)
+OPTIONAL = ("store_cpu_s",)
+GROUP_COLUMNS = ("rebuild_s", "rebuild_cpu_s", "reduce_s", "store_cpu_s")  # of the group's size
 MIXED = {
     "store_ops_per_rank_step": "log2",
     "control_plane_s": "log2",
     "detect_s": "log2",
     "agree_s": "log2",
     "rebuild_s": "linear",
+    "rebuild_cpu_s": "linear",
     "reduce_s": "linear",
 }
 FIT_MODES = ("mixed", "log2", "linear")
@@ -80,10 +93,20 @@ class ScaleCurve:
     source: str
     ranks: list[int]
     values: dict[str, list[float]]
+    group: list[int] | None = None  # None: = ranks (one rank per replica)
+
+    def sizes(self, column: str) -> list[int]:
+        """The x of `column`'s measurements (see `x_of`)."""
+        return (self.group or self.ranks) if x_of(column) == "group" else self.ranks
 
     def fits(self, mode: str = "mixed") -> dict[str, Fit]:
         kinds = MIXED if mode == "mixed" else dict.fromkeys(COLUMNS, mode)
-        return {c: fit(self.ranks, self.values[c], kinds[c]) for c in COLUMNS}
+        return {c: fit(self.sizes(c), self.values[c], kinds[c]) for c in COLUMNS}
+
+
+def x_of(column: str) -> str:
+    """What a column's fit is a function of: "group" (members) or "ranks" (the job's)."""
+    return "group" if column in GROUP_COLUMNS else "ranks"
 
 
 def load_curve(path: str | Path | None = None) -> ScaleCurve:
@@ -109,7 +132,7 @@ def load_curve(path: str | Path | None = None) -> ScaleCurve:
     ):
         raise ConfigError(f"scale curve {p}: ranks must be increasing integers >= 1")
     values: dict[str, list[float]] = {}
-    for c in COLUMNS:
+    for c in (*COLUMNS, *(o for o in OPTIONAL if o in doc)):
         col = doc[c]
         if not isinstance(col, list) or len(col) != len(ranks):
             raise ConfigError(f"scale curve {p}: {c} must list one value per entry of ranks")
@@ -118,5 +141,12 @@ def load_curve(path: str | Path | None = None) -> ScaleCurve:
             if not ok or not math.isfinite(v) or v < 0:
                 raise ConfigError(f"scale curve {p}: {c} values must be finite and >= 0, got {v!r}")
         values[c] = [float(v) for v in col]
+    group = doc.get("group")
+    if group is not None and (
+        not isinstance(group, list)
+        or len(group) != len(ranks)
+        or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 1 for g in group)
+    ):
+        raise ConfigError(f"scale curve {p}: group must list one integer >= 1 per entry of ranks")
     source = str(doc.get("source") or "(the file names no source)")
-    return ScaleCurve(str(p), source, list(ranks), values)
+    return ScaleCurve(str(p), source, list(ranks), values, group)

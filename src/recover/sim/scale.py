@@ -24,9 +24,19 @@ Assumptions:
   training at O(100K) GPUs). Checkpoints cost 60 s whatever the size (data-parallel replicas hold
   one model: the state to save does not grow), at the Young-Daly interval; work since the last
   checkpoint is rolled back.
-- recover: per failure, detect + agree + rebuild + reduce from the measured scale curve
-  (`curve.py`) extrapolated to ranks = GPUs, then the lost quota recomputed on the survivors; the
-  measured control-plane time after every step's all-reduce.
+- recover: per failure, detect and agree from the measured scale curve (`curve.py`) extrapolated
+  to the job's ranks = GPUs (every rank talks to the one coordinator), then the rebuild of the
+  cross-replica groups, extrapolated to the size of one group, R = GPUs / 128 (781 at 100,000
+  GPUs; one group per position, built in parallel), then the lost quota recomputed on the
+  survivors, then the redone reduce: one more cross-replica all-reduce of the gradient, priced
+  like every step's (`allreduce_s`, 0.5 s; the curve's loopback reduce of 1k floats is not a
+  gradient's), and the measured control-plane time after every step's all-reduce.
+- The rebuild per group member is contention-free: the curve's `rebuild_cpu_s`, the rebuilding
+  rank's own CPU time (every thread) on the measuring machine, where R ranks shared 2 cores so
+  its wall time mostly waited for a core. A cluster gives each rank its own cores; the network
+  latency of the rendezvous and the store server's load (O(R) lookups per member through one
+  store) are not in that figure. The wall-clock fit (`rebuild_s`) is reported as a sensitivity
+  line (`--rebuild wall` charges it).
 - shrink-batch (torchft): the same detection, agreement, rebuild and control plane as recover (so
   the comparison isolates the batch policy); the faulted step is discarded and the batch shrinks
   until the replacement joins.
@@ -93,6 +103,7 @@ class ScaleSpec:
     curve: ScaleCurve | None = None
     fit_mode: str = "mixed"
     given: set[str] = field(default_factory=set)  # SimParams fields the user set: not modelled
+    rebuild: str = "cpu"  # "cpu": the contention-free per-rank rebuild; "wall": as measured
 
     def fits(self) -> dict[str, Fit]:
         if self.curve is None:
@@ -100,9 +111,13 @@ class ScaleSpec:
         return self.curve.fits(self.fit_mode)
 
 
-def recover_pause_s(fits: dict[str, Fit], ranks: int) -> float:
-    """agree + rebuild + reduce at `ranks` (charged after detection, as `SimParams.rebuild_s`)."""
-    return fits["agree_s"](ranks) + fits["rebuild_s"](ranks) + fits["reduce_s"](ranks)
+REBUILD_COLUMN = {"cpu": "rebuild_cpu_s", "wall": "rebuild_s"}
+
+
+def recover_pause_s(fits: dict[str, Fit], gpus: int, group: int, rebuild: str = "cpu") -> float:
+    """agree at the job's `gpus` ranks + the rebuild of a `group`-member communicator (charged
+    after detection, as `SimParams.rebuild_s`; the redone reduce is the policy's `allreduce_s`)."""
+    return fits["agree_s"](gpus) + fits[REBUILD_COLUMN[rebuild]](group)
 
 
 def expected_losses(p: SimParams) -> float:
@@ -121,7 +136,7 @@ def size_params(base: SimParams, gpus: int, seed: int, spec: ScaleSpec) -> SimPa
         "microbatches": p.microbatches_per_replica * p.replicas,  # weak scaling, no floor
         "restart_cost_s": restart_fit()(gpus),
         "detect_s": fits["detect_s"](gpus),
-        "rebuild_s": recover_pause_s(fits, gpus),
+        "rebuild_s": recover_pause_s(fits, gpus, p.replicas, spec.rebuild),
         "control_plane_s": fits["control_plane_s"](gpus),
         "spares": math.ceil(SPARE_FACTOR * expected_losses(p)) + (2 if p.per_gpu_mttf_h else 0),
     }

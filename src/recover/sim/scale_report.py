@@ -15,13 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from recover.errors import ConfigError
-from recover.sim.curve import COLUMNS, load_curve
+from recover.sim.curve import COLUMNS, load_curve, x_of
 from recover.sim.params import SimParams, young_daly_steps
 from recover.sim.report import fmt, save_figure
 from recover.sim.scale import (
     FTHSDP_AT_100K,
     QUICK_HORIZON_H,
     QUICK_SIZES,
+    REBUILD_COLUMN,
     RESTART_ANCHORS,
     SPARE_FACTOR,
     TARGET_GPUS,
@@ -59,6 +60,7 @@ def run_scale_cli(a: dict[str, Any], flags: dict[str, Any]) -> int:
         curve=load_curve(a.get("curve")),
         fit_mode=a.get("curve_fit", "mixed"),
         given=set(flags),
+        rebuild=a.get("rebuild", "cpu"),
     )
     if not 1 <= spec.seeds <= 1000:
         raise ConfigError("seeds must be within 1..1000")
@@ -130,10 +132,39 @@ def assumption_lines(base: SimParams, spec: ScaleSpec) -> list[str]:
         "Young-Daly interval; work since the last checkpoint rolled back",
         f"  recover: scale curve {spec.curve.path}",
         f"    source: {spec.curve.source}",
-        f"    measured at ranks {spec.curve.ranks}; fits ({spec.fit_mode}; ranks = GPUs): "
-        + "; ".join(f"{c} = {fits[c].describe()}" for c in COLUMNS),
-        "    per failure: detect, then agree + rebuild + reduce, then the lost replica's quota "
-        "recomputed on the survivors; the control plane after every step's all-reduce",
+        f"    measured at ranks {spec.curve.ranks}, rebuilt groups of "
+        f"{spec.curve.group or spec.curve.ranks} members; fits ({spec.fit_mode}): "
+        + "; ".join(
+            f"{c} = {fits[c].describe().replace('ranks', 'G' if x_of(c) == 'ranks' else 'R')}"
+            for c in COLUMNS
+        ),
+        "    sizes: G = the job's ranks (one per GPU: detect, agree, control plane, store ops); "
+        f"R = the members of one rebuilt cross-replica group = GPUs / {base.gpus_per_replica} "
+        "(one per replica; one group per position, all built in parallel)",
+        "    per failure: detect(G), then agree(G) + rebuild(R), then the lost replica's quota "
+        "recomputed on the survivors, then the redone reduce = one more cross-replica all-reduce "
+        f"of the gradient ({fmt(base.allreduce_s, 3)} s, as every step's; the curve's reduce_s "
+        "is of 1k floats on loopback and is not used); the control plane(G) after every step",
+        (
+            "    rebuild per member: rebuild_cpu_s, the rank's own CPU time over its rebuild "
+            "(ASSUMPTION: contention-free, each rank on its own cores; the measuring machine "
+            "ran every rank on 2 cores, so their wall time mostly waited for a core; the "
+            "rendezvous' network latency and the store server's load are not in it); the "
+            "measured wall clock is the sensitivity line below"
+            if spec.rebuild == "cpu"
+            else "    rebuild per member: rebuild_s, the measured wall clock (every rank of the "
+            "measurement shared 2 cores: includes CPU contention)"
+        ),
+    ]
+    store = spec.curve.values.get("store_cpu_s")
+    if store:
+        lines.append(
+            "    not charged (ASSUMPTION: the store keeps up): the store server's work per "
+            f"recovery, measured {', '.join(fmt(v, 3) for v in store)} s of its CPU for groups "
+            f"of {spec.curve.group or spec.curve.ranks}; a rendezvous of R members makes O(R) "
+            "lookups per member, and a job rebuilds one group per position at once"
+        )
+    lines += [
         "  shrink-batch: recover's detection, agreement, rebuild and control plane; the faulted "
         "step is discarded and the batch shrinks until the replacement joins",
         "  ETTR = committed tokens / (failure-free tokens per second x horizon); failure-free: "
@@ -168,7 +199,8 @@ def table_lines(rows: list[SizeRow]) -> list[str]:
     lines.append(
         "(MTBF: the job's at the start; losses: replica losses per seed; ckpt K: Young-Daly "
         "steps between checkpoints; restart: ckpt-restart's stall per failure; pause: "
-        "recover's detect + agree + rebuild + reduce per failure; ctl: its control plane per step)"
+        "recover's detect + agree + rebuild per failure, before its recompute and redone "
+        "all-reduce; ctl: its control plane per step)"
     )
     return lines
 
@@ -177,11 +209,14 @@ def summary_lines(base: SimParams, spec: ScaleSpec, rows: list[SizeRow]) -> list
     """Goal, the published reference, and the costs at 100k that decide recover's figure."""
     fits = spec.fits()
     g = TARGET_GPUS
-    parts = ", ".join(
-        f"{c.removesuffix('_s')} {fmt(fits[c](g), 2)}"
-        for c in ("detect_s", "agree_s", "rebuild_s", "reduce_s")
+    r = g // base.gpus_per_replica
+    col = REBUILD_COLUMN[spec.rebuild]
+    parts = (
+        f"detect {fmt(fits['detect_s'](g), 2)}, agree {fmt(fits['agree_s'](g), 2)}, rebuild of "
+        f"a {r}-member group {fmt(fits[col](r), 2)} ({col}), then the recompute and a "
+        f"{fmt(base.allreduce_s, 2)} s all-reduce"
     )
-    pause = fits["detect_s"](g) + recover_pause_s(fits, g)
+    pause = fits["detect_s"](g) + recover_pause_s(fits, g, r, spec.rebuild)
     mtbf = base.per_gpu_mttf_h * 3600 / g if base.per_gpu_mttf_h else math.inf
     ref = ", ".join(f"{k} {v}" for k, v in FTHSDP_AT_100K.items())
     lines = [
@@ -191,11 +226,21 @@ def summary_lines(base: SimParams, spec: ScaleSpec, rows: list[SizeRow]) -> list
         f"published at O(100K) GPUs (FT-HSDP, arXiv 2602.00277): ETTR {ref}; goal for recover: "
         f">= {GOAL}",
     ]
-    if spec.fit_mode == "mixed" and spec.sizes:
-        alt = replace(spec, fit_mode="log2", sizes=tuple(target_weights(list(spec.sizes))[0]))
+    near = tuple(target_weights(list(spec.sizes))[0]) if spec.sizes else ()
+    if spec.rebuild == "cpu" and near:
+        alt = replace(spec, rebuild="wall", sizes=near)
         alt_rows = [run_size(base, s, alt) for s in alt.sizes]
         lines.append(
-            "sensitivity: with every curve column fitted as a + b*log2(ranks) (a backend that "
+            "sensitivity: with the measured wall-clock rebuild (rebuild_s: every rank on 2 "
+            f"shared cores; {fmt(fits['rebuild_s'](r), 1)} s for {r} members) instead of the "
+            f"contention-free one, recover's ETTR at 100k would be "
+            f"{at_target(alt_rows, 'recover'):.4f}"
+        )
+    if spec.fit_mode == "mixed" and near:
+        alt = replace(spec, fit_mode="log2", sizes=near)
+        alt_rows = [run_size(base, s, alt) for s in alt.sizes]
+        lines.append(
+            "sensitivity: with every curve column fitted as a + b*log2(size) (a backend that "
             "does not connect a full mesh), recover's ETTR at 100k would be "
             f"{at_target(alt_rows, 'recover'):.4f}"
         )
