@@ -33,6 +33,7 @@ from torch.distributed import PrefixStore, ProcessGroupGloo
 from recover.collectives import keys, sever
 from recover.collectives.member import Member, is_loopback
 from recover.collectives.reaper import retire as _retire
+from recover.collectives.waiter import KeyWaiter
 
 IFNAME_ENV = "GLOO_SOCKET_IFNAME"  # torch's own variable; `--gloo-ifname` sets it for a worker
 _HINTED: list[bool] = []  # a connect-failure hint was printed by this process (once is enough)
@@ -114,6 +115,7 @@ class FaultTolerantComm:
         self._pg_gen = -1
         self._socks: list[sever.Sock] = []  # the gloo sockets of `_pg` (see `sever`)
         self._holding: list[_Held] = []
+        self._waiter = KeyWaiter(member)  # blocking reads for the build barrier
         # Cumulative, for profilers: seconds building groups / in barriers / in reduces, and
         # this process's CPU seconds (every thread) while it built groups (barrier included).
         self.stats: dict[str, float] = {"build_s": 0.0, "barrier_s": 0.0, "reduces": 0,
@@ -365,30 +367,37 @@ class FaultTolerantComm:
     def _barrier(self, g: int, prefix: str, size: int) -> None:
         """Wait until every member of g arrived; give up as soon as g is superseded. A member
         that has not arrived after `suspect_s` is named to the coordinator (evidence: it is
-        evicted if others name it too, e.g. a partitioned member that cannot reach anyone)."""
-        key = f"{prefix}/arrive"
+        evicted if others name it too, e.g. a partitioned member that cannot reach anyone).
+        The last to arrive sets `{prefix}/all`; the others block on it (`KeyWaiter`, woken by a
+        newer generation) instead of polling the count: at 64 ranks, polling every 2 ms was
+        ~30k store requests a second during a rebuild, which slowed every survivor's protocol
+        round trips through the one store server."""
         store = self.member.store
         rank = self.member.members(g).index(self.member.replica)
         store.set(f"{prefix}/arrived/{rank}", "1")
-        store.add(key, 1)
+        if store.add(f"{prefix}/arrive", 1) >= size:
+            store.set(f"{prefix}/all", "1")
+            return
         start = time.monotonic()
         deadline = start + self.timeout_s
         named = False
-        while keys.store_int(store, key) < size:
+        while True:
+            until = deadline if named else min(deadline, start + self.suspect_s)
+            if self._waiter.get(f"{prefix}/all", g, max(0.0, until - time.monotonic())):
+                return
             self._superseded(g)
             self.member.check()
             if time.monotonic() > deadline:
                 self.member.report_fail(g)
                 raise ReplicaFault(g, [], "barrier timed out")
-            if not named and time.monotonic() - start > self.suspect_s:
+            if not named and time.monotonic() - start >= self.suspect_s:
                 named = True
                 members = self.member.members(g)
                 missing = [members[r] for r in range(size)
                            if not store.check([f"{prefix}/arrived/{r}"])]
                 if missing:
                     self.member.report_fail(g, missing)
-            self.member.progress()
-            time.sleep(self.poll_s)
+            time.sleep(self.poll_s)  # a waiter that failed (its client died) is not a spin
 
     def _abandon(self, pg: object, works: list[Any], futs: list[torch.futures.Future],
                  bufs: Sequence[torch.Tensor]) -> None:
