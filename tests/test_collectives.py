@@ -405,7 +405,7 @@ def test_sigstop_is_fenced_and_exits_by_itself(cluster: Cluster) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_no_false_alarm_under_load(cluster: Cluster) -> None:
-    busy_s = 60.0
+    busy_s = 25.0  # > 10 x the 2 s silence bound; bench/soak.py runs for minutes
     cluster.start_coordinator()
     # The replicas need ~5-15 s to start on a loaded 2-core machine; they stop together at `until`.
     until = time.time() + 12.0 + busy_s
@@ -414,7 +414,7 @@ def test_no_false_alarm_under_load(cluster: Cluster) -> None:
     joined = max(cluster.events(i, "joined")[0]["t"] for i in range(N))
     rcs = cluster.wait_exit(list(range(N)), until - time.time() + 60.0)
     assert all(rc == 0 for rc in rcs.values()), f"{rcs}\n{cluster.diagnostics()}"
-    assert until - joined > 40.0, f"replicas took {joined - cluster.spawned_at:.1f} s to join"
+    assert until - joined > 20.0, f"replicas took {joined - cluster.spawned_at:.1f} s to join"
 
     gens = check_generations(cluster)
     check_replica_logs(cluster, gens)
@@ -437,6 +437,6 @@ def test_no_false_alarm_under_load(cluster: Cluster) -> None:
         faults = [e for e in cluster.events(i, "fault") if e["t"] < first_leave]
         assert not faults, f"replica {i}: {faults}"
     counts = [len(cluster.events(i, "reduce")) for i in range(N)]
-    assert min(counts) > 100, counts
+    assert min(counts) > 40, counts
     print(f"\nno false alarm: {until - joined:.1f} s busy, reduces per replica {counts}, "
           f"{len(gen_events)} generations ({len(gen_events) - 1} from the final leaves)")
