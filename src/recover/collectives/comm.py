@@ -70,6 +70,7 @@ def _new_group(backend: str, store: PrefixStore, rank: int, size: int, timeout_s
 
 
 ABANDON_SETTLE_S = 0.25  # after a newer generation, how long an op may still end by itself
+SEVERED_SETTLE_S = 2.0  # how long a severed op may take to fail before its buffers are held
 
 
 class ReplicaFault(RuntimeError):
@@ -407,9 +408,10 @@ class FaultTolerantComm:
         # ~40 ms (DESIGN §5). Only an op still running after ABANDON_SETTLE_S keeps its buffers
         # held (`in_use`) until it ends; the group is retired either way.
         if self.backend == "gloo":
-            if self._pg is pg:
-                sever.sever(self._socks)
-            settle = time.monotonic() + ABANDON_SETTLE_S
+            severed = self._pg is pg and sever.sever(self._socks) > 0
+            # Severed, the op fails as soon as gloo's loop thread runs (ms; but on a loaded
+            # machine it once took > 0.25 s, and a second buffer was made): wait for it longer.
+            settle = time.monotonic() + (SEVERED_SETTLE_S if severed else ABANDON_SETTLE_S)
             while not all(f.done() for f in futs) and time.monotonic() < settle:
                 time.sleep(0.002)
             if all(f.done() for f in futs):
