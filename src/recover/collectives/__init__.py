@@ -11,8 +11,8 @@ from recover.collectives import keys
 from recover.collectives.comm import FaultTolerantComm, GlooInterfaceError, ReplicaFault
 from recover.collectives.coordinator import Coordinator
 from recover.collectives.keys import EXIT_FENCED, EXIT_PARTITIONED, connect_store, try_get
-from recover.collectives.member import CoordinatorLost, Member
+from recover.collectives.member import CoordinatorGone, CoordinatorLost, Member
 
-__all__ = ["Coordinator", "CoordinatorLost", "EXIT_FENCED", "EXIT_PARTITIONED",
+__all__ = ["Coordinator", "CoordinatorGone", "CoordinatorLost", "EXIT_FENCED", "EXIT_PARTITIONED",
            "FaultTolerantComm", "GlooInterfaceError", "Member", "ReplicaFault", "connect_store",
            "keys", "try_get"]

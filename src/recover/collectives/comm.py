@@ -186,10 +186,8 @@ class FaultTolerantComm:
             # Sever our side of the group (the other members' pending ops fail within ms, not
             # at the timeout, DESIGN §5) and retire it: never destroyed here, gloo's destructor
             # waits for its threads and closes a pair per peer (1 s at 128 ranks).
-            if self._pg is pg:
-                sever.sever(self._socks)
-                self._pg, self._pg_gen, self._socks = None, -1, []
-            _retire(pg, works, futs)
+            self._sever(pg)
+            self._release(pg, works, futs)
             works, futs, pg = [], [], None  # this frame outlives the raise (its traceback)
             self.member.report_fail(g)
             raise ReplicaFault(g, self._lost_since(g), str(e).splitlines()[0][:200]) from None
@@ -222,8 +220,7 @@ class FaultTolerantComm:
         return any(b.data_ptr() == ptr for h in self._holding for b in h.bufs)
 
     def close(self) -> None:
-        if self.backend == "gloo":
-            sever.sever(self._socks)  # nobody will use it again: let peers' ops end at once
+        self._sever(self._pg)  # nobody will use it again: let peers' ops end at once
         self._drop()
         self._holding.clear()
 
@@ -407,32 +404,38 @@ class FaultTolerantComm:
         # (`sever`); without that (no socket known), a peer that died still fails it within
         # ~40 ms (DESIGN §5). Only an op still running after ABANDON_SETTLE_S keeps its buffers
         # held (`in_use`) until it ends; the group is retired either way.
-        if self.backend == "gloo":
-            severed = self._pg is pg and sever.sever(self._socks) > 0
-            # Severed, the op fails as soon as gloo's loop thread runs (ms; but on a loaded
-            # machine it once took > 0.25 s, and a second buffer was made): wait for it longer.
-            settle = time.monotonic() + (SEVERED_SETTLE_S if severed else ABANDON_SETTLE_S)
-            while not all(f.done() for f in futs) and time.monotonic() < settle:
-                time.sleep(0.002)
-            if all(f.done() for f in futs):
-                _retire(pg, works, futs)
-                if self._pg is pg:
-                    self._pg, self._pg_gen, self._socks = None, -1, []
-                return
+        severed = self._sever(pg)
         if self.backend == "nccl":
             # Unlike gloo, aborting an NCCL communicator ends the operations in flight
             # (ncclCommAbort), after which the buffer is no longer written.
             with contextlib.suppress(Exception):
                 pg.abort()  # type: ignore[attr-defined]
-        # After an NCCL abort nothing writes into the buffers any more: only gloo's are held.
-        self._holding.append(_Held(futs, [] if self.backend == "nccl" else list(bufs)))
-        _retire(pg, works, futs)
+        else:
+            # Severed, the op fails as soon as gloo's loop thread runs (ms; but on a loaded
+            # machine it once took > 0.25 s, and a second buffer was made): wait for it longer.
+            settle = time.monotonic() + (SEVERED_SETTLE_S if severed else ABANDON_SETTLE_S)
+            while not all(f.done() for f in futs) and time.monotonic() < settle:
+                time.sleep(0.002)
+        if not all(f.done() for f in futs):
+            # After an NCCL abort nothing writes into the buffers any more: only gloo's are held.
+            self._holding.append(_Held(futs, [] if self.backend == "nccl" else list(bufs)))
+        self._release(pg, works, futs)
+
+    def _sever(self, pg: object) -> bool:
+        """Shut down our side of `pg`'s connections if it is the current group (gloo only:
+        no socket is recorded for NCCL); whether any was."""
+        return self._pg is pg and sever.sever(self._socks) > 0
+
+    def _release(self, pg: object, works: Sequence[Any] = (),
+                 futs: Sequence[torch.futures.Future] = ()) -> None:
+        """Stop using `pg` (and forget its sockets if it is the current group); the reaper
+        destroys it once its work has ended."""
         if self._pg is pg:
             self._pg, self._pg_gen, self._socks = None, -1, []
+        _retire(pg, works, futs)
 
     def _drop(self) -> None:
-        _retire(self._pg)
-        self._pg, self._pg_gen, self._socks = None, -1, []
+        self._release(self._pg)
         self._reap()
 
     def _reap(self) -> None:

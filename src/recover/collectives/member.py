@@ -34,6 +34,11 @@ class CoordinatorLost(RuntimeError):
     """The coordinator (and with it the store) is unreachable: training cannot go on."""
 
 
+class CoordinatorGone(CoordinatorLost):
+    """The coordinator's connection closed (its process died) while this process was joining:
+    a restarted one may be joined again (unlike a refusal, which is final)."""
+
+
 class Member:
     """Membership client of one rank of one replica.
 
@@ -144,7 +149,7 @@ class Member:
             if self.refused:
                 raise CoordinatorLost(f"the coordinator refused this process: {self.refused}")
             if self.coordinator_lost:
-                raise CoordinatorLost("the coordinator went away before training started")
+                raise CoordinatorGone("the coordinator went away before training started")
             if self.store.check([keys.COORD_ERROR]):
                 raise CoordinatorLost(self.store.get(keys.COORD_ERROR).decode())
             if time.monotonic() > deadline:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from recover.collectives import Member, keys
+from recover.collectives import CoordinatorGone, Member, keys
 from recover.parallel import transfer
 
 CONNECT_S = 30.0  # a joiner is waiting when the join is announced: it connects at once
@@ -118,7 +118,10 @@ def receive(member: Member, rank: int, module: nn.Module,
                                      "step": st.step}))
         member.report_ready(epoch)
         while member.joining:  # admitted once a generation includes us
-            if time.monotonic() > deadline or member.coordinator_lost:
+            if member.coordinator_lost:
+                raise CoordinatorGone(f"replica {member.replica}: the coordinator went away "
+                                      "before admitting it")
+            if time.monotonic() > deadline:
                 raise TimeoutError(f"replica {member.replica} was not admitted in time")
             if member.join_epoch != epoch:  # given up after all (e.g. a sibling's transfer)
                 break

@@ -16,7 +16,6 @@ recover the step.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import math
 import os
 import socket
@@ -32,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from recover.collectives import CoordinatorLost, FaultTolerantComm, Member
+from recover.collectives import CoordinatorGone, CoordinatorLost, FaultTolerantComm, Member
 from recover.parallel import rejoin
 from recover.parallel.grads import ShardedGrads, is_dtensor, local_tensor
 from recover.parallel.plain import FlatGrads
@@ -111,12 +110,7 @@ class Replica:
                           scheduled_joins=dict(scheduled_joins or {}))
         # > 0: the caller calls `reconnect` when the coordinator dies (see Member.restart_wait_s)
         self.restart_wait_s = coordinator_wait_s
-        try:
-            self._connect()
-        except BaseException:
-            if hasattr(self, "member"):  # its threads must not outlive a failed join
-                self.member.shutdown()
-            raise
+        self._connect()
         atexit.register(self.leave)  # a clean exit says goodbye even without an explicit leave()
 
     def _connect(self, applied: int = -1, last_generation: int = -1,
@@ -125,35 +119,39 @@ class Replica:
         replica a joiner, receive a running replica's state first (`start_step`, `joined`)."""
         c = self._conf
         timeout = c["join_timeout_s"] if join_timeout_s is None else join_timeout_s
-        self.member = Member(c["host"], c["port"], c["replica"], self.rank, self.nranks,
-                             heartbeat_s=c["heartbeat_s"], timeout_s=timeout, token=c["token"],
-                             fingerprint=c["fingerprint"], applied=applied,
-                             last_generation=last_generation,
-                             restart_wait_s=self.restart_wait_s)
-        self.member.join()
-        self.comm = FaultTolerantComm(self.member, position=self.rank, timeout_s=c["timeout_s"],
-                                      backend=c["backend"], device=self.grads.device)
-        self.comm.link_down = c["link_down"]  # fault injection only (a `partition` fault)
+        member = Member(c["host"], c["port"], c["replica"], self.rank, self.nranks,
+                        heartbeat_s=c["heartbeat_s"], timeout_s=timeout, token=c["token"],
+                        fingerprint=c["fingerprint"], applied=applied,
+                        last_generation=last_generation, restart_wait_s=self.restart_wait_s)
+        try:
+            member.join()
+            # A replica started after the run began (a replacement, a torchrun restart, one
+            # healed after a coordinator restart) receives a running replica's state and
+            # continues from that step (`start_step`).
+            start, took, joined = 0, 0.0, member.joining
+            if joined:
+                join_at = os.environ.get("RECOVER_JOIN_AT", "0")
+                start, took, _ = rejoin.receive(
+                    member, self.rank, self.module, self.optimizer, self.user_state, self.exact,
+                    timeout, c["hook"], int(join_at) if join_at.isdigit() else 0)
+        except BaseException:
+            member.shutdown()  # its threads must not outlive a failed join
+            raise
+        comm = FaultTolerantComm(member, position=self.rank, timeout_s=c["timeout_s"],
+                                 backend=c["backend"], device=self.grads.device)
+        comm.link_down = c["link_down"]  # fault injection only (a `partition` fault)
+        engine = StepEngine(member, comm, self.grads, self.n, min_replicas=c["min_replicas"],
+                            timeout_s=c["timeout_s"], hook=c["hook"],
+                            speed_aware=c["speed_aware"], positions=self.nranks,
+                            strategy=c["strategy"], reduce_dtype=c["reduce_dtype"])
         old = getattr(self, "engine", None)
-        self.engine = StepEngine(self.member, self.comm, self.grads, self.n,
-                                 min_replicas=c["min_replicas"], timeout_s=c["timeout_s"],
-                                 hook=c["hook"], speed_aware=c["speed_aware"],
-                                 positions=self.nranks, strategy=c["strategy"],
-                                 reduce_dtype=c["reduce_dtype"])
         if old is not None:  # what this replica learned of speeds survives a reconnection
-            self.engine.mb_time, self.engine.speeds = old.mb_time, old.speeds
-        self.engine.on_join = self._donate
+            engine.mb_time, engine.speeds = old.mb_time, old.speeds
+        engine.on_join = self._donate
         # Fault injection only (a `restart` fault): the plan of step S waits for replica R.
-        self.engine.scheduled_joins = c["scheduled_joins"]
-        # A replica started after the run began (a replacement, a torchrun restart) joins it:
-        # it receives a running replica's state and continues from that step (`start_step`).
-        self.start_step, self.joined, self.transfer_s = 0, False, 0.0
-        if self.member.joining:
-            join_at = os.environ.get("RECOVER_JOIN_AT", "0")
-            self.start_step, self.transfer_s, _ = rejoin.receive(
-                self.member, self.rank, self.module, self.optimizer, self.user_state, self.exact,
-                timeout, c["hook"], int(join_at) if join_at.isdigit() else 0)
-            self.joined = True
+        engine.scheduled_joins = c["scheduled_joins"]
+        self.member, self.comm, self.engine = member, comm, engine
+        self.start_step, self.transfer_s, self.joined = start, took, joined
 
     def reconnect(self, applied: int, wait_s: float) -> bool:
         """The coordinator died: keep this replica's state and join its restarted successor at
@@ -161,9 +159,8 @@ class Replica:
         holds whole; a replica behind or ahead of it receives that state first (then `joined`
         and `start_step` say so). False if none came back in time (the caller checkpoints and
         stops); raises `CoordinatorLost` if the new coordinator refused this replica."""
-        old = self.member  # kept on failure: it still knows who led the last generation
-        last_gen = old.generation()
-        old.shutdown()
+        last_gen = self.member.generation()  # kept on failure: it knows the last leader
+        self.member.shutdown()
         self.comm.close()
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
@@ -173,15 +170,12 @@ class Replica:
             try:
                 self._connect(applied, last_gen, max(1.0, deadline - time.monotonic()))
                 return True
-            except CoordinatorLost as e:
-                if "went away" not in str(e):  # refused, or it cannot resume: final
-                    raise
+            except CoordinatorGone:
+                pass  # it died again while we joined: the next one may come
+            except CoordinatorLost:
+                raise  # refused, or it cannot resume: final
             except (TimeoutError, OSError, RuntimeError):
                 pass  # not back yet (the store does not accept connections): try again
-            if self.member is not old:
-                with contextlib.suppress(Exception):
-                    self.member.shutdown()
-                self.member = old
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
         return False
 

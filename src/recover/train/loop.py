@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.distributed import DistError
 
-from recover.collectives import CoordinatorLost, GlooInterfaceError, keys
+from recover.collectives import CoordinatorGone, CoordinatorLost, GlooInterfaceError, keys
 from recover.config import RunConfig, fingerprint
 from recover.faults import FaultInjector, validate_faults
 from recover.parallel import Replica
@@ -75,13 +75,15 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
                                            if f.kind == "restart"},
                           link_down=lambda: faults.partitioned(step),
                           coordinator_wait_s=ft.coordinator_wait_s)
-        except (CoordinatorLost, TimeoutError) as e:  # refused (another run), or no coordinator
+        except CoordinatorGone as e:
             # A replacement whose coordinator died while it was being admitted tries again
             # with the restarted one (bounded like every replica's wait for it).
-            again = "went away" in str(e) or "not admitted" in str(e)
-            if again and time.monotonic() < wait_until:
+            if time.monotonic() < wait_until:
                 time.sleep(0.2)
                 continue
+            log(f"cannot join: {e}")
+            return EXIT_USAGE
+        except (CoordinatorLost, TimeoutError) as e:  # refused (another run), or no coordinator
             log(f"cannot join: {e}")
             return EXIT_USAGE
     faults.coordinator_pid = lambda: int(keys.try_get(rep.member.store, keys.COORD_PID) or 0)
