@@ -104,8 +104,8 @@ class Admissions:
             self.generation, self.members = 0, []
             return
         step, members, heal = plan
-        self._floor = self.generation = max(self._newest_seen + 1, 0)
-        self.generation -= 1  # _publish makes _floor
+        self._floor = max(self._newest_seen + 1, 0)
+        self.generation = self._floor - 1  # _publish makes _floor
         for conn in self.heard.values():  # silence is judged from now on
             conn.heard = now
         for conn in list(self._conns.values()):
