@@ -4,9 +4,11 @@ Invariants:
 - `refusal` accepts a hello only with valid ids, the run's token (when the run has one), the
   run's config fingerprint (when known) and no live connection for the same (replica, rank);
   anything else gets one readable reason, and changes nothing.
-- `convicted` names a member only on evidence others corroborate: the member named by the most
-  distinct reporters, if at least two name it, or if one uncontested reporter does; never a
-  reporter for reporting, and nobody on a tie of one against one.
+- `convicted` names a member only on evidence that tells a lost member from a slow one: named by
+  another member and its own main thread stalled (its heartbeats say so), or named by at least
+  two others while it named every other member itself (it reaches nobody: a partition). Being
+  late at a barrier alone convicts nobody, however many name it; a reporter is never convicted
+  for reporting.
 - `resume_plan` lets a restarted coordinator resume only from a step some replica holds whole
   (every rank at it), the highest such; every other replica is healed to it by state transfer.
 """
@@ -61,17 +63,29 @@ def refusal(h: Hello, expected: int, token: str | None, fingerprint: str | None,
     return None
 
 
-def convicted(accusations: dict[int, set[int]]) -> list[int]:
-    """The members the evidence convicts (accused -> the reporters who named it)."""
-    top = max((len(a) for a in accusations.values()), default=0)
-    guilty = [r for r, a in accusations.items() if len(a) == top]
-    if top >= 2:
-        return guilty
-    if top == 1 and len(guilty) == 1:
-        (accuser,) = accusations[guilty[0]]
-        if not accusations.get(accuser):  # uncontested: nobody named the one who named it
-            return guilty
-    return []
+def convicted(accusations: dict[int, set[int]], members: list[int] | set[int],
+              stalled: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """The members the evidence convicts. `accusations`: accused -> the members that named it;
+    `stalled`: members whose heartbeats report a main thread stalled inside the step protocol.
+
+    Naming alone is not enough: a member late at a communicator's barrier may be slow (a long
+    microbatch, a stalled store call, a loaded host) rather than lost, and a slow member catches
+    up. Evicting it would shrink the job for nothing (and, measured in CI, evict a healthy replica
+    on one impatient survivor's word).
+    """
+    named_by: dict[int, set[int]] = {}  # reporter -> whom it named
+    for accused, accusers in accusations.items():
+        for a in accusers:
+            named_by.setdefault(a, set()).add(accused)
+    guilty = []
+    for x, accusers in accusations.items():
+        others = set(accusers) - {x}
+        if not others:
+            continue
+        isolated = named_by.get(x, set()) >= set(members) - {x}
+        if x in stalled or (len(others) >= 2 and isolated):
+            guilty.append(x)
+    return sorted(guilty)
 
 
 @dataclass

@@ -365,7 +365,8 @@ class FaultTolerantComm:
     def _barrier(self, g: int, prefix: str, size: int) -> None:
         """Wait until every member of g arrived; give up as soon as g is superseded. A member
         that has not arrived after `suspect_s` is named to the coordinator (evidence: it is
-        evicted if others name it too, e.g. a partitioned member that cannot reach anyone).
+        evicted only if that convicts it, `admission.convicted`: its main thread stalled, or it
+        reaches nobody), and the naming is withdrawn if it arrives after all.
         The last to arrive sets `{prefix}/all`; the others block on it (`KeyWaiter`, woken by a
         newer generation) instead of polling the count: at 64 ranks, polling every 2 ms was
         ~30k store requests a second during a rebuild, which slowed every survivor's protocol
@@ -378,10 +379,12 @@ class FaultTolerantComm:
             return
         start = time.monotonic()
         deadline = start + self.timeout_s
-        named = False
+        named, accused = False, False
         while True:
             until = deadline if named else min(deadline, start + self.suspect_s)
             if self._waiter.get(f"{prefix}/all", g, max(0.0, until - time.monotonic())):
+                if accused:
+                    self.member.report_arrived(g)  # they were late, not lost: withdraw
                 return
             self._superseded(g)
             self.member.check()
@@ -394,6 +397,7 @@ class FaultTolerantComm:
                 missing = [members[r] for r in range(size)
                            if not store.check([f"{prefix}/arrived/{r}"])]
                 if missing:
+                    accused = True
                     self.member.report_fail(g, missing)
             time.sleep(self.poll_s)  # a waiter that failed (its client died) is not a spin
 

@@ -2,15 +2,16 @@
 
 Invariant: the coordinator is the only writer of generations. Generation g+1's members are
 generation g's members minus every replica with evidence of loss (its liveness socket closed without
-a goodbye, it went silent for --stale-s, one of its ranks reported it lost, or other members' failed
-reduces name it), plus a replica admitted after its state transfer; it is written once and never
-changed, and every member is told over its liveness socket. Only a connection whose hello was
-accepted (valid ids, the run's token, the run's config fingerprint, not a duplicate) can change
-membership, and only for its own replica; no input crashes the loop. It runs in its own process
-so the store survives any worker's death (DESIGN §2). It pings every liveness socket at least every
-PING_S (and every stale_s / 4), so a member that hears nothing for 3 x stale_s knows it is cut off
-(recover.collectives.member). Ports: the store's, and the liveness listener's (store port + 1 when
-the store port is fixed, so a firewall can be opened for both ahead of time).
+a goodbye, it went silent for --stale-s, one of its ranks reported it lost, or other members name it
+and the evidence convicts it: `admission.convicted`), plus a replica admitted after its state
+transfer; it is written once and never changed, and every member is told over its liveness socket.
+Only a connection whose hello was accepted (valid ids, the run's token, the run's config
+fingerprint, not a duplicate) can change membership, and only for its own replica; no input crashes
+the loop. It runs in its own process so the store survives any worker's death (DESIGN §2). It pings
+every liveness socket at least every PING_S (and every stale_s / 4), so a member that hears nothing
+for 3 x stale_s knows it is cut off (recover.collectives.member). Ports: the store's, and the
+liveness listener's (store port + 1 when the store port is fixed, so a firewall can be opened for
+both ahead of time).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class _Conn:
     pid: int = 0
     said_bye: bool = False
     heard: float = field(default_factory=time.monotonic)
+    stalled: bool = False  # its last heartbeat: the main thread is stalled in the step protocol
 
 
 class Coordinator(Admissions):
@@ -222,7 +224,10 @@ class Coordinator(Admissions):
             return
         if conn.replica is None:
             raise ValueError(f"{kind!r} before an accepted hello")
-        if kind == "hb":
+        if kind == "hb":  # hb [<seconds the main thread has been stalled in the protocol>]
+            was, conn.stalled = conn.stalled, len(words) > 1 and float(words[1]) > 0
+            if conn.stalled and not was and self.accusations:
+                self._judge()  # a named member's main thread stalls: the evidence may convict
             return
         if kind == "fail":  # fail <generation> [suspects]: a reduce failed; rebuild
             g = int(words[1])
@@ -230,6 +235,9 @@ class Coordinator(Admissions):
                 words[2] != "-" else []
             if g == self.generation and conn.replica in self.members:
                 self._evidence(conn.replica, suspects)
+        elif kind == "arrived":  # arrived <generation>: whom this rank named caught up
+            if int(words[1]) == self.generation:
+                self._withdraw(conn.replica)
         elif kind == "lost":  # lost <reason...>: one of this replica's ranks died
             self._mark_lost(conn.replica, "reported lost: " + " ".join(words[1:])[:200])
         elif kind == "bye":
@@ -286,22 +294,42 @@ class Coordinator(Admissions):
             self._send(conn, f"joining {join.epoch} {self.generation} {self._floor}\n")
 
     def _evidence(self, reporter: int, suspects: list[int]) -> None:
-        """A failed reduce: rebuild; and evict whom the evidence convicts (admission.convicted:
-        a partitioned rank names everyone, everyone names it)."""
+        """A failed reduce, or members missing at a barrier: rebuild, or evict whom the evidence
+        convicts (`admission.convicted`: a stalled member others name; a partitioned member that
+        names everyone while everyone names it)."""
         for s_ in suspects:
             if s_ != reporter and s_ in self.members:
                 self.accusations.setdefault(s_, set()).add(reporter)
-        guilty = convicted(self.accusations)
-        if guilty:
-            for r in guilty:
-                self._mark_lost(r, f"unreachable, named by replica(s) "
-                                   f"{sorted(self.accusations[r])}")
-        elif suspects:
-            # Not conclusive yet (one reporter naming everyone): give the others 2 x stale_s to
-            # name someone (a member missing at their barrier); then rebuild anyway.
+        if self._judge():
+            return
+        if suspects:
+            # Not conclusive (late members may be slow, not lost): a member that stalls is
+            # convicted as its heartbeat says so (`_judge`), one that arrives is withdrawn
+            # (`arrived`); after 2 x stale_s with neither, rebuild anyway.
             self.accused_since = self.accused_since or time.monotonic()
         else:
             self._mark_lost(None, f"reduce failed at replica {reporter}")
+
+    def _judge(self) -> bool:
+        """Evict every member the standing evidence convicts; True if any."""
+        stalled = {c.replica for c in self._conns.values()
+                   if c.stalled and c.replica in self.members}
+        guilty = convicted(self.accusations, self.members, stalled)
+        for r in guilty:
+            how = "its main thread stalled" if r in stalled else "it reaches nobody"
+            self._mark_lost(r, f"unreachable, named by replica(s) "
+                               f"{sorted(self.accusations[r])} ({how})")
+        return bool(guilty)
+
+    def _withdraw(self, reporter: int | None) -> None:
+        """The members `reporter` named have arrived at its barrier: its accusations stand no
+        more (nothing is rebuilt for a member that was only late)."""
+        for accused in list(self.accusations):
+            self.accusations[accused].discard(reporter)  # type: ignore[arg-type]
+            if not self.accusations[accused]:
+                del self.accusations[accused]
+        if not self.accusations:
+            self.accused_since = None
 
     def _drop_conn(self, conn: _Conn) -> None:
         self._conns.pop(conn.sock.fileno(), None)

@@ -28,6 +28,10 @@ from recover.collectives import keys
 FENCE_STALE_FACTOR = 3.0  # silence bound = this x the coordinator's --stale-s
 READ_TICK_S = 0.1  # every liveness-socket read and the watchdog wake up at least this often
 REFRESH_S = 2.0  # the store is read for generations this often even without a push
+# A main thread without progress for this fraction of its stuck bound is reported as stalled in
+# its heartbeats: evidence that lets the coordinator evict it when others name it, before it
+# fences itself at the whole bound (a member that is only late is never evicted for lateness).
+STALL_REPORT_FRACTION = 0.5
 
 
 class CoordinatorLost(RuntimeError):
@@ -187,6 +191,10 @@ class Member:
         named = ",".join(str(r) for r in sorted(set(suspects))) or "-"
         self._send(f"fail {generation} {named}\n")
 
+    def report_arrived(self, generation: int) -> None:
+        """The members this rank named in `generation` arrived after all: withdraw it."""
+        self._send(f"arrived {generation}\n")
+
     def report_ready(self, epoch: int) -> None:
         """A joiner's rank holds its verified state: admit it (`epoch` of the join)."""
         self._send(f"ready {epoch}\n")
@@ -224,6 +232,13 @@ class Member:
     @property
     def stuck_s(self) -> float:
         return self._stuck_s
+
+    def stalled_s(self) -> float:
+        """Seconds the armed main thread has gone without progress, once that exceeds
+        STALL_REPORT_FRACTION of its bound (0.0 otherwise, and while disarmed)."""
+        stuck_s = self._stuck_s
+        age = time.monotonic() - self._progress
+        return age if stuck_s and age > STALL_REPORT_FRACTION * stuck_s else 0.0
 
     def report_lost(self, reason: str) -> None:
         """Declare this whole replica lost (one of its ranks died)."""
@@ -322,7 +337,8 @@ class Member:
         # silence a live process.
         while not self._stop.is_set():
             if not self._hb_paused:
-                self._send("hb\n")
+                stalled = self.stalled_s()
+                self._send(f"hb {stalled:.2f}\n" if stalled else "hb\n")
             self._stop.wait(self.heartbeat_s)
 
     def _refresh_loop(self) -> None:
