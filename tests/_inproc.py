@@ -142,6 +142,18 @@ class _Comm(FaultTolerantComm):
                                       "neighbour")
 
 
+def _count_waits(engine: StepEngine) -> list[int]:
+    counter = [0]
+    get = engine.waiter.get
+
+    def counted(*a: Any, **k: Any) -> Any:
+        counter[0] += 1
+        return get(*a, **k)
+
+    engine.waiter.get = counted  # type: ignore[method-assign]
+    return counter
+
+
 class Rank:
     """One rank of one replica, run by a thread."""
 
@@ -226,13 +238,16 @@ class Rank:
                                 speed_aware=h.speed_aware, positions=h.positions)
             _GRAVE.extend([member, comm, engine, grad])
             self.engine = engine
+            waits = _count_waits(engine)
             for t in range(h.steps):
                 self.step = t
-                self.ops[t] = engine.stats["store_ops"]
+                self.ops[t] = engine.stats["store_ops"] + waits[0]
                 grad.zero_()
                 res = engine.run(t, self._compute)
                 self.results[t] = (res, grad.clone())
-                self.ops[t] = engine.stats["store_ops"] - self.ops[t]
+                # Store round trips: the engine's own, and its blocking key waits (one each, on
+                # a helper thread with its own client, which the engine's counter leaves out).
+                self.ops[t] = engine.stats["store_ops"] + waits[0] - self.ops[t]
                 if h.records and self.rank == 0:  # as the trainer does: the sink deletes old keys
                     member.store.compare_set(keys.record_key(t), "", json.dumps(
                         {"step": t, "generation": res.generation, "attempts": res.attempts,
@@ -320,10 +335,16 @@ class Harness:
         return [e for e in map(json.loads, self.log.read_text().splitlines()) if e["event"] == kind]
 
     def chain(self, step: int) -> list[dict]:
-        out = []
-        while (raw := try_get(self.store(), chain_key(step, len(out)))) is not None:
-            out.append(json.loads(raw))
-        return out
+        """The ownership chain `step` committed on: entry 0 from the store, or the plan a
+        survivor implied (recovery/step.py), then the stored entries after it."""
+        first = next((res.chain for rank in self.ranks.values()
+                      for t, (res, _) in rank.results.items() if t == step), None)
+        assert first is not None, f"no rank committed step {step}"
+        stored = try_get(self.store(), chain_key(step, 0))
+        assert stored is None or json.loads(stored) == first[0], (stored, first)
+        for k, entry in enumerate(first[1:], 1):
+            assert json.loads(try_get(self.store(), chain_key(step, k)) or b"null") == entry
+        return first
 
     def decision(self, step: int, g: int) -> bytes | None:
         return try_get(self.store(), decision_key(step, g))
@@ -354,7 +375,7 @@ class Harness:
                     (ref.generation, ref.quotas, ref.members), (rank.name, res, ref)
         for t, ref in first.items():
             decided = {g: try_get(self.store(), decision_key(t, g)) for g in gens}
-            commits = [g for g, v in decided.items() if v == b"commit"]
+            commits = [g for g, v in decided.items() if v in keys.COMMITS]
             assert commits == [ref.generation], (t, decided)
         return first
 

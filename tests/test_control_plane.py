@@ -1,7 +1,8 @@
 """The control plane at scale and in any precision, in-process (tests/_inproc.py's harness).
 
-- A failure-free step costs each rank at most 4 store round trips (the engine's own counter),
-  whatever R and the positions per replica.
+- A failure-free step costs each rank at most 4 store round trips (the engine's own, and its
+  blocking key waits), whatever R and the positions per replica; 2 with one rank per replica,
+  whose plan is implied by the last commit instead of read from the store.
 - The store's key count stays flat over many steps: the metrics sink deletes old steps' keys.
 - The reduce's verification is exact for bf16 and fp16 gradients and for N = 65,536 ids; beyond
   the proven limits the engine refuses to start, with a clear error.
@@ -17,20 +18,35 @@ import torch
 from rich.console import Console
 
 from _inproc import Harness
+from recover.collectives import keys
 from recover.recovery.step import MAX_MICROBATCHES
 from recover.train.metrics import MetricsSink
 
 pytestmark = pytest.mark.timeout(240)
 
 
-@pytest.mark.parametrize("replicas,positions", [(4, 1), (3, 2)])
+@pytest.mark.parametrize("replicas,positions,speed_aware", [(4, 1, True), (3, 2, False),
+                                                              (3, 2, True)])
 def test_at_most_four_store_round_trips_per_rank_per_step(tmp_path: Path, replicas: int,
-                                                          positions: int) -> None:
-    h = Harness(tmp_path, replicas, positions=positions, n=12, steps=6).run()
+                                                          positions: int,
+                                                          speed_aware: bool) -> None:
+    h = Harness(tmp_path, replicas, positions=positions, n=12, steps=6,
+                speed_aware=speed_aware).run()
     h.check(list(range(replicas)))
+    # The plan is implied by the last commit (no round trip) unless it depends on speeds that
+    # the ranks of a replica may see differently (a bare StepEngine cannot know they agree;
+    # recover.Replica makes them agree).
+    implied = positions == 1 or not speed_aware
     for rank in h.ranks.values():
         per_step = [rank.ops[t] for t in range(1, h.steps)]  # step 0 also builds the group
         assert max(per_step) <= 4, (rank.name, per_step)
+        if implied:  # count the verified result, then the decision
+            assert max(per_step) == 2, (rank.name, per_step)
+    # Entry 0 is in the store for the first step, and for every step it was not implied;
+    # every rank implied the same plan (Harness.chain checks it against each rank's chain).
+    stored = [t for t in range(h.steps) if h.store().check([keys.chain_key(t, 0)])]
+    assert stored == ([0] if implied else list(range(h.steps))), stored
+    assert all(h.chain(t)[0]["gen"] == 0 for t in range(h.steps))
 
 
 def test_store_key_count_is_flat(tmp_path: Path) -> None:

@@ -72,12 +72,14 @@ def test_crash_during_recovery(ref: Run, corpus: Path, tmp_path: Path, record: R
 
 
 def test_hang_fenced(ref: Run, corpus: Path, tmp_path: Path, record: Row) -> None:
-    record.scenario = "hang (SIGSTOP 3 s) in backward, then a crash in the optimizer phase"
-    record.expected = "the hung replica is fenced and exits; survivors bitwise equal"
+    record.scenario = ("hang (SIGSTOP 3 s) in backward, then the leader's crash after a "
+                       "commit, before it offered the step's record")
+    record.expected = ("the hung replica is fenced and exits; the new leader offers the lost "
+                       "record again; survivors bitwise equal")
     run = faulty(tmp_path, corpus, "hang:replica=3,step=4,seconds=3,phase=backward",
-                 "kill:replica=1,step=8,phase=optimizer")
+                 "kill:replica=0,step=8,phase=optimizer")
     record.measured = _MATRIX.measure(run)
-    recs = check_run(run, ref, [0, 2])
+    recs = check_run(run, ref, [1, 2])  # step 8's line too: contiguous steps are checked
     assert "fenced" in run.log(3), run.log(3)[-2000:]
     assert recs[-1]["live_replicas"] == 2
 

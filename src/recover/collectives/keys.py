@@ -8,7 +8,8 @@ written anywhere else, so the layout can be read (and changed) in one sitting:
     gen{g}/pos{p}/...               generation g's communicator at position p (barrier, gloo)
     coord/liveness, coord/error     the coordinator's liveness address; why it gave up
     step/{t}/chain/{k}              ownership chain of step t (entry k written once); a step run
-                                    again (exact mode, after an overflow) uses t = "{t}.{round}"
+                                    again (exact mode, after an overflow) uses t = "{t}.{round}";
+                                    entry 0 is absent when it was implied (recovery/step.py)
     step/{t}/g{g}/out/{leaf}        one rank's outcome of step t's reduce in generation g
     step/{t}/g{g}/count             verified results of that attempt, counted
     step/{t}/g{g}/decision          the commit decision of that attempt (written once)
@@ -98,6 +99,10 @@ def count_key(step: int | str, g: int) -> str:
 
 OK, FAIL = b"ok", b"fail"  # outcomes
 COMMIT, REDO = b"commit", b"redo"  # decisions
+# Also a commit; and the next step's plan (entry 0 of its chain) goes through the store, not
+# implied (a joiner waits, or the commit was decided on evidence after a fault).
+COMMIT_PLAN = b"commit-plan"
+COMMITS = (COMMIT, COMMIT_PLAN)
 
 
 # -- joining (a replica admitted mid-run) ----------------------------------------------------

@@ -146,7 +146,14 @@ class Replica:
                             strategy=c["strategy"], reduce_dtype=c["reduce_dtype"])
         old = getattr(self, "engine", None)
         if old is not None:  # what this replica learned of speeds survives a reconnection
-            engine.mb_time, engine.speeds = old.mb_time, old.speeds
+            engine.speeds = old.speeds
+            # A rank's own microbatch time only where it is the replica's: the ranks of a
+            # multi-rank replica agree on theirs after each step (`_agree`), and a coordinator
+            # that died between their commits may have left them apart.
+            engine.mb_time = old.mb_time if self.nranks == 1 else None
+        # With its ranks' microbatch times agreed, every rank sees the same speeds, so the
+        # engine may imply a plan instead of reading it from the store (recovery/step.py).
+        engine.shared_speeds = True
         engine.on_join = self._donate
         # Fault injection only (a `restart` fault): the plan of step S waits for replica R.
         engine.scheduled_joins = c["scheduled_joins"]
@@ -212,8 +219,20 @@ class Replica:
         if self.nranks > 1:
             with self.guard():
                 self._sum_tied()
-                res.loss = self.replica_sum(res.loss)
+                res.loss = self._agree(res.loss)
         return res
+
+    def _agree(self, loss: float) -> float:
+        """Sum the ranks' weighted losses, and give every rank of the replica the same seconds
+        per microbatch (their mean, in whole microseconds so the sum is exact in any order):
+        the next reduce's trailer then carries one speed per replica at every position."""
+        mine = self.engine.mb_time
+        t = torch.tensor([loss, round(mine * 1e6) if mine is not None else 0,
+                          mine is not None], dtype=torch.float64, device=self.grads.device)
+        dist.all_reduce(t)
+        total, us, have = t.tolist()
+        self.engine.mb_time = us / self.nranks / 1e6 if int(have) == self.nranks else None
+        return total
 
     def _donate(self, step: int, join: dict) -> None:
         """The step engine found a join at this step boundary: the donor replica's ranks serve

@@ -5,7 +5,11 @@ Invariants:
   through the store (`step/{t}/chain/{k}`, each entry written once by compare-and-set): entry 0 is
   the plan, entry k>0 hands the ids of replicas missing from generation g_k to the survivors. Every
   replica reads the same chain, so nobody double-counts or drops an id even if replicas saw
-  different generations.
+  different generations. Entry 0 of step t+1 is *implied*, not stored, when step t's decision is
+  `commit` (not `commit-plan`): it is then the plan of the generation t committed in, for the
+  speeds in t's reduced trailer, facts every rank of step t+1 holds alike (it read that one
+  decision; a joiner or a fresh engine only ever starts at a stored entry 0, because whoever
+  writes a decision while a join is pending, or after a fault, writes `commit-plan`).
 - The local gradient (unreduced sum of this replica's own microbatches) is never modified before
   commit: reductions work on a copy, so a failed attempt keeps everything computed so far.
 - An attempt commits only by a decision written once to the store (`.../decision`), made when every
@@ -110,6 +114,7 @@ class StepResult:
     recovery_s: float = 0.0
     attempts: int = 1
     redo: bool = False  # exact mode: the step overflowed its fixed point; run it again
+    chain: Chain = field(default_factory=list)  # the ownership chain the step committed on
 
 
 def _recovered(chain: Chain) -> list[int]:
@@ -191,6 +196,13 @@ class StepEngine:
         self._served: set[int] = set()
         self.scheduled_joins: dict[int, int] = {}  # fault injection: replica -> step (see above)
         self._proposed: set[int] = set()
+        # (step, generation): that step's plan is implied by the commit of the step before it in
+        # that generation (see the module docstring); None: the next plan is read from the store.
+        self._implied: tuple[int, int] | None = None
+        # Speeds are alike on every rank: one rank per replica, or the caller makes each
+        # replica's ranks agree on `mb_time` (`recover.Replica` does). Only then may a plan that
+        # depends on speeds be implied instead of read from the store.
+        self.shared_speeds = positions == 1
         # One gradient-sized scratch buffer, reused by every reduce unless an abandoned
         # operation may still write into it (then a new one is made and this one dropped).
         self.reduce_dtype = reduce_dtype or self.grads.dtype
@@ -268,9 +280,10 @@ class StepEngine:
             settled.add(entry_gen)
             t0 = time.monotonic()
             with record_function("recover.decide"):
-                decision = self._decide(tag, entry_gen, ok)
+                decision = self._decide(step, tag, entry_gen, ok)
             self.stats["decide_s"] += time.monotonic() - t0
-            if decision == keys.COMMIT:
+            if decision in keys.COMMITS:
+                self._implied = (step + 1, entry_gen) if decision == keys.COMMIT else None
                 count = int(trailer[0])
                 scale = self.strategy.scale(count, self.n)
                 if scale != 1.0:
@@ -290,7 +303,7 @@ class StepEngine:
                 return StepResult(step, entry_gen, self.member.members(entry_gen),
                                   dict(sorted(quotas.items())), float(trailer[3]) / count, count,
                                   recovered, time.monotonic() - t_fault if t_fault else 0.0,
-                                  attempt, redo)
+                                  attempt, redo, chain)
             t_fault = t_fault or time.monotonic()
             _log(f"replica {self.me} position {self.position}: step {tag} attempt {attempt} in "
                  f"generation {entry_gen}: reduce {'ok' if ok else 'failed'}, decision "
@@ -357,30 +370,42 @@ class StepEngine:
                 settled.add(g)
                 self.store.compare_set(keys.decision_key(step, g), "", keys.REDO)
 
-    def _decide(self, step: int | str, g: int, ok: bool) -> bytes:
+    def _decide(self, step: int, tag: int | str, g: int, ok: bool) -> bytes:
         """Commit iff every position of every surviving member of g holds a verified result;
         decided once, by compare-and-set of the attempt's decision key.
 
         Failure-free this costs two round trips: count our verified result; the rank whose
-        count completes the set writes `commit`, the others block on the decision. A failure
+        count completes the set writes `commit` (or `commit-plan`, `_commit_value`), the others
+        block on the decision. A failure
         writes `redo` at once. If the membership changes while we wait (a member died, maybe
         after its reduce completed: its part is then inside the sum, as the trailer proves), the
         survivors decide on evidence instead: each writes its outcome and the commit needs every
         still-live member's `ok`.
         """
-        dkey = keys.decision_key(step, g)
+        dkey = keys.decision_key(tag, g)
         if not ok:
             return self.store.compare_set(dkey, "", keys.REDO)
         total = len(self.member.members(g)) * self.positions
-        if self.store.add(keys.count_key(step, g), 1) == total:
-            return self.store.compare_set(dkey, "", keys.COMMIT)
+        if self.store.add(keys.count_key(tag, g), 1) == total:
+            return self.store.compare_set(dkey, "", self._commit_value(step, g))
         decided = self.waiter.get(dkey, g, 3 * self.timeout_s)
-        if decided in (keys.COMMIT, keys.REDO):
+        if decided in (*keys.COMMITS, keys.REDO):
             return decided
         if decided is not None:
-            _log(f"step {step} generation {g}: unexpected decision value {decided!r} from the "
+            _log(f"step {tag} generation {g}: unexpected decision value {decided!r} from the "
                  f"waiter; reading it again")
-        return self._decide_on_evidence(step, g, dkey)
+        return self._decide_on_evidence(tag, g, dkey)
+
+    def _commit_value(self, step: int, g: int) -> bytes:
+        """`commit` lets every rank imply step + 1's plan; `commit-plan` sends it through the
+        store: when a joiner waits (its admission is a stored entry 0), when the fault injection
+        schedules one at step + 1, or when speeds differ between a replica's ranks."""
+        members = self.member.members(g)
+        joins = any(r not in members for r in dict(self.member.join_requests))
+        scheduled = any(at == step + 1 and r not in members
+                        for r, at in self.scheduled_joins.items())
+        alike = self.shared_speeds or not self.speed_aware
+        return keys.COMMIT if alike and not joins and not scheduled else keys.COMMIT_PLAN
 
     def _decide_on_evidence(self, step: int | str, g: int, dkey: str) -> bytes:
         # A sibling position may legitimately take barrier + build + reduce (3 timeouts) first.
@@ -391,7 +416,7 @@ class StepEngine:
         pause = 0.001
         while True:
             decided = keys.try_get(self.store, dkey)
-            if decided in (keys.COMMIT, keys.REDO):
+            if decided in (*keys.COMMITS, keys.REDO):
                 return decided
             if decided is not None:
                 _log(f"step {step} generation {g}: unexpected decision value {decided!r}")
@@ -401,7 +426,8 @@ class StepEngine:
                         self.store, keys.outcome_key(step, g, self._leaf(*r))) is not None:
                     known.add(r)
             if all(r in known for r in ranks if r[0] in live):
-                return self.store.compare_set(dkey, "", keys.COMMIT)
+                # After a fault the members may differ by the next step: plan it in the store.
+                return self.store.compare_set(dkey, "", keys.COMMIT_PLAN)
             self.member.check()
             if time.monotonic() > deadline:
                 raise RecoveryError(f"no commit decision for step {step} within "
@@ -415,8 +441,11 @@ class StepEngine:
         """Read the agreed ownership chain up to an entry of generation >= g, extending it if
         nobody has yet. Entry 0, the step's plan, is proposed by one rank (position 0 of the
         lowest member); the others block on it. Later entries (after a fault) are proposed by
-        whoever needs them first."""
+        whoever needs them first. Entry 0 is implied instead when the last commit says so."""
         chain = list(chain)
+        implied, self._implied = self._implied, None
+        if not chain and implied is not None and implied[0] == tag:
+            chain.append(self._plan_entry(step, implied[1], self.member.members(implied[1])))
         deadline = time.monotonic() + 3 * self.timeout_s
         while not chain or chain[-1]["gen"] < g:
             key = keys.chain_key(tag, len(chain))
@@ -449,9 +478,14 @@ class StepEngine:
                 self._proposed.add(epoch)
                 return {"gen": g, "assign": {},
                         "join": {"replica": joiner, "epoch": epoch, "donor": self.me}}
+        return self._plan_entry(step, g, members, chain)
+
+    def _plan_entry(self, step: int, g: int, members: list[int], chain: Chain | None = None
+                    ) -> dict:
+        """The chain entry after `chain` in generation g, as stored (JSON-shaped)."""
         speeds = ({m: self.speeds[m] for m in members if m in self.speeds}
                   if self.speed_aware else None)
-        assign = self.strategy.assign(step, self.n, chain, members, speeds)
+        assign = self.strategy.assign(step, self.n, chain or [], members, speeds)
         return {"gen": g, "assign": {str(m): ids for m, ids in assign.items() if ids}}
 
     def _await_scheduled_join(self, step: int, members: list[int]) -> None:
