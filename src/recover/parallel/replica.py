@@ -212,6 +212,9 @@ class Replica:
         while res.redo:  # exact mode: some microbatch outgrew the fixed point; wider, again
             round_ += 1
             self.grads.zero()
+            if self.nranks > 1:  # the commit moved each rank's own microbatch time: agree again
+                with self.guard():
+                    self._agree(0.0)
             res = self.engine.run(step, weighted, round_)
         if self.exact is not None:
             res.loss = self.exact.loss / self.n
