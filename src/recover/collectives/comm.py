@@ -137,6 +137,8 @@ class FaultTolerantComm:
                                f"replica {self.member.replica} is fenced (not in generation {g})")
         if len(members) == 1:
             self._superseded(g)
+            if on_issued is not None:  # the step reached its reduce, even with nobody to meet
+                on_issued()
             return
         if self.link_down is not None and self.link_down():
             # Fault injection (`partition`): this rank reaches none of its peers. It says so,
