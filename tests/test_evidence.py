@@ -22,7 +22,7 @@ from recover.collectives.admission import convicted
 from recover.collectives.coordinator import Coordinator
 
 pytestmark = pytest.mark.timeout(60)
-STALE_S = 0.5
+STALE_S = 1.0  # heartbeats every 50 ms: silence is never what these tests see
 
 
 def test_lateness_alone_convicts_nobody() -> None:

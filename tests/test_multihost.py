@@ -459,7 +459,9 @@ def test_silence_fences_after_the_bound(store: object) -> None:
     deadline = t0 + 5
     while not fired and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert fired and 0.4 <= fired[0] - t0 <= 1.5, fired
+    # Never before the bound; the upper limit only says "soon" (under load the watchdog's 0.1 s
+    # wake-ups were once late enough to pass 1.5 s).
+    assert fired and 0.4 <= fired[0] - t0 <= 2.5, fired
     assert m.fenced  # type: ignore[attr-defined]
     coord_end.close()
 

@@ -73,9 +73,9 @@ def test_crash_during_recovery(ref: Run, corpus: Path, tmp_path: Path, record: R
 
 def test_hang_fenced(ref: Run, corpus: Path, tmp_path: Path, record: Row) -> None:
     record.scenario = ("hang (SIGSTOP 3 s) in backward, then the leader's crash after a "
-                       "commit, before it offered the step's record")
-    record.expected = ("the hung replica is fenced and exits; the new leader offers the lost "
-                       "record again; survivors bitwise equal")
+                       "commit (optimizer phase)")
+    record.expected = ("the hung replica is fenced and exits; the leader's record is offered "
+                       "by the others; survivors bitwise equal")
     run = faulty(tmp_path, corpus, "hang:replica=3,step=4,seconds=3,phase=backward",
                  "kill:replica=0,step=8,phase=optimizer")
     record.measured = _MATRIX.measure(run)

@@ -9,8 +9,10 @@ labelled with the number of optimizer steps it holds, whatever path saves it.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -27,10 +29,10 @@ from recover.train.ckpt_rank import RankCheckpoints
 from recover.train.data import eval_batches, load_data, microbatch
 from recover.train.metrics import StepTimer, step_record
 from recover.train.optim import build_optimizer, lr_at, set_lr
-from recover.train.records import Records
 from recover.workload import id_seed
 
 EXIT_OK, EXIT_USAGE, EXIT_BELOW_MIN, EXIT_COORDINATOR_LOST = 0, 2, 4, 5
+RECORDS_KEPT = 256  # offered again to a restarted coordinator (the launcher may not have read them)
 
 
 def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
@@ -111,8 +113,8 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
         return {"next_microbatch_id": at * n, "trajectory": cfg.trajectory_key()}
 
     end = cfg.run.stop_at or cfg.run.steps
-    # The metrics lines of committed steps: the leader offers them (recover.train.records).
-    records = Records(rep.member.store) if rank == 0 else None
+    # The records this rank offered last: a restarted coordinator's store has none of them.
+    recent: deque[tuple[int, str]] = deque(maxlen=RECORDS_KEPT)
     while True:  # once, unless the coordinator dies and a restarted one takes over
         try:
             for step in range(applied, end):
@@ -131,16 +133,19 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
                     with rep.guard():  # a multi-rank evaluation is an intra-replica collective
                         rec["val_loss"] = rep.replica_sum(layout.evaluate(rm, evals)
                                                           * rep.loss_weight)
-                if records is not None:  # the leader's lands; every replica's would be alike
-                    records.committed(step, rec, rep.is_leader)
+                # Every survivor offers the record, on this thread, before its next step; the first
+                # one lands (all agree). Only the leader, from a background thread, was tried: a
+                # leader killed before its offer left, with every other replica killed in the next
+                # step, lost a committed step's line (DESIGN §12).
+                if rank == 0:
+                    recent.append((step, json.dumps(rec)))
+                    rep.member.store.compare_set(keys.record_key(step), "", recent[-1][1])
                 if (cfg.run.ckpt_every and applied % cfg.run.ckpt_every == 0) or last:
                     with rep.guard():  # every rank: the leader replica's ranks save together
                         ckpts.save(applied, rep.is_leader, extra(applied))
             break
         except BelowMinReplicas as e:
             log(f"stopping: {e}")
-            if records is not None:
-                records.stop(rep.member.store)
             # committed steps only: the failed step was never applied
             saved = ckpts.save_on_exit(applied, rep.is_leader, extra(applied))
             if rep.is_leader:
@@ -168,20 +173,17 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
                         applied = rep.start_step
                     else:
                         log(f"the restarted coordinator resumed the run at step {applied}")
-                    if records is not None:  # the new store has none of them
-                        records.attach(rep.member.store)
-                        records.offer(rep.member.store, below=applied)
+                    if rank == 0:  # records the new store never saw (the launcher needs them)
+                        for s, r in recent:
+                            if s < applied:
+                                rep.member.store.compare_set(keys.record_key(s), "", r)
                     continue
                 why = f"no coordinator came back within {ft.coordinator_wait_s:g}s ({why})"
             log(f"stopping: the coordinator is unreachable ({why})")
-            if records is not None:
-                records.stop(rep.member.store, timeout_s=1.0)
             if ckpts.save_on_exit(applied, rep.is_leader, extra(applied)):  # the last leader
                 log(f"saved a checkpoint at step {applied}")
             # Every step applied: the coordinator leaving now is the end of the run.
             return EXIT_OK if applied == end else EXIT_COORDINATOR_LOST
-    if records is not None:
-        records.stop(rep.member.store)
     if cfg.run.dump_final:
         _dump_final(run_dir, rm.module, replica, rank, nranks)
     rep.leave()
