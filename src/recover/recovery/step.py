@@ -376,11 +376,10 @@ class StepEngine:
 
         Failure-free this costs two round trips: count our verified result; the rank whose
         count completes the set writes `commit` (or `commit-plan`, `_commit_value`), the others
-        block on the decision. A failure
-        writes `redo` at once. If the membership changes while we wait (a member died, maybe
-        after its reduce completed: its part is then inside the sum, as the trailer proves), the
-        survivors decide on evidence instead: each writes its outcome and the commit needs every
-        still-live member's `ok`.
+        block on the decision. A failure writes `redo` at once. If the membership changes while
+        we wait (a member died, maybe after its reduce completed: its part is then inside the
+        sum, as the trailer proves), the survivors decide on evidence instead: each writes its
+        outcome and the commit needs every still-live member's `ok`.
         """
         dkey = keys.decision_key(tag, g)
         if not ok:
