@@ -30,7 +30,8 @@ from pathlib import Path
 from torch.distributed import TCPStore
 
 from recover.collectives import keys
-from recover.collectives.admission import Hello, Join, Member, convicted, refusal
+from recover.collectives.admission import Hello, Join, Member, refusal
+from recover.collectives.coord_evidence import Evidence
 from recover.collectives.coord_joins import Admissions
 
 DEBOUNCE_S = 0.02  # collect simultaneous failures into one generation
@@ -55,7 +56,7 @@ class _Conn:
     stalled: bool = False  # its last heartbeat: the main thread is stalled in the step protocol
 
 
-class Coordinator(Admissions):
+class Coordinator(Admissions, Evidence):
     """Hosts the store and decides generations. Call `start()` then `serve(stop)`."""
 
     def __init__(self, expected: int, host: str = "0.0.0.0", port: int = 0, stale_s: float = 2.0,
@@ -292,44 +293,6 @@ class Coordinator(Admissions):
             self._announce_join(replica, join)
         elif join.epoch >= 0:
             self._send(conn, f"joining {join.epoch} {self.generation} {self._floor}\n")
-
-    def _evidence(self, reporter: int, suspects: list[int]) -> None:
-        """A failed reduce, or members missing at a barrier: rebuild, or evict whom the evidence
-        convicts (`admission.convicted`: a stalled member others name; a partitioned member that
-        names everyone while everyone names it)."""
-        for s_ in suspects:
-            if s_ != reporter and s_ in self.members:
-                self.accusations.setdefault(s_, set()).add(reporter)
-        if self._judge():
-            return
-        if suspects:
-            # Not conclusive (late members may be slow, not lost): a member that stalls is
-            # convicted as its heartbeat says so (`_judge`), one that arrives is withdrawn
-            # (`arrived`); after 2 x stale_s with neither, rebuild anyway.
-            self.accused_since = self.accused_since or time.monotonic()
-        else:
-            self._mark_lost(None, f"reduce failed at replica {reporter}")
-
-    def _judge(self) -> bool:
-        """Evict every member the standing evidence convicts; True if any."""
-        stalled = {c.replica for c in self._conns.values()
-                   if c.stalled and c.replica in self.members}
-        guilty = convicted(self.accusations, self.members, stalled)
-        for r in guilty:
-            how = "its main thread stalled" if r in stalled else "it reaches nobody"
-            self._mark_lost(r, f"unreachable, named by replica(s) "
-                               f"{sorted(self.accusations[r])} ({how})")
-        return bool(guilty)
-
-    def _withdraw(self, reporter: int | None) -> None:
-        """The members `reporter` named have arrived at its barrier: its accusations stand no
-        more (nothing is rebuilt for a member that was only late)."""
-        for accused in list(self.accusations):
-            self.accusations[accused].discard(reporter)  # type: ignore[arg-type]
-            if not self.accusations[accused]:
-                del self.accusations[accused]
-        if not self.accusations:
-            self.accused_since = None
 
     def _drop_conn(self, conn: _Conn) -> None:
         self._conns.pop(conn.sock.fileno(), None)

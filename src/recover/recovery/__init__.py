@@ -7,14 +7,13 @@ other strategies).
 """
 
 from recover.recovery.exact import ExactGrads
+from recover.recovery.grads import GradAccess, TensorGrad
 from recover.recovery.step import (
     MAX_ATTEMPTS,
     BelowMinReplicas,
-    GradAccess,
     RecoveryError,
     StepEngine,
     StepResult,
-    TensorGrad,
 )
 from recover.recovery.strategy import Chain, InStepRecovery, StepStrategy, chain_owners
 

@@ -32,13 +32,14 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch.profiler import record_function
 
 from recover.collectives import FaultTolerantComm, Member, ReplicaFault, keys
 from recover.collectives.waiter import KeyWaiter
+from recover.recovery.grads import GradAccess, TensorGrad
 from recover.recovery.strategy import Chain, InStepRecovery, StepStrategy
 from recover.workload import id_checksum
 
@@ -51,47 +52,6 @@ HEAD = 4  # trailer entries before the per-replica speeds
 MAX_ATTEMPTS = 32
 
 Hook = Callable[[str, int, int], None]  # (phase, step, local microbatch index)
-
-
-@runtime_checkable
-class GradAccess(Protocol):
-    """How the engine reads and writes one rank's local gradient (the layout decides how).
-
-    The local gradient is never modified by `pack`: it is the kept copy a failed attempt
-    reduces again."""
-
-    numel: int
-    dtype: torch.dtype
-    device: torch.device
-
-    def pack(self, into: torch.Tensor) -> None:
-        """Write the local gradient, flattened in a fixed order, into `into` (numel elements)."""
-        ...
-
-    def assign(self, reduced: torch.Tensor) -> None:
-        """Make the parameters' gradients equal to `reduced` (flat, the order of `pack`)."""
-        ...
-
-    def zero(self) -> None:
-        """Forget the local gradient (start of a step, or an attempt a strategy discards)."""
-        ...
-
-
-class TensorGrad:
-    """A `GradAccess` over one flat tensor that the caller accumulates into."""
-
-    def __init__(self, flat: torch.Tensor) -> None:
-        self.flat = flat
-        self.numel, self.dtype, self.device = flat.numel(), flat.dtype, flat.device
-
-    def pack(self, into: torch.Tensor) -> None:
-        into.copy_(self.flat)
-
-    def assign(self, reduced: torch.Tensor) -> None:
-        self.flat.copy_(reduced)
-
-    def zero(self) -> None:
-        self.flat.zero_()
 
 
 class BelowMinReplicas(RuntimeError):
