@@ -34,7 +34,8 @@ A survivor that dies, a wrong gradient or a stuck step (every live rank's stacks
 into its .err log) is a protocol failure: reported, never hidden, and the scale is retried
 (--retries). Every process is ended by PID in a `finally` (`recover.procs`). Outputs in --out:
 `scale.json` (the P = 1 curve: {"source", "ranks", "group", "store_ops_per_rank_step",
-"control_plane_s", "detect_s", "agree_s", "rebuild_s", "rebuild_cpu_s", "reduce_s"}; "group" is
+"control_plane_s", "detect_s", "agree_s", "rebuild_s", "rebuild_cpu_s", "reduce_s",
+"store_request_cpu_s"}, the last the store server's CPU per request, `_store_rate.py`; "group" is
 the size of the cross-replica group rebuilt, R, here = ranks), `scale_detail.json` (every
 scale and kill, and the failures), `scale.png`, and each scale's logs; `--write-curve` also
 copies `scale.json` to `src/recover/sim/data/scale_curve.json` (the simulator's input). Last
@@ -64,6 +65,7 @@ import torch  # noqa: F401  (imported once here, shared copy-on-write by every f
 from _common import BENCH_DIR, cores, loadavg, median, out_dir, say, table
 from _scale_procs import Children, Tail, cpu_s, dump_stacks, fork_call, pss_mib, wait_for
 from _scale_rank import RankArgs, rank_main
+from _store_rate import request_cpu_s
 from recover.collectives import coordinator
 
 CURVE = BENCH_DIR.parent / "src" / "recover" / "sim" / "data" / "scale_curve.json"
@@ -366,6 +368,11 @@ def main() -> int:
     data = curve(res, f"bench/scale.py on {cores()} CPU cores shared by all ranks (load "
                       f"{min(loads):.0f}-{max(loads):.0f}), {time.strftime('%Y-%m-%d')}, "
                       f"{a.numel} floats, gloo over loopback")
+    req = request_cpu_s(root / "store_rate")
+    data["store_request_cpu_s"] = round(req, 9)
+    say(f"store server: {req * 1e6:.1f} us of its CPU per request (8 client processes x 1500 x "
+        f"(add + get), bench/_store_rate.py): {req * 2 * 100_000:.2f} s of serial work a step "
+        "for 100,000 ranks at 2 requests each")
     (root / "scale.json").write_text(json.dumps(data, indent=1) + "\n")
     (root / "scale_detail.json").write_text(json.dumps({"scales": res, "failures": failures},
                                                        indent=1) + "\n")

@@ -249,7 +249,7 @@ class Rank:
                 # a helper thread with its own client, which the engine's counter leaves out).
                 self.ops[t] = engine.stats["store_ops"] + waits[0] - self.ops[t]
                 if h.records and self.rank == 0:  # as the trainer does: the sink deletes old keys
-                    member.store.compare_set(keys.record_key(t), "", json.dumps(
+                    member.store.set(keys.record_key(t), json.dumps(
                         {"step": t, "generation": res.generation, "attempts": res.attempts,
                          "members": res.members, "t_commit": time.time(), "step_time_s": 0.01,
                          "live_replicas": len(res.members), "recovered": res.recovered,

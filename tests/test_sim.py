@@ -424,3 +424,30 @@ def test_rebuild_is_read_at_the_group_size_and_the_reduce_is_the_step_models(tmp
     path.write_text(json.dumps({**doc, "group": [8]}))
     with pytest.raises(ConfigError):
         load_curve(path)
+
+
+def test_store_server_work_is_charged_only_when_asked(tmp_path) -> None:
+    """The curve's measured server CPU per request, times every rank's requests per step, is
+    added to the control plane in the sensitivity run, never to the headline figures."""
+    from recover.sim.curve import COLUMNS, load_curve
+    from recover.sim.scale import ScaleSpec, scale_base, size_params, store_serial_s
+
+    doc = {"source": "s", "ranks": [4, 64], **{c: [0.0, 0.0] for c in COLUMNS}}
+    doc["store_ops_per_rank_step"] = [2.0, 2.0]
+    doc["control_plane_s"] = [0.002, 0.002]
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(doc))
+    plain = ScaleSpec(curve=load_curve(path), charge_store=True)
+    assert store_serial_s(plain, plain.fits(), 100_000) == 0.0  # not measured: not charged
+    path.write_text(json.dumps({**doc, "store_request_cpu_s": 1e-5}))
+    curve = load_curve(path)
+    spec = ScaleSpec(curve=curve)
+    charged = ScaleSpec(curve=curve, charge_store=True)
+    assert store_serial_s(charged, charged.fits(), 100_000) == pytest.approx(2.0)  # 2 x 1e5 x 10 us
+    p0 = size_params(scale_base(), 131072, 0, spec)
+    p1 = size_params(scale_base(), 131072, 0, charged)
+    assert p0.control_plane_s == pytest.approx(0.002)
+    assert p1.control_plane_s == pytest.approx(0.002 + 2 * 131072 * 1e-5)
+    path.write_text(json.dumps({**doc, "store_request_cpu_s": -1}))
+    with pytest.raises(ConfigError):
+        load_curve(path)

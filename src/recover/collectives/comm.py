@@ -117,10 +117,11 @@ class FaultTolerantComm:
         self._socks: list[sever.Sock] = []  # the gloo sockets of `_pg` (see `sever`)
         self._holding: list[_Held] = []
         self._waiter = KeyWaiter(member)  # blocking reads for the build barrier
-        # Cumulative, for profilers: seconds building groups / in barriers / in reduces, and
-        # this process's CPU seconds (every thread) while it built groups (barrier included).
+        # Cumulative, for profilers: seconds building groups / in barriers / in reduces, this
+        # process's CPU seconds (every thread) while it built groups (barrier included), and
+        # the collectives issued (one per tensor of a reduce).
         self.stats: dict[str, float] = {"build_s": 0.0, "barrier_s": 0.0, "reduces": 0,
-                                        "reduce_s": 0.0, "build_cpu_s": 0.0}
+                                        "reduce_s": 0.0, "build_cpu_s": 0.0, "collectives": 0}
 
     # -- public ------------------------------------------------------------------------------
     def reduce_(self, tensors: Sequence[torch.Tensor], generation: int | None = None,
@@ -149,6 +150,7 @@ class FaultTolerantComm:
         pg = self._group(g, members)
         t0 = time.monotonic()
         works: list[Any] = [pg.allreduce([t]) for t in tensors]
+        self.stats["collectives"] += len(works)
         done = self._completion(works)
         # One event for "every op finished or the membership changed": the thread sleeps until
         # either happens instead of waking every few ms to compare generations.

@@ -41,13 +41,15 @@ from recover.collectives import FaultTolerantComm, Member, ReplicaFault, keys
 from recover.collectives.waiter import KeyWaiter
 from recover.recovery.grads import GradAccess, TensorGrad
 from recover.recovery.strategy import Chain, InStepRecovery, StepStrategy
+from recover.recovery.trailer import MAX_REPLICAS, Trailer, carries
 from recover.workload import id_checksum
 
-# The reduce carries a float64 trailer beside the gradient (whatever the gradient's dtype):
-# [count, id checksum, step mark, loss sum, seconds per microbatch of replica 0..R-1]. Every
-# integer in it stays below 2^53, so its sum is exact in any order, within these limits:
+# The reduce carries a trailer (`recover.recovery.trailer`) in the gradient's own buffer when
+# its dtype holds it exactly (float32, float64, int64), else beside it in float64; decoded:
+# [count, id checksum, step mark, loss sum, seconds per microbatch of replica 0..R-1, slots].
+# Every integer in it stays below 2^53, so its sum is exact in any order, within these limits:
 MAX_MICROBATCHES = 1 << 20  # count <= N, checksum < 2^32 * N
-MAX_REPLICAS = 1 << 16  # step mark = (step + 1) * R < 2^53 for any run of < 2^37 steps
+# MAX_REPLICAS (2^16): step mark = (step + 1) * R < 2^53 for any run of < 2^37 steps
 HEAD = 4  # trailer entries before the per-replica speeds
 MAX_ATTEMPTS = 32
 
@@ -168,6 +170,11 @@ class StepEngine:
         self.reduce_dtype = reduce_dtype or self.grads.dtype
         # Per-replica trailer values a GradAccess may ask for (exact mode: maxima, overflow).
         self._slots = int(getattr(self.grads, "slots", 0))
+        # The trailer rides at the end of the gradient's buffer when that dtype holds it
+        # exactly: one collective per step instead of two.
+        self._folded = carries(self.reduce_dtype)
+        self.trailer = Trailer(member.replicas, self._slots,
+                               self.reduce_dtype if self._folded else torch.float64)
         self._scratch: torch.Tensor | None = None
 
     # -- the step --------------------------------------------------------------------------
@@ -278,24 +285,21 @@ class StepEngine:
                 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """Reduce a copy of the kept local gradient, and the trailer; ok iff the sum verifiably
         holds exactly `expect_ids` of this step from every member of g."""
-        out = self._scratch_buffer()
+        numel = self.grads.numel
+        buf = self._scratch_buffer()
+        out = buf[:numel]
         self.grads.pack(out)
-        reps = self.member.replicas
-        trailer = torch.zeros(HEAD + reps * (1 + self._slots), dtype=torch.float64,
-                              device=out.device)
-        trailer[:HEAD] = torch.tensor([len(held), id_checksum(held), step + 1, loss_sum],
-                                      dtype=torch.float64)
-        if self.mb_time is not None:
-            trailer[HEAD + self.me] = self.mb_time
-        if self._slots:  # one row per replica: adding zeros keeps every value exact
-            row = HEAD + reps + self.me * self._slots
-            trailer[row: row + self._slots] = torch.tensor(
-                self.grads.slot_values(), dtype=torch.float64)  # type: ignore[attr-defined]
+        tail = buf[numel:] if self._folded else torch.empty(
+            self.trailer.size, dtype=torch.float64, device=buf.device)
+        slots = self.grads.slot_values() if self._slots else []  # type: ignore[attr-defined]
+        self.trailer.encode(tail, (len(held), id_checksum(held), step + 1), self.me,
+                            [loss_sum, self.mb_time or 0.0, *slots])
         try:
-            self.comm.reduce_([out, trailer], g,
+            self.comm.reduce_([buf] if self._folded else [out, tail], g,
                               on_issued=lambda: self.hook("reduce", step, len(held)))
         except ReplicaFault:
-            return out, trailer, False
+            return out, tail, False
+        trailer = self.trailer.decode(tail)
         size = len(self.member.members(g))
         expect = (len(expect_ids), id_checksum(expect_ids), (step + 1) * size)
         got = tuple(int(x) for x in trailer[:3].tolist())
@@ -308,7 +312,8 @@ class StepEngine:
         s = self._scratch
         if s is None or self.comm.in_use(s):
             self._scratch = None  # drop ours first: at most one such buffer is ours at a time
-            s = self._scratch = torch.empty(self.grads.numel, dtype=self.reduce_dtype,
+            size = self.grads.numel + (self.trailer.size if self._folded else 0)
+            s = self._scratch = torch.empty(size, dtype=self.reduce_dtype,
                                             device=self.grads.device)
         return s
 

@@ -19,6 +19,9 @@ measured scale, times in seconds. `ranks` = R x P processes of the job; `group` 
   without the wait for a share of the measuring machine's cores;
 - store_cpu_s (optional): the store server's (coordinator's) CPU time for one recovery, less its
   failure-free steps' worth: reported beside the assumptions, not charged.
+- store_request_cpu_s (optional, one number): the store server's CPU time per request, measured
+  apart (`bench/_store_rate.py`): charged, in a sensitivity line, as one server handling every
+  rank's failure-free requests of a step one after another.
 
 Each column is a function of one size, `x_of(column)`: the job's ranks (one per GPU) for the
 protocol (detect, agree, control plane, store ops: every rank talks to the one coordinator), the
@@ -94,6 +97,7 @@ class ScaleCurve:
     ranks: list[int]
     values: dict[str, list[float]]
     group: list[int] | None = None  # None: = ranks (one rank per replica)
+    request_cpu_s: float | None = None  # the store server's CPU per request (None: not measured)
 
     def sizes(self, column: str) -> list[int]:
         """The x of `column`'s measurements (see `x_of`)."""
@@ -148,5 +152,10 @@ def load_curve(path: str | Path | None = None) -> ScaleCurve:
         or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 1 for g in group)
     ):
         raise ConfigError(f"scale curve {p}: group must list one integer >= 1 per entry of ranks")
+    req = doc.get("store_request_cpu_s")
+    if req is not None and (not isinstance(req, (int, float)) or isinstance(req, bool)
+                            or not math.isfinite(req) or req < 0):
+        raise ConfigError(f"scale curve {p}: store_request_cpu_s must be a number >= 0")
     source = str(doc.get("source") or "(the file names no source)")
-    return ScaleCurve(str(p), source, list(ranks), values, group)
+    return ScaleCurve(str(p), source, list(ranks), values, group,
+                      None if req is None else float(req))

@@ -104,6 +104,9 @@ class ScaleSpec:
     fit_mode: str = "mixed"
     given: set[str] = field(default_factory=set)  # SimParams fields the user set: not modelled
     rebuild: str = "cpu"  # "cpu": the contention-free per-rank rebuild; "wall": as measured
+    # Charge the one store server's serial work per step (every rank's failure-free requests
+    # times the curve's store_request_cpu_s) on top of the measured control plane.
+    charge_store: bool = False
 
     def fits(self) -> dict[str, Fit]:
         if self.curve is None:
@@ -118,6 +121,15 @@ def recover_pause_s(fits: dict[str, Fit], gpus: int, group: int, rebuild: str = 
     """agree at the job's `gpus` ranks + the rebuild of a `group`-member communicator (charged
     after detection, as `SimParams.rebuild_s`; the redone reduce is the policy's `allreduce_s`)."""
     return fits["agree_s"](gpus) + fits[REBUILD_COLUMN[rebuild]](group)
+
+
+def store_serial_s(spec: ScaleSpec, fits: dict[str, Fit], gpus: int) -> float:
+    """The store server's serial work in one failure-free step at `gpus` ranks (0 unless
+    `spec.charge_store` and the curve measured the cost of a request)."""
+    per = spec.curve.request_cpu_s if spec.curve is not None else None
+    if not spec.charge_store or per is None:
+        return 0.0
+    return fits["store_ops_per_rank_step"](gpus) * gpus * per
 
 
 def expected_losses(p: SimParams) -> float:
@@ -137,7 +149,7 @@ def size_params(base: SimParams, gpus: int, seed: int, spec: ScaleSpec) -> SimPa
         "restart_cost_s": restart_fit()(gpus),
         "detect_s": fits["detect_s"](gpus),
         "rebuild_s": recover_pause_s(fits, gpus, p.replicas, spec.rebuild),
-        "control_plane_s": fits["control_plane_s"](gpus),
+        "control_plane_s": fits["control_plane_s"](gpus) + store_serial_s(spec, fits, gpus),
         "spares": math.ceil(SPARE_FACTOR * expected_losses(p)) + (2 if p.per_gpu_mttf_h else 0),
     }
     return replace(p, **{k: v for k, v in model.items() if k not in spec.given})

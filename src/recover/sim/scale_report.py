@@ -33,6 +33,7 @@ from recover.sim.scale import (
     restart_fit,
     run_size,
     scale_base,
+    store_serial_s,
     sweep,
     target_weights,
 )
@@ -235,6 +236,18 @@ def summary_lines(base: SimParams, spec: ScaleSpec, rows: list[SizeRow]) -> list
             f"shared cores; {fmt(fits['rebuild_s'](r), 1)} s for {r} members) instead of the "
             f"contention-free one, recover's ETTR at 100k would be "
             f"{at_target(alt_rows, 'recover'):.4f}"
+        )
+    per = spec.curve.request_cpu_s if spec.curve is not None else None
+    if per is not None and not spec.charge_store and near:
+        alt = replace(spec, charge_store=True, sizes=near)
+        alt_rows = [run_size(base, s, alt) for s in alt.sizes]
+        lines.append(
+            f"sensitivity: with the one store server's work charged per step ({per * 1e6:.1f} "
+            f"us of its CPU per request, measured; {fmt(fits['store_ops_per_rank_step'](g), 1)}"
+            f" requests per rank per step, every rank's in series: "
+            f"{fmt(store_serial_s(alt, fits, g), 2)} s a step at {g:,} ranks), recover's ETTR "
+            f"at 100k would be {at_target(alt_rows, 'recover'):.4f}: one server per job does "
+            "not scale; a decision per replica (one client per replica) is the way past it"
         )
     if spec.fit_mode == "mixed" and near:
         alt = replace(spec, fit_mode="log2", sizes=near)
