@@ -25,6 +25,8 @@ MAX_REPLICAS = 1 << 16  # 2^16 * 255 < 2^24: float32 limb sums stay exact
 INTS = 3  # count, id checksum, step mark
 ROW = 2  # loss sum, seconds per microbatch; then the slots
 _LIMBS = {torch.float64: (1, 1), torch.int64: (1, 1), torch.float32: (7, 4)}
+_INT_SHIFTS = torch.arange(0, 56, 8, dtype=torch.int64)  # float32: an integer's 7 limbs
+_ROW_SHIFTS = torch.arange(0, 64, 16, dtype=torch.int64)  # float32: a row value's 4 limbs
 
 
 def carries(dtype: torch.dtype) -> bool:
@@ -52,12 +54,10 @@ class Trailer:
         start = k + me * self.width * self.row_limbs
         span = into[start: start + len(row) * self.row_limbs]
         if self.dtype == torch.float32:
-            shifts = torch.arange(0, 8 * self.int_limbs, 8, dtype=torch.int64)
-            into[:k] = ((torch.tensor(ints, dtype=torch.int64)[:, None] >> shifts) & 0xFF
+            into[:k] = ((torch.tensor(ints, dtype=torch.int64)[:, None] >> _INT_SHIFTS) & 0xFF
                         ).flatten().to(into.device, torch.float32)
             bits = torch.tensor(row, dtype=torch.float64).view(torch.int64)
-            shifts = torch.arange(0, 64, 16, dtype=torch.int64)
-            span.copy_(((bits[:, None] >> shifts) & 0xFFFF).flatten().to(torch.float32))
+            span.copy_(((bits[:, None] >> _ROW_SHIFTS) & 0xFFFF).flatten().to(torch.float32))
         else:
             into[:k] = torch.tensor(ints, dtype=self.dtype)
             vals = torch.tensor(row, dtype=torch.float64)
@@ -69,9 +69,9 @@ class Trailer:
         k = INTS * self.int_limbs
         if self.dtype == torch.float32:
             limbs = r[:k].to(torch.int64).view(INTS, self.int_limbs)
-            ints = (limbs << torch.arange(0, 8 * self.int_limbs, 8, dtype=torch.int64)).sum(1)
+            ints = (limbs << _INT_SHIFTS).sum(1)
             parts = r[k:].to(torch.int64).view(-1, self.row_limbs)
-            low = (parts[:, :3] << torch.arange(0, 48, 16, dtype=torch.int64)).sum(1)
+            low = (parts[:, :3] << _ROW_SHIFTS[:3]).sum(1)
             top = parts[:, 3] - (parts[:, 3] >= 0x8000).to(torch.int64) * 0x10000  # signed
             rows = ((top << 48) + low).view(torch.float64)  # no int64 overflow on the way
         elif self.dtype == torch.int64:
