@@ -115,17 +115,19 @@ def count_waits(engine: StepEngine, traced: bool = False) -> list[int]:
     """Count the engine's blocking key waits: each is one store round trip, made on a helper
     thread with its own client, which `engine.stats["store_ops"]` does not count."""
     counter = [0]
-    get = engine.waiter.get
+    for waiter in (engine.waiter, getattr(engine, "shard_waiter", None)):  # main, own shard
+        if waiter is None:
+            continue
 
-    def counted(*a: Any, **k: Any) -> Any:
-        counter[0] += 1
-        t0 = time.time()
-        out = get(*a, **k)
-        if traced:
-            trace(t0, f"wait{a!r:.160} -> {out!r:.80}")
-        return out
+        def counted(*a: Any, _get: Any = waiter.get, **k: Any) -> Any:
+            counter[0] += 1
+            t0 = time.time()
+            out = _get(*a, **k)
+            if traced:
+                trace(t0, f"wait{a!r:.160} -> {out!r:.80}")
+            return out
 
-    engine.waiter.get = counted  # type: ignore[method-assign]
+        waiter.get = counted  # type: ignore[method-assign]
     return counter
 
 
@@ -145,10 +147,18 @@ def rank_main(a: RankArgs) -> NoReturn:
     # The engine's "commit" hook runs as soon as its reduce step is over, failed or not: the
     # gap from the end of a failed reduce_ call to it is the cost of discarding the attempt
     # (e.g. destroying a gloo group a dead peer left mid-operation).
+    # With it, the process's CPU clock (every thread): the control plane's own work from the
+    # last reduce's end to the commit, without the wait for a share of the machine's cores.
     after: list[float] = []
+    after_cpu: list[float] = []
+
+    def hook(phase: str, step: int, j: int) -> None:
+        if phase == "commit":
+            after.append(time.time())
+            after_cpu.append(time.process_time())
+
     engine = StepEngine(member, comm, grad, a.n, timeout_s=a.timeout_s, positions=a.nranks,
-                        hook=lambda phase, step, j: after.append(time.time())
-                        if phase == "commit" else None)
+                        hook=hook)
     waits = count_waits(engine, a.trace)
     if a.trace:
         engine.store = TracedStore(engine.store)
@@ -176,11 +186,12 @@ def rank_main(a: RankArgs) -> NoReturn:
         comm.calls.clear()
         ops0, waits0 = engine.stats["store_ops"], waits[0]
         res = engine.run(step, compute)
-        t_commit = time.time()
+        t_commit, cpu_commit = time.time(), time.process_time()
         log.write(json.dumps({
             "ev": "step", "step": step, "gen": res.generation, "attempts": res.attempts,
             "t_commit": t_commit, "ops": engine.stats["store_ops"] - ops0,
             "waits": waits[0] - waits0, "reduces": comm.calls, "after": after,
+            "control_cpu": cpu_commit - after_cpu[-1] if after_cpu else None,
             "computes": computes,
             "members": len(res.members),
             "correct": bool(torch.equal(grad, expected(step, a.n, base)))}) + "\n")

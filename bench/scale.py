@@ -11,7 +11,10 @@ integer-valued gradient (checked exactly after every commit). P > 1 runs multi-p
                  each, on a helper thread that `store_ops` does not count); mean over steps of
                  the max over ranks.
   control        failure-free: the last rank's reduce returns -> the commit is known on every
-                 rank (max over ranks of each; time.time(), one clock); median over steps.
+                 rank (max over ranks of each; time.time(), one clock); median over steps;
+                 `control_cpu`: the most any rank's process spent of its CPU (every thread)
+                 from its reduce's end to its commit, median over steps: the control plane's
+                 own work, without the wait for a core (R*P processes share this machine's).
   kill           SIGKILL of one rank (so one replica) at a random moment of a step -> every
                  survivor committed a step in the new generation, split into
      detect      kill -> the coordinator publishes the new generation (`coordinator.jsonl`);
@@ -34,7 +37,8 @@ A survivor that dies, a wrong gradient or a stuck step (every live rank's stacks
 into its .err log) is a protocol failure: reported, never hidden, and the scale is retried
 (--retries). Every process is ended by PID in a `finally` (`recover.procs`). Outputs in --out:
 `scale.json` (the P = 1 curve: {"source", "ranks", "group", "store_ops_per_rank_step",
-"control_plane_s", "detect_s", "agree_s", "rebuild_s", "rebuild_cpu_s", "reduce_s",
+"control_plane_s", "control_plane_cpu_s", "detect_s", "agree_s", "rebuild_s", "rebuild_cpu_s",
+"reduce_s",
 "store_request_cpu_s"}, the last the store server's CPU per request, `_store_rate.py`; "group" is
 the size of the cross-replica group rebuilt, R, here = ranks), `scale_detail.json` (every
 scale and kill, and the failures), `scale.png`, and each scale's logs; `--write-curve` also
@@ -99,8 +103,10 @@ def failure_free(steps: dict[Any, list[dict]], lo: int, hi: int) -> dict[str, fl
     ctl = [max(s["t_commit"] for s in rs) - max(s["reduces"][-1][2] for s in rs)
            for rs in full.values()]
     commits = sorted(max(s["t_commit"] for s in rs) for rs in full.values())
+    cpu = [max(s["control_cpu"] for s in rs) for rs in full.values()]
     return {"store_ops": sum(ops) / len(ops), "store_ops_max": max(ops),
             "engine_ops": sum(eng) / len(eng), "control_s": median(ctl),
+            "control_cpu_s": median(cpu),
             "period_s": median([b - a for a, b in zip(commits, commits[1:], strict=False)]),
             "steps": len(full)}
 
@@ -152,7 +158,7 @@ def run_scale(reps: int, pos: int, a: argparse.Namespace, rng: random.Random, d:
         kids.pid["coord"] = fork_call(coordinator.main, [
             "--replicas", str(reps), "--port", "0", "--port-file", str(d / "port"),
             "--stale-s", str(a.stale_s), "--join-timeout-s", str(a.timeout_s),
-            "--log", str(clog)], d / "coordinator.log")
+            "--log", str(clog), "--store-shards", str(a.store_shards)], d / "coordinator.log")
         wait_for(lambda: (d / "port").exists(), 60, "the coordinator's port file")
         port = int((d / "port").read_text())
         tails = {}
@@ -249,6 +255,7 @@ def curve(res: list[dict], source: str = "") -> dict[str, Any]:
             "group": [r["replicas"] for r in one],
             "store_ops_per_rank_step": [round(r["store_ops"], 3) for r in one],
             "control_plane_s": [round(r["control_s"], 5) for r in one],
+            "control_plane_cpu_s": [round(r["control_cpu_s"], 6) for r in one],
             "detect_s": [round(r["detect"], 5) for r in one],
             "agree_s": [round(r["agree"], 5) for r in one],
             "rebuild_s": [round(r["rebuild"], 5) for r in one],
@@ -306,6 +313,8 @@ def main() -> int:
     ap.add_argument("--timeout-s", type=float,
                     help="protocol timeouts; a stuck step is declared after 3x (default 120, "
                          "60 with --quick)")
+    ap.add_argument("--store-shards", type=int, default=0,
+                    help="the coordinator's store shards (collectives/shards.py; 0: one store)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--retries", type=int, default=1, help="reruns of a scale after a false alarm")
     ap.add_argument("--write-curve", action="store_true", help=f"also write {CURVE}")
@@ -354,12 +363,14 @@ def main() -> int:
             "reduce", "rest", "store_cpu")
     rows = [(f"{r['replicas']}x{r['positions']}", r["ranks"],
              f"{r['engine_ops']:.2f}/{r['store_ops']:.2f}", f"{r['control_s'] * 1e3:.1f}",
-             f"{r['period_s'] * 1e3:.0f}", f"{r['total'] * 1e3:.0f}",
+             f"{r['control_cpu_s'] * 1e3:.2f}", f"{r['period_s'] * 1e3:.0f}",
+             f"{r['total'] * 1e3:.0f}",
              *(f"{r[p] * 1e3:.0f}" for p in cols), f"{r['pss_mib']:.0f}") for r in res]
     say("")
-    table(rows, ("RxP", "ranks", "ops", "ctl", "step", "kill->ok", *cols, "PSS MiB"))
+    table(rows, ("RxP", "ranks", "ops", "ctl", "ctl_cpu", "step", "kill->ok", *cols, "PSS MiB"))
     say("  ops: store round trips per rank per failure-free step, engine.stats['store_ops'] / "
-        "that plus the engine's blocking key waits; ctl: failure-free control plane; step: "
+        "that plus the engine's blocking key waits; ctl: failure-free control plane (ctl_cpu: "
+        "the most CPU a rank spent in it); step: "
         "failure-free step period; times in ms, median over kills; teardown is inside agree, "
         "agree_med is the median survivor's agree (agree: the last survivor's); rebuild_cpu: "
         "that survivor's CPU time (all its threads) over its rebuild; store_cpu: the coordinator's "

@@ -144,13 +144,15 @@ class _Comm(FaultTolerantComm):
 
 def _count_waits(engine: StepEngine) -> list[int]:
     counter = [0]
-    get = engine.waiter.get
+    for waiter in (engine.waiter, getattr(engine, "shard_waiter", None)):
+        if waiter is None:
+            continue
 
-    def counted(*a: Any, **k: Any) -> Any:
-        counter[0] += 1
-        return get(*a, **k)
+        def counted(*a: Any, _get: Any = waiter.get, **k: Any) -> Any:
+            counter[0] += 1
+            return _get(*a, **k)
 
-    engine.waiter.get = counted  # type: ignore[method-assign]
+        waiter.get = counted  # type: ignore[method-assign]
     return counter
 
 
@@ -229,6 +231,13 @@ class Rank:
                             heartbeat_s=0.05, timeout_s=h.timeout_s, on_fenced=self._on_fenced)
             self.member = member
             member.store = _StoreProxy(member.store, self.dead, self._on_write)
+            shard = member.connect_shard  # the shard's client dies with the rank too
+
+            def connect_shard(index: int) -> Any:
+                client = shard(index)
+                return None if client is None else _StoreProxy(client, self.dead, self._on_write)
+
+            member.connect_shard = connect_shard  # type: ignore[method-assign]
             member.join()
             comm = _Comm(member, position=self.rank, timeout_s=h.timeout_s)
             comm.rank_state = self
@@ -275,13 +284,19 @@ class Rank:
 
 
 class Harness:
-    """A coordinator and `replicas` x `positions` ranks as threads; `run()` then `check()`."""
+    """A coordinator and `replicas` x `positions` ranks as threads; `run()` then `check()`.
+    `store_shards` (default `Harness.default_shards`): the coordinator's store shards."""
+
+    default_shards = 0
 
     def __init__(self, tmp: Path, replicas: int, *, positions: int = 1, n: int = 8,
                  steps: int = 3, faults: list[Fault] | None = None, stale_s: float = 3.0,
                  timeout_s: float = 30.0, numel: int = 256, speed_aware: bool = False,
                  min_replicas: int = 1, barrier_at_commit: bool = False,
-                 records: bool = False, dtype: torch.dtype = torch.float32) -> None:
+                 records: bool = False, dtype: torch.dtype = torch.float32,
+                 store_shards: int | None = None) -> None:
+        if store_shards is None:
+            store_shards = self.default_shards
         self.records, self.dtype = records, dtype
         self.replicas, self.positions, self.n, self.steps = replicas, positions, n, steps
         self.faults = faults or []
@@ -289,7 +304,8 @@ class Harness:
         self.speed_aware, self.min_replicas = speed_aware, min_replicas
         self.log = tmp / "coordinator.jsonl"
         self.coord = Coordinator(replicas, "127.0.0.1", 0, stale_s=stale_s,
-                                 join_timeout_s=timeout_s, log_path=str(self.log))
+                                 join_timeout_s=timeout_s, log_path=str(self.log),
+                                 store_shards=store_shards)
         self.port = self.coord.start()
         self._stop = threading.Event()
         self._serve = threading.Thread(target=self.coord.serve, args=(self._stop.is_set,),
@@ -377,6 +393,10 @@ class Harness:
             decided = {g: try_get(self.store(), decision_key(t, g)) for g in gens}
             commits = [g for g, v in decided.items() if v in keys.COMMITS]
             assert commits == [ref.generation], (t, decided)
+            for k, shard in enumerate(self.coord.shards):  # only copies of the main decision
+                for g in gens:
+                    copy = try_get(shard, decision_key(t, g))
+                    assert copy is None or copy == decided[g], (t, g, k, copy, decided[g])
         return first
 
     def diagnostics(self) -> str:

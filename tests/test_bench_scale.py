@@ -14,18 +14,19 @@ import scale  # noqa: E402
 
 
 def step(t: int, commit: float, reduce_end: float, ops: int = 2, waits: int = 1, gen: int = 0,
-         attempts: int = 1) -> dict:
+         attempts: int = 1, cpu: float = 0.001) -> dict:
     return {"step": t, "gen": gen, "attempts": attempts, "t_commit": commit, "ops": ops,
-            "waits": waits, "reduces": [[gen, reduce_end - 0.01, reduce_end, True, 0.0, 0.0,
-                                         0.01, 0.0]], "after": [reduce_end], "computes": []}
+            "waits": waits, "control_cpu": cpu,
+            "reduces": [[gen, reduce_end - 0.01, reduce_end, True, 0.0, 0.0, 0.01, 0.0]],
+            "after": [reduce_end], "computes": []}
 
 
 def test_failure_free_takes_the_last_rank_of_each_step() -> None:
     logs = {
-        (0, 0): [step(0, 9.0, 8.0), step(1, 10.10, 10.00, ops=3, waits=0),
+        (0, 0): [step(0, 9.0, 8.0), step(1, 10.10, 10.00, ops=3, waits=0, cpu=0.004),
                  step(2, 11.20, 11.00)],
         (1, 0): [step(0, 9.0, 8.0), step(1, 10.12, 10.05), step(2, 11.23, 11.10, ops=1,
-                                                                  waits=1)],
+                                                                  waits=1, cpu=0.002)],
     }
     ff = scale.failure_free(logs, 1, 3)  # step 0 is warm-up
     assert ff["steps"] == 2
@@ -34,6 +35,7 @@ def test_failure_free_takes_the_last_rank_of_each_step() -> None:
     assert ff["store_ops"] == pytest.approx(3.0)  # max over ranks of ops + waits, each step
     assert ff["engine_ops"] == pytest.approx(2.5)  # max(3, 2) and max(2, 1)
     assert ff["period_s"] == pytest.approx(1.11)
+    assert ff["control_cpu_s"] == pytest.approx((0.004 + 0.002) / 2)  # max over ranks, median
     with pytest.raises(ValueError):
         scale.failure_free({k: [s for s in v if s["step"] == 0] for k, v in logs.items()}, 1, 3)
 
@@ -65,12 +67,12 @@ def test_breakdown_follows_the_last_survivor() -> None:
 
 def test_curve_keeps_the_simulators_schema() -> None:
     row = {"ranks": 4, "replicas": 4, "positions": 1, "store_ops": 3.0, "control_s": 0.001,
-           "detect": 0.04, "agree": 0.01, "rebuild": 0.005, "rebuild_cpu": 0.001,
-           "store_cpu": 0.01, "reduce": 0.002}
+           "control_cpu_s": 0.0005, "detect": 0.04, "agree": 0.01, "rebuild": 0.005,
+           "rebuild_cpu": 0.001, "store_cpu": 0.01, "reduce": 0.002}
     data = scale.curve([{**row, "ranks": 16, "replicas": 16}, row,
                         {**row, "positions": 8, "ranks": 64, "replicas": 8}], "here")
     assert list(data) == ["source", "ranks", "group", "store_ops_per_rank_step",
-                          "control_plane_s", "detect_s", "agree_s", "rebuild_s", "rebuild_cpu_s",
-                          "store_cpu_s", "reduce_s"]
+                          "control_plane_s", "control_plane_cpu_s", "detect_s", "agree_s",
+                          "rebuild_s", "rebuild_cpu_s", "store_cpu_s", "reduce_s"]
     assert data["ranks"] == [4, 16]  # P = 1 only, sorted by ranks
     assert data["group"] == [4, 16]  # each rebuilt group: one member per replica

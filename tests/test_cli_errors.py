@@ -31,6 +31,7 @@ def _err(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, str]
     (["--fault", "explode:replica=1"], "bad --fault"),
     (["--fault", "kill:replica=7,step=1"], "does not exist"),
     (["--fault", "kill:replica=1,step=3,phase=lunch"], "phase must be"),
+    (["--store-shards", "-1"], "--store-shards must be in [0, 256]"),
 ])
 def test_bad_flags(capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str],
                    needle: str) -> None:

@@ -18,7 +18,7 @@ import torch
 from rich.console import Console
 
 from _inproc import Harness
-from recover.collectives import keys
+from recover.collectives import keys, shards
 from recover.recovery.step import MAX_MICROBATCHES
 from recover.train.metrics import MetricsSink
 
@@ -49,9 +49,34 @@ def test_at_most_four_store_round_trips_per_rank_per_step(tmp_path: Path, replic
     assert all(h.chain(t)[0]["gen"] == 0 for t in range(h.steps))
 
 
-def test_store_key_count_is_flat(tmp_path: Path) -> None:
+@pytest.mark.parametrize("replicas,positions,n_shards", [(4, 1, 3), (3, 2, 2)])
+def test_store_shards_take_the_count_off_the_main_store(tmp_path: Path, replicas: int,
+                                                        positions: int, n_shards: int) -> None:
+    """With shards, each rank counts and waits on its shard (2 round trips); a shard's last
+    counter also counts once on the main store and copies the decision (2 more). So the main
+    store serves 2 requests per shard a step, not 2 per rank. (Speed-blind plans: a bare
+    multi-rank engine would read a speed-aware plan, +1; `recover.Replica` implies it.)"""
+    h = Harness(tmp_path, replicas, positions=positions, n=12, steps=6, speed_aware=False,
+                store_shards=n_shards).run()
+    h.check(list(range(replicas)))
+    ranks = replicas * positions
+    used = len(shards.totals(range(replicas), positions, n_shards))
+    for t in range(1, h.steps):
+        per_rank = [rank.ops[t] for rank in h.ranks.values()]
+        assert max(per_rank) <= 4 and min(per_rank) == 2, (t, per_rank)
+        assert sum(per_rank) == 2 * ranks + 2 * used, (t, per_rank)
+        assert keys.store_int(h.store(), keys.count_key(t, 0)) == used  # one per shard
+        for k, shard in enumerate(h.coord.shards):
+            mine = sum(1 for r in range(replicas) for p in range(positions)
+                       if shards.shard_of(r, p, positions, n_shards) == k)
+            assert keys.store_int(shard, keys.count_key(t, 0)) == mine
+            assert keys.try_get(shard, keys.decision_key(t, 0)) == h.decision(t, 0)
+
+
+@pytest.mark.parametrize("n_shards", [0, 2])
+def test_store_key_count_is_flat(tmp_path: Path, n_shards: int) -> None:
     steps = 150
-    h = Harness(tmp_path, 3, n=6, steps=steps, records=True)
+    h = Harness(tmp_path, 3, n=6, steps=steps, records=True, store_shards=n_shards)
     sink = MetricsSink(h.store(), tmp_path / "metrics.jsonl", 0, steps, 1, 0.0,
                        Console(quiet=True), quiet=True)
     counts: dict[int, int] = {}
@@ -60,7 +85,7 @@ def test_store_key_count_is_flat(tmp_path: Path) -> None:
     def drain() -> None:  # the launcher's metrics sink, deleting what no replica can read
         while not stop.is_set() and sink.next < steps:
             if sink.poll():
-                counts[sink.next] = h.coord.store.num_keys()
+                counts[sink.next] = sum(s.num_keys() for s in (h.coord.store, *h.coord.shards))
             stop.wait(0.005)
 
     t = threading.Thread(target=drain, daemon=True)

@@ -4,7 +4,9 @@ A real coordinator and real members (own store clients, liveness sockets, gloo g
 threads (tests/_inproc.py); faults are scripted at exact protocol points. Every test checks that
 every gradient any rank returned is the exact sum of the step's N integer-valued per-id gradients,
 that quotas sum to N, and that each step committed in exactly one generation, the one every rank
-reports. Real processes and real SIGKILLs: tests/test_recovery.py, test_collectives.py.
+reports. Each runs with one store and again with 3 store shards (collectives/shards.py), where
+a shard's decision must be a copy of the main store's. Real processes and real SIGKILLs:
+tests/test_recovery.py, test_collectives.py.
 """
 
 from __future__ import annotations
@@ -17,6 +19,12 @@ from _inproc import Fault, Harness
 
 pytestmark = pytest.mark.timeout(120)
 N = 8
+
+
+@pytest.fixture(params=[0, 3], ids=["one-store", "shards"], autouse=True)
+def store_shards(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    monkeypatch.setattr(Harness, "default_shards", request.param)
+    return int(request.param)
 
 
 def test_failure_free(tmp_path: Path) -> None:

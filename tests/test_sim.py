@@ -426,28 +426,44 @@ def test_rebuild_is_read_at_the_group_size_and_the_reduce_is_the_step_models(tmp
         load_curve(path)
 
 
-def test_store_server_work_is_charged_only_when_asked(tmp_path) -> None:
-    """The curve's measured server CPU per request, times every rank's requests per step, is
-    added to the control plane in the sensitivity run, never to the headline figures."""
+def test_control_plane_charges_rank_cpu_and_the_store_servers_serial_work(tmp_path) -> None:
+    """Per step, "cpu" (default) charges a rank's own control-plane CPU plus the serial work
+    of the store servers at the curve's CPU per request: with --store-shards = G / 1,024, a
+    shard's ranks' 2 requests each then 2 per shard on the main store; "one-store" puts every
+    request on one server; "wall" (and any curve without the two measurements) charges the
+    measured wall clock."""
     from recover.sim.curve import COLUMNS, load_curve
-    from recover.sim.scale import ScaleSpec, scale_base, size_params, store_serial_s
+    from recover.sim.scale import (
+        ScaleSpec,
+        control_plane_s,
+        scale_base,
+        shards_for,
+        size_params,
+        store_serial_s,
+    )
 
     doc = {"source": "s", "ranks": [4, 64], **{c: [0.0, 0.0] for c in COLUMNS}}
     doc["store_ops_per_rank_step"] = [2.0, 2.0]
-    doc["control_plane_s"] = [0.002, 0.002]
+    doc["control_plane_s"] = [0.5, 0.5]
     path = tmp_path / "c.json"
     path.write_text(json.dumps(doc))
-    plain = ScaleSpec(curve=load_curve(path), charge_store=True)
-    assert store_serial_s(plain, plain.fits(), 100_000) == 0.0  # not measured: not charged
-    path.write_text(json.dumps({**doc, "store_request_cpu_s": 1e-5}))
+    old = ScaleSpec(curve=load_curve(path))
+    assert control_plane_s(old, old.fits(), 100_000) == pytest.approx(0.5)  # wall: all it has
+    assert store_serial_s(old, old.fits(), 100_000) == 0.0
+    path.write_text(json.dumps({**doc, "store_request_cpu_s": 1e-5,
+                                "control_plane_cpu_s": [0.001, 0.001]}))
     curve = load_curve(path)
-    spec = ScaleSpec(curve=curve)
-    charged = ScaleSpec(curve=curve, charge_store=True)
-    assert store_serial_s(charged, charged.fits(), 100_000) == pytest.approx(2.0)  # 2 x 1e5 x 10 us
-    p0 = size_params(scale_base(), 131072, 0, spec)
-    p1 = size_params(scale_base(), 131072, 0, charged)
-    assert p0.control_plane_s == pytest.approx(0.002)
-    assert p1.control_plane_s == pytest.approx(0.002 + 2 * 131072 * 1e-5)
+    assert shards_for(1024) == 0 and shards_for(2048) == 2 and shards_for(100_000) == 98
+    assert shards_for(10**7) == 256
+    cpu, one, wall = (ScaleSpec(curve=curve, control=m) for m in ("cpu", "one-store", "wall"))
+    fits = cpu.fits()
+    per_shard = math.ceil(100_000 / 98)
+    assert store_serial_s(cpu, fits, 100_000) == pytest.approx((2 * per_shard + 2 * 98) * 1e-5)
+    assert store_serial_s(one, fits, 100_000) == pytest.approx(2.0)  # 2 x 1e5 x 10 us
+    assert store_serial_s(cpu, fits, 1024) == pytest.approx(2 * 1024 * 1e-5)  # one store
+    assert control_plane_s(wall, fits, 100_000) == pytest.approx(0.5)
+    p = size_params(scale_base(), 131072, 0, cpu)
+    assert p.control_plane_s == pytest.approx(0.001 + (2 * 1024 + 2 * 128) * 1e-5)
     path.write_text(json.dumps({**doc, "store_request_cpu_s": -1}))
     with pytest.raises(ConfigError):
         load_curve(path)

@@ -159,6 +159,10 @@ class FaultToleranceConfig:
                                         " coordinator that died to come back (0: stop at once)")
     coordinator_restarts: int = setting(3, "times `recover train` restarts a coordinator that "
                                         "died (0: never; the replicas then checkpoint and stop)")
+    # One store server handles every request on one thread: past ~1,000 ranks its serial work
+    # per step outgrows the step's control plane (collectives/shards.py, DESIGN §14).
+    store_shards: int = setting(0, "store servers the coordinator also hosts for the step "
+                                "decision's counts (0 or 1: none; ~1 per 1,000 ranks)")
     faults: list[str] = setting(help="inject a fault, e.g. kill:replica=2,step=10,"
                                 "phase=backward", flag="--fault", factory=list, metavar="SPEC")
 
@@ -168,6 +172,7 @@ class FaultToleranceConfig:
               "--stale-s must exceed twice the heartbeat interval")
         _need(self.coordinator_wait_s >= 0 and self.coordinator_restarts >= 0,
               "--coordinator-wait-s and --coordinator-restarts must be >= 0")
+        _need(0 <= self.store_shards <= 256, "--store-shards must be in [0, 256]")
 
 
 @dataclass

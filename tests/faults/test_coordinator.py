@@ -22,13 +22,15 @@ pytestmark = pytest.mark.timeout(200)
 def test_coordinator_killed_and_restarted(ref4: Run, corpus: Path, tmp_path: Path,
                                           record: Row) -> None:
     record.scenario = ("coordinator killed and restarted: while a replacement is being admitted "
-                       "(the donor's `donate` phase), then mid-compute (backward)")
+                       "(the donor's `donate` phase), then mid-compute (backward); 2 store "
+                       "shards")
     record.expected = ("the replicas keep their state and wait; `recover train` restarts it "
                        "(--recover); the run resumes at the last committed step; the replacement, "
                        "which held no state, is healed by transfer and admitted")
     run = faulty(tmp_path, corpus, "kill:replica=2,step=3,phase=backward",
                  "restart:replica=2,step=6", "coordinator:replica=0,step=6,phase=donate",
-                 "coordinator:replica=1,step=10,phase=backward")
+                 "coordinator:replica=1,step=10,phase=backward",
+                 extra=("--store-shards", "2"))  # each coordinator hosts its own shards
     events = [json.loads(x) for x in (run.out / "coordinator.jsonl").read_text().splitlines()]
     resumed = [e for e in events if e["event"] == "resumed"]
     starts = [e["time"] for e in events if e["event"] == "start"]
@@ -37,6 +39,7 @@ def test_coordinator_killed_and_restarted(ref4: Run, corpus: Path, tmp_path: Pat
                        + ", ".join(f"{t:.2f} s" for t in took))
     check_run(run, ref4, [0, 1, 2, 3])
     assert len(starts) == 3, starts
+    assert all(len(e["shard_ports"]) == 2 for e in events if e["event"] == "start"), events
     # Killed while replica 0 served the replacement at step 6 (nothing of step 6 computed): the
     # run resumed at 6 with the three replicas that held it, and healed the replacement (-1: no
     # state) from one of them. Killed while computing step 10: all four resumed at 10.

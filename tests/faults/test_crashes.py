@@ -58,14 +58,19 @@ def test_two_at_once_and_optimizer_phase(ref: Run, corpus: Path, tmp_path: Path,
 
 
 def test_crash_during_recovery(ref: Run, corpus: Path, tmp_path: Path, record: Row) -> None:
-    record.scenario = "crash during recovery (the recomputing replica dies)"
+    record.scenario = ("crash during recovery (the recomputing replica dies), with 3 store "
+                       "shards")
     record.expected = "the second loss is recovered too; the step commits once"
     # Replica 2 computes its own 2 microbatches (j=0,1) of step 5; its third (j=2) exists only
-    # when it recomputes replica 1's, so the kill lands inside the recovery.
+    # when it recomputes replica 1's, so the kill lands inside the recovery. With 3 shards
+    # (replica r counts on shard r % 3) both deaths empty a shard: 1 and 2.
     run = faulty(tmp_path, corpus, "kill:replica=1,step=5,phase=forward",
-                 "kill:replica=2,step=5,phase=backward,microbatch=2")
+                 "kill:replica=2,step=5,phase=backward,microbatch=2",
+                 extra=("--store-shards", "3"))
     record.measured = _MATRIX.measure(run)
     recs = check_run(run, ref, [0, 3])
+    ports = json.loads((run.out / "coordinator.jsonl").read_text().splitlines()[0])
+    assert len(ports["shard_ports"]) == 3, ports
     assert "injecting kill" in run.log(2), run.log(2)[-2000:]
     # Step 5's ids are 40..47; replicas 1 and 2 owned 42..45, all recomputed by 0 and 3.
     assert recs[5]["live_replicas"] == 2 and sorted(recs[5]["recovered"]) == [42, 43, 44, 45]

@@ -256,9 +256,12 @@ class FaultTolerantComm:
         # Build in a helper thread: if a member dies between the barrier and the build, the
         # constructor would block for its whole timeout; we give up as soon as g is superseded.
         box: dict[str, object] = {}
+        # A new connection each build: reusing an ended build's client broke pipes to the
+        # store (DESIGN §14), though each new one costs the server a reverse DNS lookup.
         store = PrefixStore(prefix + "/pg", self.member.store.clone())
 
-        spare = {self.member.port, self.member.live_port}
+        # Connections to the coordinator (store, shards, liveness) are not the group's.
+        spare = {self.member.port, self.member.live_port, *self.member.shard_ports}
 
         def build() -> None:
             try:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from torch.distributed import TCPStore
 
-from recover.collectives import keys
+from recover.collectives import keys, shards
 from recover.collectives.admission import Hello, Join, Member, refusal
 from recover.collectives.coord_evidence import Evidence
 from recover.collectives.coord_joins import Admissions
@@ -63,7 +63,7 @@ class Coordinator(Admissions, Evidence):
                  join_timeout_s: float = 120.0, log_path: str | None = None,
                  exit_when_done: bool = False, liveness_port: int | None = None,
                  token: str | None = None, fingerprint: str | None = None,
-                 recover: bool = False) -> None:
+                 recover: bool = False, store_shards: int = 0) -> None:
         # A member must show the run's token (when set) and the fingerprint of the run's
         # trajectory-defining config (when set; else the first member's sets it): DESIGN §10.
         self.token, self.fingerprint = token, fingerprint
@@ -74,6 +74,10 @@ class Coordinator(Admissions, Evidence):
         self.accused_since: float | None = None
         self.exit_when_done = exit_when_done
         self.expected, self.host, self.port = expected, host, port
+        # Extra store servers for the step decision's counts (collectives/shards.py); 0 or 1:
+        # the main store does it all.
+        self.store_shards = store_shards if store_shards > 1 else 0
+        self.shards: list[TCPStore] = []
         # None: store port + 1 for a fixed store port (predictable for firewalls), else any.
         self.liveness_port = liveness_port
         self.ping_s = min(PING_S, stale_s / 4)
@@ -108,6 +112,9 @@ class Coordinator(Admissions, Evidence):
                               use_libuv=True)
         local = self.host if self.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
         self.client = keys.connect_store(local, self.store.port, 30.0)
+        # Fixed ports follow the store's (liveness + 1, shards + 2...) only when the liveness
+        # port is derived too; otherwise (a restarted coordinator: --liveness-port 0) any.
+        fixed = self.liveness_port is None and self.port != 0
         want = self.liveness_port
         if want is None:
             want = self.port + 1 if self.port else 0
@@ -122,12 +129,20 @@ class Coordinator(Admissions, Evidence):
         # Before LIVENESS_ADDR: a member that sees the address can read the fence bound's base.
         self.client.set(keys.COORD_STALE_S, repr(self.stale_s))
         self.client.set(keys.REPLICAS, str(self.expected))
+        # Before LIVENESS_ADDR too: a member reads the shards once it has seen the address.
+        for k in range(self.store_shards):
+            want = self.port + 2 + k if fixed else 0
+            self.shards.append(TCPStore(self.host, want, is_master=True,
+                                        wait_for_workers=False, use_libuv=True))
+        if self.shards:
+            shards.publish(self.client, [int(s.port) for s in self.shards])
         self.client.set(keys.COORD_PID, str(os.getpid()))
         self.client.set(keys.LIVENESS_ADDR, f"{socket.gethostname()}:{lport}")
         self.started = time.monotonic()
         self._log({"event": "start", "pid": os.getpid(), "port": self.store.port,
                    "liveness_port": lport,
-                   "expected": self.expected})
+                   "expected": self.expected,
+                   "shard_ports": [int(s.port) for s in self.shards]})
         return int(self.store.port)
 
     def _log(self, rec: dict) -> None:
@@ -448,6 +463,10 @@ def main(argv: list[str] | None = None) -> int:
                     "RECOVER_RUN_TOKEN; none: any member is accepted)")
     ap.add_argument("--fingerprint", help="the run's config fingerprint members must match "
                     "(default: the first member's)")
+    ap.add_argument("--store-shards", type=int, default=0,
+                    help="also host this many store servers for the step decision's counts "
+                    "(ports: store port + 2 on, unless --port 0 or --liveness-port: any); "
+                    "0 or 1: none")
     ap.add_argument("--recover", action="store_true",
                     help="replace a coordinator of this run that died (same address): the "
                     "replicas re-register and the run resumes from their last committed step")
@@ -459,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.__setitem__("flag", True))
     coord = Coordinator(args.replicas, args.host, args.port, args.stale_s, args.join_timeout_s,
                         args.log, args.exit_when_done, args.liveness_port, token or None,
-                        args.fingerprint, args.recover)
+                        args.fingerprint, args.recover, args.store_shards)
     try:
         port = coord.start()
     except Exception as e:

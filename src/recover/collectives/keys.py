@@ -14,6 +14,8 @@ written anywhere else, so the layout can be read (and changed) in one sitting:
     step/{t}/g{g}/count             verified results of that attempt, counted
     step/{t}/g{g}/decision          the commit decision of that attempt (written once)
     coord/replicas                  R, the replicas the job was started with
+    coord/shards                    the ports of the coordinator's store shards (JSON; absent
+                                    without shards): a step's count and decision there too
     join/{e}/donor/{rank}           where the donor's rank serves join e's state
     join/info/{replica}             how its latest transfer went (metrics)
     rec/{t}                         the committed step's metrics record (first writer wins)
@@ -38,6 +40,7 @@ RUN_STOPPED = "run/stopped"
 REPLICAS = "coord/replicas"
 COORD_STALE_S = "coord/stale_s"  # the coordinator's --stale-s: members derive their fence bound
 COORD_PID = "coord/pid"  # the coordinator's process id (a `coordinator` fault kills it)
+SHARDS = "coord/shards"  # JSON [port, ...] of the store shards (collectives/shards.py)
 COORD_EXITS = "coord/exits"  # JSON {replica: how the coordinator saw it end} (launcher summary)
 
 EXIT_FENCED = 3  # a process fenced out of the newest generation exits with this code

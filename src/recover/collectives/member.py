@@ -22,8 +22,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
-from recover.collectives import keys
+from recover.collectives import keys, shards
 
 FENCE_STALE_FACTOR = 3.0  # silence bound = this x the coordinator's --stale-s
 READ_TICK_S = 0.1  # every liveness-socket read and the watchdog wake up at least this often
@@ -99,6 +100,7 @@ class Member:
         # address unless the user names an interface (recover.collectives.comm).
         self.local_addr = ""
         self.live_port = 0  # the coordinator's liveness port, once connected
+        self.shard_ports: list[int] = []  # its store shards' ports (collectives/shards.py)
         self.coordinator_remote = False
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -119,6 +121,8 @@ class Member:
         addr = self._wait_key(keys.LIVENESS_ADDR, deadline).decode()
         self.replicas = int(self._wait_key(keys.REPLICAS, deadline))  # R the job started with
         lport = self.live_port = int(addr.rsplit(":", 1)[1])
+        # Published before LIVENESS_ADDR: the store shards' ports (none: one store).
+        self.shard_ports = shards.ports(self.store)
         if self.fence_after_s is None:  # published before LIVENESS_ADDR: present by now
             stale = keys.try_get(self.store, keys.COORD_STALE_S)
             self.fence_after_s = FENCE_STALE_FACTOR * (float(stale) if stale else 2.0)
@@ -159,6 +163,14 @@ class Member:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no membership from the coordinator within {timeout_s:.0f}s")
             time.sleep(0.01)
+
+    def connect_shard(self, index: int) -> Any | None:
+        """A client of the coordinator's store shard `index` (collectives/shards.py), or None
+        when it hosts none."""
+        if not self.shard_ports:
+            return None
+        return keys.connect_store(self.host, self.shard_ports[index % len(self.shard_ports)],
+                                  self.timeout_s)
 
     def leave(self) -> None:
         """Say goodbye (a clean exit is not a fault) and stop the background threads."""

@@ -61,8 +61,10 @@ class KeyWaiter:
     """Blocking reads of one key at a time for one caller thread (`member`'s newest generation
     interrupts them)."""
 
-    def __init__(self, member: Member) -> None:
+    def __init__(self, member: Member, store: Any = None) -> None:
+        """Waits on `store` (default: the member's own client to the main store)."""
         self.member = member
+        self.store = member.store if store is None else store
         self._helpers: list[_Helper] = []
         self._lock = threading.Lock()
 
@@ -93,7 +95,7 @@ class KeyWaiter:
                 if not h.busy:
                     h.busy = True
                     return h
-            h = _Helper(self.member.store.clone())
+            h = _Helper(self.store.clone())
             h.busy = True
             self._helpers.append(h)
             return h

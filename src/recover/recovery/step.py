@@ -28,7 +28,6 @@ Invariants:
 from __future__ import annotations
 
 import json
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,8 +36,9 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from recover.collectives import FaultTolerantComm, Member, ReplicaFault, keys
+from recover.collectives import FaultTolerantComm, Member, ReplicaFault, keys, shards
 from recover.collectives.waiter import KeyWaiter
+from recover.recovery.decide import Decisions, RecoveryError, _log
 from recover.recovery.grads import GradAccess, TensorGrad
 from recover.recovery.strategy import Chain, InStepRecovery, StepStrategy
 from recover.recovery.trailer import MAX_REPLICAS, Trailer, carries
@@ -58,10 +58,6 @@ Hook = Callable[[str, int, int], None]  # (phase, step, local microbatch index)
 
 class BelowMinReplicas(RuntimeError):
     """Fewer live replicas than the user's minimum: the run must stop (after a checkpoint)."""
-
-
-class RecoveryError(RuntimeError):
-    """A step could not be completed within its bounds."""
 
 
 @dataclass
@@ -90,11 +86,6 @@ def _recovered(chain: Chain) -> list[int]:
     return sorted(out)
 
 
-def _log(msg: str) -> None:
-    """The fault path's account, on stderr (the replica's log): one line per failed attempt."""
-    print(f"recover: {msg}", file=sys.stderr, flush=True)
-
-
 class _CountingStore:
     """Counts the engine's store round trips into `stats["store_ops"]` (for profilers)."""
 
@@ -113,7 +104,7 @@ class _CountingStore:
         return call
 
 
-class StepEngine:
+class StepEngine(Decisions):
     """Runs one rank's side of each step of its replica.
 
     `grad` is the rank's local gradient: a `GradAccess` (the layout's) or a flat tensor. `positions`
@@ -150,6 +141,16 @@ class StepEngine:
             ("steps", "attempts", "compute_s", "reduce_s", "decide_s", "store_ops"), 0)
         self.store = _CountingStore(member.store, self.stats)
         self.waiter = KeyWaiter(member)
+        # With store shards (collectives/shards.py) the failure-free count and decision go
+        # through this rank's shard; the main store keeps the decision of record.
+        n_shards = len(getattr(member, "shard_ports", []))
+        self.shard: Any = None
+        if n_shards:
+            client = member.connect_shard(
+                shards.shard_of(self.me, self.position, positions, n_shards))
+            self.shard = _CountingStore(client, self.stats)
+            self.shard_waiter = KeyWaiter(member, client)
+            self.shard_totals = shards.ShardTotals(positions, n_shards)
         self.mb_time: float | None = None  # EMA of this replica's seconds per microbatch
         self.speeds: dict[int, float] = {}  # every replica's, from the last reduced trailer
         # Called with (step, join entry) on every rank when a replica joins at a step boundary
@@ -316,89 +317,6 @@ class StepEngine:
             s = self._scratch = torch.empty(size, dtype=self.reduce_dtype,
                                             device=self.grads.device)
         return s
-
-    # -- agreement through the store ----------------------------------------------------------
-    def _leaf(self, replica: int, position: int) -> str:
-        return keys.outcome_leaf(replica, position, self.positions)
-
-    def _mark_skipped(self, step: int | str, chain: Chain, settled: set[int]) -> None:
-        """Decide 'redo' for every generation of the chain this rank moved past without reducing.
-
-        Another position of the same generation may have completed its reduce; without this its
-        ranks would wait for our outcome, while we wait for them inside an intra-replica
-        collective of the next chain entry's microbatches. (Our position's reduce in that
-        generation cannot have completed without us, so no commit can be lost.)
-        """
-        for e in chain[:-1]:
-            g = int(e["gen"])
-            if g < int(chain[-1]["gen"]) and g not in settled:
-                settled.add(g)
-                self.store.compare_set(keys.decision_key(step, g), "", keys.REDO)
-
-    def _decide(self, step: int, tag: int | str, g: int, ok: bool) -> bytes:
-        """Commit iff every position of every surviving member of g holds a verified result;
-        decided once, by compare-and-set of the attempt's decision key.
-
-        Failure-free this costs two round trips: count our verified result; the rank whose
-        count completes the set writes `commit` (or `commit-plan`, `_commit_value`), the others
-        block on the decision. A failure writes `redo` at once. If the membership changes while
-        we wait (a member died, maybe after its reduce completed: its part is then inside the
-        sum, as the trailer proves), the survivors decide on evidence instead: each writes its
-        outcome and the commit needs every still-live member's `ok`.
-        """
-        dkey = keys.decision_key(tag, g)
-        if not ok:
-            return self.store.compare_set(dkey, "", keys.REDO)
-        total = len(self.member.members(g)) * self.positions
-        if self.store.add(keys.count_key(tag, g), 1) == total:
-            return self.store.compare_set(dkey, "", self._commit_value(step, g))
-        decided = self.waiter.get(dkey, g, 3 * self.timeout_s)
-        if decided in (*keys.COMMITS, keys.REDO):
-            return decided
-        if decided is not None:
-            _log(f"step {tag} generation {g}: unexpected decision value {decided!r} from the "
-                 f"waiter; reading it again")
-        return self._decide_on_evidence(tag, g, dkey)
-
-    def _commit_value(self, step: int, g: int) -> bytes:
-        """`commit` lets every rank imply step + 1's plan; `commit-plan` sends it through the
-        store: when a joiner waits (its admission is a stored entry 0), when the fault injection
-        schedules one at step + 1, or when speeds differ between a replica's ranks."""
-        members = self.member.members(g)
-        joins = any(r not in members for r in dict(self.member.join_requests))
-        scheduled = any(at == step + 1 and r not in members
-                        for r, at in self.scheduled_joins.items())
-        alike = self.shared_speeds or not self.speed_aware
-        return keys.COMMIT if alike and not joins and not scheduled else keys.COMMIT_PLAN
-
-    def _decide_on_evidence(self, step: int | str, g: int, dkey: str) -> bytes:
-        # A sibling position may legitimately take barrier + build + reduce (3 timeouts) first.
-        self.store.set(keys.outcome_key(step, g, self._leaf(self.me, self.position)), keys.OK)
-        deadline = time.monotonic() + 3 * self.timeout_s
-        ranks = [(m, p) for m in self.member.members(g) for p in range(self.positions)]
-        known: set[tuple[int, int]] = set()  # outcomes are written once: read each once
-        pause = 0.001
-        while True:
-            decided = keys.try_get(self.store, dkey)
-            if decided in (*keys.COMMITS, keys.REDO):
-                return decided
-            if decided is not None:
-                _log(f"step {step} generation {g}: unexpected decision value {decided!r}")
-            live = set(self.member.members(self.member.generation()))
-            for r in ranks:
-                if r[0] in live and r not in known and keys.try_get(
-                        self.store, keys.outcome_key(step, g, self._leaf(*r))) is not None:
-                    known.add(r)
-            if all(r in known for r in ranks if r[0] in live):
-                # After a fault the members may differ by the next step: plan it in the store.
-                return self.store.compare_set(dkey, "", keys.COMMIT_PLAN)
-            self.member.check()
-            if time.monotonic() > deadline:
-                raise RecoveryError(f"no commit decision for step {step} within "
-                                    f"{3 * self.timeout_s:.0f}s")
-            self.member.progress()
-            time.sleep(pause)  # the fault path only: the others are a moment behind
-            pause = min(2 * pause, 0.05)
 
     def _sync_chain(self, step: int, tag: int | str, chain: Chain, g: int, members: list[int]
                     ) -> Chain:

@@ -32,7 +32,7 @@ from recover.sim.scale_report import run_scale_cli
 from recover.sim.scenario import PAPER_GPU_HOURS, ScenarioSpec, paper_base, pooled, scenario_params
 from recover.sim.sensitivity import paper_thresholds, sensitivity_rows
 
-SCALE_ONLY = ("quick", "sizes", "curve", "curve_fit", "rebuild")
+SCALE_ONLY = ("quick", "sizes", "curve", "curve_fit", "rebuild", "control")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["cpu", "wall"],
         help="scale: recover's rebuild per group member: the measured CPU time (default, "
         "contention-free) or the measured wall clock (2 cores shared by every rank)",
+    )
+    ap.add_argument(
+        "--control",
+        choices=["cpu", "one-store", "wall"],
+        help="scale: recover's control plane per step: a rank's CPU + the store shards' serial "
+        "work (default), the same on one store server, or the wall clock measured on 2 cores",
     )
     ap.add_argument(
         "--plot", metavar="PNG", help="plot (paper: tokens vs GPU-hours; scale: ETTR vs GPUs)"

@@ -17,11 +17,13 @@ measured scale, times in seconds. `ranks` = R x P processes of the job; `group` 
 - rebuild_s, reduce_s: -> the group rebuilt, -> the redone reduce returned (wall clock);
 - rebuild_cpu_s: the rebuilding rank's own CPU time over its rebuild (every thread), i.e. its work
   without the wait for a share of the measuring machine's cores;
+- control_plane_cpu_s (optional): the most CPU time (every thread) a rank's process spent in
+  that span, median over steps: its own control-plane work without the wait for a core;
 - store_cpu_s (optional): the store server's (coordinator's) CPU time for one recovery, less its
   failure-free steps' worth: reported beside the assumptions, not charged.
 - store_request_cpu_s (optional, one number): the store server's CPU time per request, measured
-  apart (`bench/_store_rate.py`): charged, in a sensitivity line, as one server handling every
-  rank's failure-free requests of a step one after another.
+  apart (`bench/_store_rate.py`): charged (`recover.sim.scale.store_serial_s`) as each store
+  server handling its ranks' failure-free requests of a step one after another.
 
 Each column is a function of one size, `x_of(column)`: the job's ranks (one per GPU) for the
 protocol (detect, agree, control plane, store ops: every rank talks to the one coordinator), the
@@ -46,11 +48,12 @@ DEFAULT_CURVE = Path(__file__).parent / "data" / "scale_curve.json"
 COST_COLUMNS = ("control_plane_s", "detect_s", "agree_s", "rebuild_s", "rebuild_cpu_s",
                 "reduce_s")
 COLUMNS = ("store_ops_per_rank_step", *COST_COLUMNS)
-OPTIONAL = ("store_cpu_s",)
+OPTIONAL = ("store_cpu_s", "control_plane_cpu_s")
 GROUP_COLUMNS = ("rebuild_s", "rebuild_cpu_s", "reduce_s", "store_cpu_s")  # of the group's size
 MIXED = {
     "store_ops_per_rank_step": "log2",
     "control_plane_s": "log2",
+    "control_plane_cpu_s": "log2",
     "detect_s": "log2",
     "agree_s": "log2",
     "rebuild_s": "linear",
@@ -104,8 +107,9 @@ class ScaleCurve:
         return (self.group or self.ranks) if x_of(column) == "group" else self.ranks
 
     def fits(self, mode: str = "mixed") -> dict[str, Fit]:
-        kinds = MIXED if mode == "mixed" else dict.fromkeys(COLUMNS, mode)
-        return {c: fit(self.sizes(c), self.values[c], kinds[c]) for c in COLUMNS}
+        cols = [c for c in (*COLUMNS, *OPTIONAL) if c in self.values and c in MIXED]
+        kinds = MIXED if mode == "mixed" else dict.fromkeys(cols, mode)
+        return {c: fit(self.sizes(c), self.values[c], kinds[c]) for c in cols}
 
 
 def x_of(column: str) -> str:

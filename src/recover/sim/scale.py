@@ -30,7 +30,10 @@ Assumptions:
   GPUs; one group per position, built in parallel), then the lost quota recomputed on the
   survivors, then the redone reduce: one more cross-replica all-reduce of the gradient, priced
   like every step's (`allreduce_s`, 0.5 s; the curve's loopback reduce of 1k floats is not a
-  gradient's), and the measured control-plane time after every step's all-reduce.
+  gradient's). After every step's all-reduce, the control plane (`control_plane_s`): a rank's
+  measured CPU in it (`control_plane_cpu_s`, contention-free like the rebuild) + the store
+  servers' serial work at the measured CPU per request, with `shards_for(G)` store shards
+  (collectives/shards.py; one core each); `ScaleSpec.control` gives the sensitivity lines.
 - The rebuild per group member is contention-free: the curve's `rebuild_cpu_s`, the rebuilding
   rank's own CPU time (every thread) on the measuring machine, where R ranks shared 2 cores so
   its wall time mostly waited for a core. A cluster gives each rank its own cores; the network
@@ -104,9 +107,11 @@ class ScaleSpec:
     fit_mode: str = "mixed"
     given: set[str] = field(default_factory=set)  # SimParams fields the user set: not modelled
     rebuild: str = "cpu"  # "cpu": the contention-free per-rank rebuild; "wall": as measured
-    # Charge the one store server's serial work per step (every rank's failure-free requests
-    # times the curve's store_request_cpu_s) on top of the measured control plane.
-    charge_store: bool = False
+    # The failure-free control plane per step: "cpu" = a rank's own CPU in it (contention-free)
+    # + the store servers' serial work with `shards_for(G)` store shards; "one-store" = the
+    # same with every request on one server; "wall" = the wall clock measured on 2 cores.
+    # A curve without control_plane_cpu_s or store_request_cpu_s can only give "wall".
+    control: str = "cpu"
 
     def fits(self) -> dict[str, Fit]:
         if self.curve is None:
@@ -123,13 +128,46 @@ def recover_pause_s(fits: dict[str, Fit], gpus: int, group: int, rebuild: str = 
     return fits["agree_s"](gpus) + fits[REBUILD_COLUMN[rebuild]](group)
 
 
+CONTROL_MODES = ("cpu", "one-store", "wall")
+RANKS_PER_SHARD = 1024  # `--store-shards` as the config's help advises: ~1 per 1,000 ranks
+MAX_SHARDS = 256  # the most `--store-shards` accepts
+
+
+def shards_for(gpus: int) -> int:
+    """The store shards a job of `gpus` ranks runs with (0: one store below 2,048 ranks)."""
+    s = min(MAX_SHARDS, math.ceil(gpus / RANKS_PER_SHARD))
+    return s if s > 1 else 0
+
+
+def control_mode(spec: ScaleSpec) -> str:
+    """`spec.control`, or "wall" when the curve lacks what the others need."""
+    c = spec.curve
+    if c is None or c.request_cpu_s is None or "control_plane_cpu_s" not in c.values:
+        return "wall"
+    return spec.control
+
+
 def store_serial_s(spec: ScaleSpec, fits: dict[str, Fit], gpus: int) -> float:
-    """The store server's serial work in one failure-free step at `gpus` ranks (0 unless
-    `spec.charge_store` and the curve measured the cost of a request)."""
-    per = spec.curve.request_cpu_s if spec.curve is not None else None
-    if not spec.charge_store or per is None:
+    """The store servers' serial work in one failure-free step at `gpus` ranks: each request
+    costs the curve's store_request_cpu_s of its server's one thread. One store: every rank's
+    requests in series. S shards (collectives/shards.py), each on its own core: a shard's
+    ranks' requests, then 2 per shard on the main store. 0 in "wall" mode."""
+    mode = control_mode(spec)
+    if mode == "wall":
         return 0.0
-    return fits["store_ops_per_rank_step"](gpus) * gpus * per
+    per = float(spec.curve.request_cpu_s or 0.0)  # type: ignore[union-attr]
+    ops = fits["store_ops_per_rank_step"](gpus)
+    shards = shards_for(gpus) if mode == "cpu" else 0
+    if shards <= 1:
+        return ops * gpus * per
+    return (ops * math.ceil(gpus / shards) + 2 * shards) * per
+
+
+def control_plane_s(spec: ScaleSpec, fits: dict[str, Fit], gpus: int) -> float:
+    """The failure-free control plane of one step at `gpus` ranks (see `ScaleSpec.control`)."""
+    if control_mode(spec) == "wall":
+        return fits["control_plane_s"](gpus)
+    return fits["control_plane_cpu_s"](gpus) + store_serial_s(spec, fits, gpus)
 
 
 def expected_losses(p: SimParams) -> float:
@@ -149,7 +187,7 @@ def size_params(base: SimParams, gpus: int, seed: int, spec: ScaleSpec) -> SimPa
         "restart_cost_s": restart_fit()(gpus),
         "detect_s": fits["detect_s"](gpus),
         "rebuild_s": recover_pause_s(fits, gpus, p.replicas, spec.rebuild),
-        "control_plane_s": fits["control_plane_s"](gpus) + store_serial_s(spec, fits, gpus),
+        "control_plane_s": control_plane_s(spec, fits, gpus),
         "spares": math.ceil(SPARE_FACTOR * expected_losses(p)) + (2 if p.per_gpu_mttf_h else 0),
     }
     return replace(p, **{k: v for k, v in model.items() if k not in spec.given})

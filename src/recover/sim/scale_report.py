@@ -29,10 +29,13 @@ from recover.sim.scale import (
     ScaleSpec,
     SizeRow,
     at_target,
+    control_mode,
+    control_plane_s,
     recover_pause_s,
     restart_fit,
     run_size,
     scale_base,
+    shards_for,
     store_serial_s,
     sweep,
     target_weights,
@@ -62,6 +65,7 @@ def run_scale_cli(a: dict[str, Any], flags: dict[str, Any]) -> int:
         fit_mode=a.get("curve_fit", "mixed"),
         given=set(flags),
         rebuild=a.get("rebuild", "cpu"),
+        control=a.get("control", "cpu"),
     )
     if not 1 <= spec.seeds <= 1000:
         raise ConfigError("seeds must be within 1..1000")
@@ -137,7 +141,7 @@ def assumption_lines(base: SimParams, spec: ScaleSpec) -> list[str]:
         f"{spec.curve.group or spec.curve.ranks} members; fits ({spec.fit_mode}): "
         + "; ".join(
             f"{c} = {fits[c].describe().replace('ranks', 'G' if x_of(c) == 'ranks' else 'R')}"
-            for c in COLUMNS
+            for c in (*COLUMNS, "control_plane_cpu_s") if c in fits
         ),
         "    sizes: G = the job's ranks (one per GPU: detect, agree, control plane, store ops); "
         f"R = the members of one rebuilt cross-replica group = GPUs / {base.gpus_per_replica} "
@@ -157,6 +161,7 @@ def assumption_lines(base: SimParams, spec: ScaleSpec) -> list[str]:
             "measurement shared 2 cores: includes CPU contention)"
         ),
     ]
+    lines.append(control_line(spec, fits))
     store = spec.curve.values.get("store_cpu_s")
     if store:
         lines.append(
@@ -176,6 +181,28 @@ def assumption_lines(base: SimParams, spec: ScaleSpec) -> list[str]:
     if given:
         lines.append("  given (not modelled): " + ", ".join(given))
     return lines
+
+
+def control_line(spec: ScaleSpec, fits: dict) -> str:
+    """How the failure-free control plane per step is charged (`ScaleSpec.control`)."""
+    mode, g = control_mode(spec), TARGET_GPUS
+    if mode == "wall":
+        return ("    control plane per step: control_plane_s, the measured wall clock (every "
+                "rank on 2 shared cores: mostly the wait for a core)"
+                + ("" if spec.control == "wall" else "; the curve has no control_plane_cpu_s "
+                   "or store_request_cpu_s for the contention-free model"))
+    per = float(spec.curve.request_cpu_s or 0.0)  # type: ignore[union-attr]
+    how = (f"{shards_for(g)} store shards at {g:,} ranks (`--store-shards` = G / 1,024, "
+           "collectives/shards.py; ASSUMPTION: the coordinator's host gives each shard "
+           "server its own core): a shard's ranks' requests in series, then 2 per shard on "
+           "the main store" if mode == "cpu" else "one store server: every rank's requests in "
+           "series")
+    return (f"    control plane per step: control_plane_cpu_s(G), a rank's own CPU in it "
+            "(ASSUMPTION: contention-free, as the rebuild; network round trips not in it), + "
+            f"the store servers' serial work at {per * 1e6:.1f} us of CPU per request "
+            f"(measured), {how}: {fmt(store_serial_s(spec, fits, g) * 1e3, 1)} ms + "
+            f"{fmt(fits['control_plane_cpu_s'](g) * 1e3, 2)} ms at {g:,} GPUs; the wall clock "
+            "measured on 2 shared cores is a sensitivity line")
 
 
 def table_lines(rows: list[SizeRow]) -> list[str]:
@@ -237,18 +264,18 @@ def summary_lines(base: SimParams, spec: ScaleSpec, rows: list[SizeRow]) -> list
             f"contention-free one, recover's ETTR at 100k would be "
             f"{at_target(alt_rows, 'recover'):.4f}"
         )
-    per = spec.curve.request_cpu_s if spec.curve is not None else None
-    if per is not None and not spec.charge_store and near:
-        alt = replace(spec, charge_store=True, sizes=near)
-        alt_rows = [run_size(base, s, alt) for s in alt.sizes]
-        lines.append(
-            f"sensitivity: with the one store server's work charged per step ({per * 1e6:.1f} "
-            f"us of its CPU per request, measured; {fmt(fits['store_ops_per_rank_step'](g), 1)}"
-            f" requests per rank per step, every rank's in series: "
-            f"{fmt(store_serial_s(alt, fits, g), 2)} s a step at {g:,} ranks), recover's ETTR "
-            f"at 100k would be {at_target(alt_rows, 'recover'):.4f}: one server per job does "
-            "not scale; a decision per replica (one client per replica) is the way past it"
-        )
+    if control_mode(spec) == "cpu" and near:
+        for mode, what in (
+            ("one-store", "with every rank's requests on one store server (no --store-shards)"),
+            ("wall", "with the control plane's wall clock measured on 2 shared cores"),
+        ):
+            alt = replace(spec, control=mode, sizes=near)
+            alt_rows = [run_size(base, s, alt) for s in alt.sizes]
+            lines.append(
+                f"sensitivity: {what} ({fmt(control_plane_s(alt, fits, g), 3)} s a step at "
+                f"{g:,} ranks), recover's ETTR at 100k would be "
+                f"{at_target(alt_rows, 'recover'):.4f}"
+            )
     if spec.fit_mode == "mixed" and near:
         alt = replace(spec, fit_mode="log2", sizes=near)
         alt_rows = [run_size(base, s, alt) for s in alt.sizes]

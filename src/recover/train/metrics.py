@@ -16,7 +16,7 @@ from typing import Any
 
 from rich.console import Console
 
-from recover.collectives import keys
+from recover.collectives import keys, shards
 from recover.recovery import StepResult
 
 
@@ -58,6 +58,8 @@ class MetricsSink:
                  positions: int = 1) -> None:
         self.positions = positions  # ranks per replica (outcome keys are per rank)
         self.store, self.path = store, path
+        self._shards: list[Any] = []  # clients of the coordinator's store shards, if any
+        self._shards_of: Any = None  # the main store client they were read from
         self.next, self.steps = start_step, steps
         self.tokens_per_step = tokens_per_step
         self.run_start = run_start
@@ -111,9 +113,13 @@ class MetricsSink:
         if step not in by_step:
             return
         first = by_step[step - 1]["generation"] if step - 1 in by_step else 0
+        if self._shards_of is not self.store:  # first use, or a restarted coordinator
+            self._shards_of = self.store
+            self._shards = shards.connect_all(self.store, "127.0.0.1", 30.0)
         for g in range(first, by_step[step]["generation"] + 1):
-            self.store.delete_key(keys.count_key(step, g))
-            self.store.delete_key(keys.decision_key(step, g))
+            for store in (self.store, *self._shards):
+                store.delete_key(keys.count_key(step, g))
+                store.delete_key(keys.decision_key(step, g))
             if g != first or by_step[step]["attempts"] > 1:  # outcomes exist only after faults
                 members = keys.generation_members(self.store, g) or []
                 for m in members:

@@ -1,0 +1,162 @@
+"""The commit decision of one attempt of a step: the engine's agreement through the store.
+
+Invariant: an attempt's decision (`step/{t}/g{g}/decision`) is written once, on the main store,
+by compare-and-set; `commit` only when every position of every surviving member of g holds a
+verified result. A store shard's decision key (collectives/shards.py) only ever holds a copy of
+it. Failure-free this costs each rank two round trips (four for a shard's last counter); after a
+membership change the survivors decide on evidence (their written outcomes) instead.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from recover.collectives import Member, keys, shards
+from recover.collectives.waiter import KeyWaiter
+from recover.recovery.strategy import Chain
+
+
+class RecoveryError(RuntimeError):
+    """A step could not be completed within its bounds."""
+
+
+def _log(msg: str) -> None:
+    """The fault path's account, on stderr (the replica's log): one line per failed attempt."""
+    print(f"recover: {msg}", file=sys.stderr, flush=True)
+
+
+class Decisions:
+    """The decision half of `StepEngine` (recovery/step.py), which sets these attributes."""
+
+    member: Member
+    store: Any
+    shard: Any
+    waiter: KeyWaiter
+    shard_waiter: KeyWaiter
+    shard_totals: shards.ShardTotals
+    me: int
+    position: int
+    positions: int
+    timeout_s: float
+    shared_speeds: bool
+    speed_aware: bool
+    scheduled_joins: dict[int, int]
+    def _leaf(self, replica: int, position: int) -> str:
+        return keys.outcome_leaf(replica, position, self.positions)
+
+    def _mark_skipped(self, step: int | str, chain: Chain, settled: set[int]) -> None:
+        """Decide 'redo' for every generation of the chain this rank moved past without reducing.
+
+        Another position of the same generation may have completed its reduce; without this its
+        ranks would wait for our outcome, while we wait for them inside an intra-replica
+        collective of the next chain entry's microbatches. (Our position's reduce in that
+        generation cannot have completed without us, so no commit can be lost.)
+        """
+        for e in chain[:-1]:
+            g = int(e["gen"])
+            if g < int(chain[-1]["gen"]) and g not in settled:
+                settled.add(g)
+                dkey = keys.decision_key(step, g)
+                decided = self.store.compare_set(dkey, "", keys.REDO)
+                if self.shard is not None:
+                    self.shard.set(dkey, decided)
+
+    def _decide(self, step: int, tag: int | str, g: int, ok: bool) -> bytes:
+        """Commit iff every position of every surviving member of g holds a verified result;
+        decided once, by compare-and-set of the attempt's decision key.
+
+        Failure-free this costs two round trips: count our verified result; the rank whose
+        count completes the set writes `commit` (or `commit-plan`, `_commit_value`), the others
+        block on the decision. A failure writes `redo` at once. If the membership changes while
+        we wait (a member died, maybe after its reduce completed: its part is then inside the
+        sum, as the trailer proves), the survivors decide on evidence instead: each writes its
+        outcome and the commit needs every still-live member's `ok`.
+        """
+        dkey = keys.decision_key(tag, g)
+        if not ok:
+            decided = self.store.compare_set(dkey, "", keys.REDO)
+            if self.shard is not None:
+                self.shard.set(dkey, decided)  # our shard's ranks may be waiting there
+            return decided
+        if self.shard is not None:
+            return self._decide_sharded(step, tag, g, dkey)
+        total = len(self.member.members(g)) * self.positions
+        if self.store.add(keys.count_key(tag, g), 1) == total:
+            return self.store.compare_set(dkey, "", self._commit_value(step, g))
+        return self._await_decision(self.waiter, tag, g, dkey)
+
+    def _decide_sharded(self, step: int, tag: int | str, g: int, dkey: str) -> bytes:
+        """`_decide` through this rank's store shard (collectives/shards.py): count there; the
+        rank completing its shard's count counts once on the main store, where the last such
+        rank decides; each of those copies the main store's decision into its own shard."""
+        per_shard = self.shard_totals.of(g, self.member.members(g))
+        mine = shards.shard_of(self.me, self.position, self.positions, self.shard_totals.shards)
+        ckey = keys.count_key(tag, g)
+        if self.shard.add(ckey, 1) != per_shard[mine]:
+            # Decided on evidence (no leader copied it), the decision is copied here too: that
+            # ends our shard waiter's blocked get, so its client is reused, not replaced by a
+            # new connection (each costs the server a blocking DNS lookup, DESIGN §14).
+            return self._await_decision(self.shard_waiter, tag, g, dkey, copy_to=self.shard)
+        if self.store.add(ckey, 1) == len(per_shard):
+            decided = self.store.compare_set(dkey, "", self._commit_value(step, g))
+        else:
+            decided = self._await_decision(self.waiter, tag, g, dkey)
+        self.shard.set(dkey, decided)
+        return decided
+
+    def _await_decision(self, waiter: KeyWaiter, tag: int | str, g: int, dkey: str,
+                        copy_to: Any = None) -> bytes:
+        """Block on the decision; if the membership changes first, decide on evidence (and
+        copy that decision into `copy_to`, a shard, if given)."""
+        decided = waiter.get(dkey, g, 3 * self.timeout_s)
+        if decided in (*keys.COMMITS, keys.REDO):
+            return decided
+        if decided is not None:
+            _log(f"step {tag} generation {g}: unexpected decision value {decided!r} from the "
+                 f"waiter; reading it again")
+        decided = self._decide_on_evidence(tag, g, dkey)
+        if copy_to is not None:
+            copy_to.set(dkey, decided)
+        return decided
+
+    def _commit_value(self, step: int, g: int) -> bytes:
+        """`commit` lets every rank imply step + 1's plan; `commit-plan` sends it through the
+        store: when a joiner waits (its admission is a stored entry 0), when the fault injection
+        schedules one at step + 1, or when speeds differ between a replica's ranks."""
+        members = self.member.members(g)
+        joins = any(r not in members for r in dict(self.member.join_requests))
+        scheduled = any(at == step + 1 and r not in members
+                        for r, at in self.scheduled_joins.items())
+        alike = self.shared_speeds or not self.speed_aware
+        return keys.COMMIT if alike and not joins and not scheduled else keys.COMMIT_PLAN
+
+    def _decide_on_evidence(self, step: int | str, g: int, dkey: str) -> bytes:
+        # A sibling position may legitimately take barrier + build + reduce (3 timeouts) first.
+        self.store.set(keys.outcome_key(step, g, self._leaf(self.me, self.position)), keys.OK)
+        deadline = time.monotonic() + 3 * self.timeout_s
+        ranks = [(m, p) for m in self.member.members(g) for p in range(self.positions)]
+        known: set[tuple[int, int]] = set()  # outcomes are written once: read each once
+        pause = 0.001
+        while True:
+            decided = keys.try_get(self.store, dkey)
+            if decided in (*keys.COMMITS, keys.REDO):
+                return decided
+            if decided is not None:
+                _log(f"step {step} generation {g}: unexpected decision value {decided!r}")
+            live = set(self.member.members(self.member.generation()))
+            for r in ranks:
+                if r[0] in live and r not in known and keys.try_get(
+                        self.store, keys.outcome_key(step, g, self._leaf(*r))) is not None:
+                    known.add(r)
+            if all(r in known for r in ranks if r[0] in live):
+                # After a fault the members may differ by the next step: plan it in the store.
+                return self.store.compare_set(dkey, "", keys.COMMIT_PLAN)
+            self.member.check()
+            if time.monotonic() > deadline:
+                raise RecoveryError(f"no commit decision for step {step} within "
+                                    f"{3 * self.timeout_s:.0f}s")
+            self.member.progress()
+            time.sleep(pause)  # the fault path only: the others are a moment behind
+            pause = min(2 * pause, 0.05)
