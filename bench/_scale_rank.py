@@ -111,24 +111,19 @@ def trace(t0: float, what: str) -> None:
     print(f"trace {t0:.4f} +{time.time() - t0:.4f} {what}", file=sys.stderr, flush=True)
 
 
-def count_waits(engine: StepEngine, traced: bool = False) -> list[int]:
-    """Count the engine's blocking key waits: each is one store round trip, made on a helper
-    thread with its own client, which `engine.stats["store_ops"]` does not count."""
-    counter = [0]
-    for waiter in (engine.waiter, getattr(engine, "shard_waiter", None)):  # main, own shard
+def trace_waits(engine: StepEngine) -> None:
+    """Print each of the engine's blocking key waits (main store, own shard) with its result."""
+    for waiter in (engine.waiter, getattr(engine, "shard_waiter", None)):
         if waiter is None:
             continue
 
-        def counted(*a: Any, _get: Any = waiter.get, **k: Any) -> Any:
-            counter[0] += 1
+        def traced(*a: Any, _get: Any = waiter.get, **k: Any) -> Any:
             t0 = time.time()
             out = _get(*a, **k)
-            if traced:
-                trace(t0, f"wait{a!r:.160} -> {out!r:.80}")
+            trace(t0, f"wait{a!r:.160} -> {out!r:.80}")
             return out
 
-        waiter.get = counted  # type: ignore[method-assign]
-    return counter
+        waiter.get = traced  # type: ignore[method-assign]
 
 
 def stop_step(path: Path) -> int | None:
@@ -159,8 +154,8 @@ def rank_main(a: RankArgs) -> NoReturn:
 
     engine = StepEngine(member, comm, grad, a.n, timeout_s=a.timeout_s, positions=a.nranks,
                         hook=hook)
-    waits = count_waits(engine, a.trace)
     if a.trace:
+        trace_waits(engine)
         engine.store = TracedStore(engine.store)
     base = pattern(a.numel)
     log = open(a.log, "a", buffering=1)
@@ -184,13 +179,13 @@ def rank_main(a: RankArgs) -> NoReturn:
         computes.clear()
         after.clear()
         comm.calls.clear()
-        ops0, waits0 = engine.stats["store_ops"], waits[0]
+        ops0, waits0 = engine.stats["store_ops"], engine.store_waits
         res = engine.run(step, compute)
         t_commit, cpu_commit = time.time(), time.process_time()
         log.write(json.dumps({
             "ev": "step", "step": step, "gen": res.generation, "attempts": res.attempts,
             "t_commit": t_commit, "ops": engine.stats["store_ops"] - ops0,
-            "waits": waits[0] - waits0, "reduces": comm.calls, "after": after,
+            "waits": engine.store_waits - waits0, "reduces": comm.calls, "after": after,
             "control_cpu": cpu_commit - after_cpu[-1] if after_cpu else None,
             "computes": computes,
             "members": len(res.members),

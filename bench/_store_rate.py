@@ -7,8 +7,8 @@ processes, forked, ended by PID in a `finally`, and every wait is bounded.
 Why: failure-free, every rank sends the one store server its step's requests (the count and the
 decision wait) at about the same moment, so the server handles them one after another. Its cost
 per request, times the job's requests per step, is what a step's control plane cannot go below
-on one server, however fast each rank is; `recover simulate --scenario scale` charges it in a
-sensitivity line.
+on one server, however fast each rank is; `recover simulate --scenario scale` charges it per
+request to each store server (the shards' and the main one's, `recover.sim.scale.store_serial_s`).
 """
 
 from __future__ import annotations

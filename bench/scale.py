@@ -7,8 +7,8 @@ integer-valued gradient (checked exactly after every commit). P > 1 runs multi-p
 (`StepEngine(..., positions=P)`, one `FaultTolerantComm` per position). Measured, per scale:
 
   store ops      store round trips per rank per failure-free step: `engine.stats["store_ops"]`
-                 deltas plus the engine's blocking key waits (`engine.waiter.get`, one round trip
-                 each, on a helper thread that `store_ops` does not count); mean over steps of
+                 deltas plus the engine's blocking key waits (`engine.store_waits`, one round
+                 trip each, on a helper thread that `store_ops` does not count); mean over steps of
                  the max over ranks.
   control        failure-free: the last rank's reduce returns -> the commit is known on every
                  rank (max over ranks of each; time.time(), one clock); median over steps;

@@ -142,20 +142,6 @@ class _Comm(FaultTolerantComm):
                                       "neighbour")
 
 
-def _count_waits(engine: StepEngine) -> list[int]:
-    counter = [0]
-    for waiter in (engine.waiter, getattr(engine, "shard_waiter", None)):
-        if waiter is None:
-            continue
-
-        def counted(*a: Any, _get: Any = waiter.get, **k: Any) -> Any:
-            counter[0] += 1
-            return _get(*a, **k)
-
-        waiter.get = counted  # type: ignore[method-assign]
-    return counter
-
-
 class Rank:
     """One rank of one replica, run by a thread."""
 
@@ -247,16 +233,15 @@ class Rank:
                                 speed_aware=h.speed_aware, positions=h.positions)
             _GRAVE.extend([member, comm, engine, grad])
             self.engine = engine
-            waits = _count_waits(engine)
             for t in range(h.steps):
                 self.step = t
-                self.ops[t] = engine.stats["store_ops"] + waits[0]
+                self.ops[t] = engine.stats["store_ops"] + engine.store_waits
                 grad.zero_()
                 res = engine.run(t, self._compute)
                 self.results[t] = (res, grad.clone())
                 # Store round trips: the engine's own, and its blocking key waits (one each, on
                 # a helper thread with its own client, which the engine's counter leaves out).
-                self.ops[t] = engine.stats["store_ops"] + waits[0] - self.ops[t]
+                self.ops[t] = engine.stats["store_ops"] + engine.store_waits - self.ops[t]
                 if h.records and self.rank == 0:  # as the trainer does: the sink deletes old keys
                     member.store.set(keys.record_key(t), json.dumps(
                         {"step": t, "generation": res.generation, "attempts": res.attempts,

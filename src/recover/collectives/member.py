@@ -169,8 +169,7 @@ class Member:
         when it hosts none."""
         if not self.shard_ports:
             return None
-        return keys.connect_store(self.host, self.shard_ports[index % len(self.shard_ports)],
-                                  self.timeout_s)
+        return keys.connect_store(self.host, self.shard_ports[index], self.timeout_s)
 
     def leave(self) -> None:
         """Say goodbye (a clean exit is not a fault) and stop the background threads."""

@@ -65,10 +65,12 @@ class KeyWaiter:
         """Waits on `store` (default: the member's own client to the main store)."""
         self.member = member
         self.store = member.store if store is None else store
+        self.gets = 0  # blocking reads so far: one store round trip each (for profilers)
         self._helpers: list[_Helper] = []
         self._lock = threading.Lock()
 
     def get(self, key: str, generation: int, timeout_s: float) -> bytes | None:
+        self.gets += 1
         helper = self._idle()
         box: dict[str, Any] = {}
         done = threading.Event()

@@ -43,6 +43,7 @@ class Decisions:
     shared_speeds: bool
     speed_aware: bool
     scheduled_joins: dict[int, int]
+
     def _leaf(self, replica: int, position: int) -> str:
         return keys.outcome_leaf(replica, position, self.positions)
 

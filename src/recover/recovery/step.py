@@ -143,7 +143,7 @@ class StepEngine(Decisions):
         self.waiter = KeyWaiter(member)
         # With store shards (collectives/shards.py) the failure-free count and decision go
         # through this rank's shard; the main store keeps the decision of record.
-        n_shards = len(getattr(member, "shard_ports", []))
+        n_shards = len(member.shard_ports)
         self.shard: Any = None
         if n_shards:
             client = member.connect_shard(
@@ -177,6 +177,12 @@ class StepEngine(Decisions):
         self.trailer = Trailer(member.replicas, self._slots,
                                self.reduce_dtype if self._folded else torch.float64)
         self._scratch: torch.Tensor | None = None
+
+    @property
+    def store_waits(self) -> int:
+        """Blocking key waits so far: one store round trip each, made on a waiter's helper
+        client, which `stats["store_ops"]` does not count."""
+        return self.waiter.gets + (self.shard_waiter.gets if self.shard is not None else 0)
 
     # -- the step --------------------------------------------------------------------------
     def run(self, step: int, compute: Callable[[int, int], float],
