@@ -57,7 +57,8 @@ def expected(step: int, n: int, base: torch.Tensor) -> torch.Tensor:
 
 class TimedComm(FaultTolerantComm):
     """Records each reduce call: [generation, start, end, True or why it failed, barrier s, build s,
-    collective s, build CPU s (this process's CPU clock over barrier + build, every thread)]."""
+    collective s, build CPU s (this process's CPU clock over barrier + build, every thread),
+    this process's CPU clock (every thread) at the start]."""
 
     def __init__(self, member: Member, position: int, timeout_s: float) -> None:
         super().__init__(member, position=position, timeout_s=timeout_s)
@@ -67,7 +68,7 @@ class TimedComm(FaultTolerantComm):
                 on_issued: Callable[[], None] | None = None) -> None:
         g = self.member.generation() if generation is None else generation
         s0 = dict(self.stats)
-        t0 = time.time()
+        t0, c0 = time.time(), time.process_time()
         ok: bool | str = False
         try:
             super().reduce_(tensors, g, on_issued)
@@ -81,7 +82,7 @@ class TimedComm(FaultTolerantComm):
             s1 = self.stats
             self.calls.append([g, t0, time.time(), ok, s1["barrier_s"] - s0["barrier_s"],
                                s1["build_s"] - s0["build_s"], s1["reduce_s"] - s0["reduce_s"],
-                               s1["build_cpu_s"] - s0["build_cpu_s"]])
+                               s1["build_cpu_s"] - s0["build_cpu_s"], c0])
 
 
 class TracedStore:

@@ -22,7 +22,10 @@ integer-valued gradient (checked exactly after every commit). P > 1 runs multi-p
                  microbatches in between (shown as `recomp`); of which `teardown`: the time
                  its engine spent discarding failed reduces (end of `reduce_` -> the engine's
                  next hook: destroying a gloo group a dead peer left mid-operation);
-                 `agree_med` is the median survivor's agree;
+                 `agree_med` is the median survivor's agree; `agree_cpu` the most any
+                 survivor's process spent of its CPU (every thread) from the start of its
+                 last reduce before the new generation's to the start of that one: its own
+                 work in the failure and the agreement, without the wait for a core;
      rebuild     that survivor's new communicator: `comm.stats` barrier_s + build_s deltas;
                  `rebuild_cpu` is its process's CPU time over the same span (`build_cpu_s`,
                  every thread): its own work, without the wait for a share of the cores (R*P
@@ -74,7 +77,7 @@ from recover.collectives import coordinator
 
 CURVE = BENCH_DIR.parent / "src" / "recover" / "sim" / "data" / "scale_curve.json"
 PARTS = ("detect", "agree", "recomp", "rebuild", "reduce", "rest")  # add up to "total"
-EXTRA = (*PARTS, "total", "teardown", "agree_med", "rebuild_cpu", "store_cpu")
+EXTRA = (*PARTS, "total", "teardown", "agree_med", "agree_cpu", "rebuild_cpu", "store_cpu")
 
 
 class FalseAlarm(RuntimeError):
@@ -120,13 +123,18 @@ def breakdown(steps: dict[Any, list[dict]], t_kill: float, t_gen: float, g0: int
     failed reduces (end of reduce_ -> the engine's next hook) after the generation was
     published, and `agree_med` the median survivor's agree."""
     start, rebuild, coll, commit, recomp, teardown, cpu = {}, {}, {}, {}, {}, {}, {}
+    agree_cpu: dict[Any, float] = {}
     raised = 0
     for k, recs in steps.items():
+        calls = [c for s in recs for c in s["reduces"]]
         for s in recs:
             call = next((c for c in s["reduces"] if c[0] > g0), None)
             if call is not None and k not in start:
                 start[k], commit[k] = call[1], s["t_commit"]
                 rebuild[k], coll[k], cpu[k] = call[4] + call[5], call[6], call[7]
+                before = [c for c in calls if c[1] < call[1]]
+                if before:  # its process's CPU from its last reduce before to this one's start
+                    agree_cpu[k] = call[8] - before[-1][8]
         if k not in start:
             raise ValueError(f"rank {k} has no reduce after generation {g0}")
         failed = [(c, t) for s in recs for c, t in zip(s["reduces"], s["after"], strict=False)
@@ -140,6 +148,7 @@ def breakdown(steps: dict[Any, list[dict]], t_kill: float, t_gen: float, g0: int
            "recomp": recomp[last], "rebuild": rebuild[last], "reduce": coll[last],
            "total": max(commit.values()) - t_kill, "raised": float(raised),
            "teardown": teardown[last], "rebuild_cpu": cpu[last],
+           "agree_cpu": max(agree_cpu.values(), default=float("nan")),
            "agree_med": median([start[k] - t_gen - recomp[k] for k in start])}
     res["rest"] = res["total"] - sum(res[p] for p in PARTS[:-1])
     return res
@@ -359,7 +368,8 @@ def main() -> int:
             f"(period {r['period_s'] * 1e3:.0f} ms), kill -> committed {r['total'] * 1e3:.0f} ms; "
             f"PSS {r['pss_mib']:.0f} MiB in all, max RSS {r['max_rss_mib']:.0f} MiB; load "
             f"{r['load']:.1f}; {time.monotonic() - t0:.0f}s so far")
-    cols = ("detect", "agree", "teardown", "agree_med", "recomp", "rebuild", "rebuild_cpu",
+    cols = ("detect", "agree", "teardown", "agree_med", "agree_cpu", "recomp", "rebuild",
+            "rebuild_cpu",
             "reduce", "rest", "store_cpu")
     rows = [(f"{r['replicas']}x{r['positions']}", r["ranks"],
              f"{r['engine_ops']:.2f}/{r['store_ops']:.2f}", f"{r['control_s'] * 1e3:.1f}",
@@ -372,7 +382,8 @@ def main() -> int:
         "that plus the engine's blocking key waits; ctl: failure-free control plane (ctl_cpu: "
         "the most CPU a rank spent in it); step: "
         "failure-free step period; times in ms, median over kills; teardown is inside agree, "
-        "agree_med is the median survivor's agree (agree: the last survivor's); rebuild_cpu: "
+        "agree_med is the median survivor's agree (agree: the last survivor's); agree_cpu: the "
+        "most CPU a survivor spent from its failed reduce to its next; rebuild_cpu: "
         "that survivor's CPU time (all its threads) over its rebuild; store_cpu: the coordinator's "
         "(store server's) CPU for the recovery, less as many failure-free steps' worth")
     loads = [r["load"] for r in res]
@@ -408,6 +419,10 @@ def main() -> int:
         f"{small['ranks']} ranks, {(big['detect'] + big['agree']) * 1e3:.0f} ms at {big['ranks']}"
         f" (with the median survivor's agree: ratio {med:.2f}); goals: store ops <= 4, "
         f"ratio <= 2")
+    say(f"a survivor's own CPU in it (agree_cpu): {small['agree_cpu'] * 1e3:.2f} ms at "
+        f"{small['ranks']} ranks, {big['agree_cpu'] * 1e3:.2f} ms at {big['ranks']} (ratio "
+        f"{big['agree_cpu'] / small['agree_cpu']:.2f}); the wall time above also waits for a "
+        f"share of {cores()} cores among {big['ranks']} processes")
     print(f"scale_protocol_ratio={ratio:.2f}", flush=True)
     return 0
 

@@ -33,6 +33,7 @@ from torch.distributed import PrefixStore, ProcessGroupGloo
 from recover.collectives import keys, sever
 from recover.collectives.member import Member, is_loopback
 from recover.collectives.reaper import retire as _retire
+from recover.collectives.spare import SpareClient
 from recover.collectives.waiter import KeyWaiter
 
 IFNAME_ENV = "GLOO_SOCKET_IFNAME"  # torch's own variable; `--gloo-ifname` sets it for a worker
@@ -114,9 +115,10 @@ class FaultTolerantComm:
         self.timeout_s, self.poll_s, self.recheck_s = timeout_s, poll_s, recheck_s
         self._pg: object | None = None
         self._pg_gen = -1
-        self._socks: list[sever.Sock] = []  # the gloo sockets of `_pg` (see `sever`)
+        self._socks: list[socket.socket] = []  # the gloo sockets of `_pg` (see `sever`)
         self._holding: list[_Held] = []
         self._waiter = KeyWaiter(member)  # blocking reads for the build barrier
+        self._spare = SpareClient(member.store.clone)  # each build's own rendezvous client
         # Cumulative, for profilers: seconds building groups / in barriers / in reduces, this
         # process's CPU seconds (every thread) while it built groups (barrier included), and
         # the collectives issued (one per tensor of a reduce).
@@ -256,9 +258,9 @@ class FaultTolerantComm:
         # Build in a helper thread: if a member dies between the barrier and the build, the
         # constructor would block for its whole timeout; we give up as soon as g is superseded.
         box: dict[str, object] = {}
-        # A new connection each build: reusing an ended build's client broke pipes to the
-        # store (DESIGN §14), though each new one costs the server a reverse DNS lookup.
-        store = PrefixStore(prefix + "/pg", self.member.store.clone())
+        # A new client each build (reusing an ended build's broke pipes to the store, DESIGN
+        # §14), connected ahead of need: its connect's name lookup can take 5 s (`spare`).
+        store = PrefixStore(prefix + "/pg", self._spare.take())
 
         # Connections to the coordinator (store, shards, liveness) are not the group's.
         spare = {self.member.port, self.member.live_port, *self.member.shard_ports}
@@ -442,6 +444,7 @@ class FaultTolerantComm:
         """Stop using `pg` (and forget its sockets if it is the current group); the reaper
         destroys it once its work has ended."""
         if self._pg is pg:
+            sever.release(self._socks)
             self._pg, self._pg_gen, self._socks = None, -1, []
         _retire(pg, works, futs)
 

@@ -108,8 +108,7 @@ class Coordinator(Admissions, Evidence):
     # -- setup ---------------------------------------------------------------------------
     def start(self) -> int:
         """Start the store and the liveness listener; return the store's port."""
-        self.store = TCPStore(self.host, self.port, is_master=True, wait_for_workers=False,
-                              use_libuv=True)
+        self.store = keys.serve_store(self.host, self.port)
         local = self.host if self.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
         self.client = keys.connect_store(local, self.store.port, 30.0)
         # Fixed ports follow the store's (liveness + 1, shards + 2...) only when the liveness
@@ -132,8 +131,7 @@ class Coordinator(Admissions, Evidence):
         # Before LIVENESS_ADDR too: a member reads the shards once it has seen the address.
         for k in range(self.store_shards):
             want = self.port + 2 + k if fixed else 0
-            self.shards.append(TCPStore(self.host, want, is_master=True,
-                                        wait_for_workers=False, use_libuv=True))
+            self.shards.append(keys.serve_store(self.host, want))
         if self.shards:
             shards.publish(self.client, [int(s.port) for s in self.shards])
         self.client.set(keys.COORD_PID, str(os.getpid()))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import socket
 
 from torch.distributed import TCPStore
 
@@ -125,6 +126,35 @@ def record_key(step: int) -> str:
 
 
 # -- access ----------------------------------------------------------------------------------
+def serve_store(host: str, port: int) -> TCPStore:
+    """A TCPStore server on `port` (0: any), on an IPv4 listener of ours when `host` is IPv4.
+
+    Why our own listener: torch's server listens dual-stack, so it sees a local client as
+    ::ffff:127.0.0.1, and its one thread resolves every new peer's name; /etc/hosts does not
+    answer a v4-mapped address, so each connection cost a DNS query, and one that got no reply
+    stalled the server for everyone for the resolver's 5 s (DESIGN §14). An AF_INET listener
+    shows peers as plain IPv4, which /etc/hosts answers for loopback. An IPv6 host keeps torch's.
+    """
+    try:
+        ipv4 = host in ("", "0.0.0.0") or socket.inet_pton(socket.AF_INET, host) is not None
+    except OSError:
+        ipv4 = False
+    if not ipv4:
+        return TCPStore(host, port, is_master=True, wait_for_workers=False, use_libuv=True)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own listener
+        sock.bind((host or "0.0.0.0", port))
+        sock.listen(4096)
+    except OSError:
+        sock.close()
+        raise
+    bound = sock.getsockname()[1]
+    # The store takes the descriptor over (it closes it when it stops): detach it from Python.
+    return TCPStore(host or "0.0.0.0", bound, is_master=True, wait_for_workers=False,
+                    master_listen_fd=sock.detach(), use_libuv=True)
+
+
 def connect_store(host: str, port: int, timeout_s: float) -> TCPStore:
     """A client of the coordinator's TCPStore; raises ConnectionError with a readable message."""
     try:

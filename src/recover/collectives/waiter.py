@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from recover.collectives.member import Member
+from recover.collectives.spare import SpareClient
 
 
 class _Helper:
@@ -68,6 +69,9 @@ class KeyWaiter:
         self.gets = 0  # blocking reads so far: one store round trip each (for profilers)
         self._helpers: list[_Helper] = []
         self._lock = threading.Lock()
+        # A new helper is needed just when a wait was abandoned for a newer generation (its
+        # helper is still blocked), i.e. in a recovery: its client is connected ahead (`spare`).
+        self._spare = SpareClient(self.store.clone)
 
     def get(self, key: str, generation: int, timeout_s: float) -> bytes | None:
         self.gets += 1
@@ -97,7 +101,7 @@ class KeyWaiter:
                 if not h.busy:
                     h.busy = True
                     return h
-            h = _Helper(self.store.clone())
+            h = _Helper(self._spare.take())
             h.busy = True
             self._helpers.append(h)
             return h

@@ -1,0 +1,126 @@
+"""`collectives.sever` on real loopback TCP sockets, `keys.serve_store`'s listener, and the spare
+store client a rebuild takes instead of connecting (`collectives.spare`)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+
+import pytest
+
+from recover.collectives import keys, sever
+from recover.collectives.spare import SpareClient
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="sever tracks /proc/self/fd")
+
+
+def _pair(listener: socket.socket) -> tuple[socket.socket, socket.socket]:
+    client = socket.create_connection(listener.getsockname()[:2], timeout=5)
+    server, _ = listener.accept()
+    server.settimeout(5)
+    return client, server
+
+
+def _inodes(socks: list[socket.socket]) -> set[tuple[int, int]]:
+    """(local port, peer port) of each: which connection a duplicate refers to."""
+    return {(s.getsockname()[1], s.getpeername()[1]) for s in socks}
+
+
+def test_opened_since_takes_new_connections_but_not_listeners_or_spare_ports() -> None:
+    old_listener = socket.create_server(("127.0.0.1", 0))
+    old_c, old_s = _pair(old_listener)
+    before = sever.sockets()
+    listener = socket.create_server(("127.0.0.1", 0))
+    store_like = socket.create_server(("127.0.0.1", 0))  # a "store" port: spare
+    c, s = _pair(listener)
+    to_store, _from = _pair(store_like)
+    got = sever.opened_since(before, {store_like.getsockname()[1]})
+    try:
+        # both ends of the new connection (this process holds both), not the listener, not the
+        # client to the spare port, nothing opened before
+        want = {(c.getsockname()[1], c.getpeername()[1]), (s.getsockname()[1], s.getpeername()[1]),
+                (_from.getsockname()[1], _from.getpeername()[1])}
+        assert _inodes(got) == want
+    finally:
+        sever.release(got)
+        for x in (old_listener, old_c, old_s, listener, store_like, c, s, to_store, _from):
+            x.close()
+
+
+def test_sever_ends_the_peer_at_once_and_never_touches_a_reused_descriptor() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    before = sever.sockets()
+    c, s = _pair(listener)
+    got = [d for d in sever.opened_since(before, set())
+           if d.getpeername()[1] == listener.getsockname()[1]]  # our client end's duplicate
+    assert len(got) == 1
+    # A peer blocked in recv (as gloo's loop is on a hung op) gets EOF as soon as we sever.
+    box: dict[str, bytes] = {}
+    reader = threading.Thread(target=lambda: box.setdefault("r", s.recv(10)), daemon=True)
+    reader.start()
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    assert sever.sever(got) == 1
+    reader.join(5)
+    assert box.get("r") == b"" and time.monotonic() - t0 < 1.0
+    # The original descriptor closes (as gloo closes its own) and its number is reused by a new
+    # connection: severing the old duplicates again must leave the new one alone.
+    fd = c.fileno()
+    c.close()
+    c2, s2 = _pair(listener)
+    try:
+        reused = c2.fileno() == fd or s2.fileno() == fd
+        sever.sever(got)
+        c2.sendall(b"x")
+        assert s2.recv(1) == b"x", f"a new connection (fd reused: {reused}) was cut"
+    finally:
+        sever.release(got)
+        for x in (listener, s, c2, s2):
+            x.close()
+
+
+def test_serve_store_listens_on_ipv4_for_an_ipv4_host() -> None:
+    store = keys.serve_store("127.0.0.1", 0)
+    port = int(store.port)
+    hexport = f"{port:04X}"
+
+    def listening(table: str) -> bool:
+        with open(f"/proc/net/{table}") as f:
+            rows = [line.split() for line in f.readlines()[1:]]
+        return any(r[1].endswith(":" + hexport) and r[3] == "0A" for r in rows)  # 0A: LISTEN
+
+    # Peers of an AF_INET listener are plain IPv4 (their names answered by /etc/hosts), not
+    # v4-mapped IPv6 as torch's dual-stack listener shows them (DESIGN §14-15).
+    assert listening("tcp") and not listening("tcp6")
+    client = keys.connect_store("127.0.0.1", port, 10.0)
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+
+
+def test_spare_client_is_ready_ahead_and_never_shared() -> None:
+    made: list[int] = []
+    slow = threading.Event()
+
+    def connect() -> object:
+        if slow.is_set():
+            time.sleep(2.0)  # a connect held up (a 5 s name lookup, scaled down)
+        made.append(len(made))
+        return object()
+
+    spare = SpareClient(connect)
+    first = spare.take()  # nothing prepared yet: connected inline, and a spare started
+    deadline = time.monotonic() + 5
+    while len(made) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(made) == 2
+    second = spare.take()  # the spare, at once
+    assert second is not first
+    slow.set()  # the next spare (started by that take) is slow now
+    time.sleep(0.05)
+    slow.clear()
+    t0 = time.monotonic()
+    third = spare.take()  # the slow spare is still connecting: connect inline, do not wait
+    assert time.monotonic() - t0 < 1.0
+    assert third not in (first, second)
