@@ -133,7 +133,7 @@ def breakdown(steps: dict[Any, list[dict]], t_kill: float, t_gen: float, g0: int
                 start[k], commit[k] = call[1], s["t_commit"]
                 rebuild[k], coll[k], cpu[k] = call[4] + call[5], call[6], call[7]
                 before = [c for c in calls if c[1] < call[1]]
-                if before:  # its process's CPU from its last reduce before to this one's start
+                if before and len(call) > 8:  # its CPU from its last reduce before to this one
                     agree_cpu[k] = call[8] - before[-1][8]
         if k not in start:
             raise ValueError(f"rank {k} has no reduce after generation {g0}")

@@ -98,7 +98,9 @@ def test_store_key_count_is_flat(tmp_path: Path, n_shards: int) -> None:
     assert all(res.microbatches == 6 for r in h.ranks.values() for res, _ in r.results.values())
     early = max(v for k, v in counts.items() if 20 <= k <= 40)
     late = max(v for k, v in counts.items() if k >= steps - 20)
-    assert late <= early + 2, (early, late)  # without deletion: ~3 keys more per step
+    # Without deletion: ~3 keys more per step (~300 here). With it, what varies is how many
+    # steps the ranks run ahead of the sink when it counts (a few under load, ~3 keys each).
+    assert late <= early + 12, (early, late)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -18,8 +18,10 @@ ended by its PID; every namespace is deleted (and with it the bridge and the lin
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import resource
 import shlex
 import shutil
 import signal
@@ -463,6 +465,28 @@ def test_silence_fences_after_the_bound(store: object) -> None:
     # wake-ups were once late enough to pass 1.5 s).
     assert fired and 0.4 <= fired[0] - t0 <= 2.5, fired
     assert m.fenced  # type: ignore[attr-defined]
+    coord_end.close()
+
+
+def test_the_fence_holds_for_a_descriptor_past_1024(store: object) -> None:
+    """A rank with many connections (gloo pairs, store clients) has liveness sockets past fd
+    1024, where select() raises: the watchdog then returned without ever fencing."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2100:
+        pytest.skip(f"the hard limit on open files ({hard}) is below 2100")
+    if soft != resource.RLIM_INFINITY and soft < 2100:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (2100, hard))
+    t0 = time.monotonic()
+    m, coord_end, fired = _watched_member(store, 0.4)
+    low = m._sock  # type: ignore[attr-defined]
+    m._sock = socket.socket(fileno=fcntl.fcntl(low.fileno(), fcntl.F_DUPFD, 2000))  # type: ignore[attr-defined]
+    low.close()
+    coord_end.sendall(b"ping\n")  # unread bytes: the watchdog must look at the socket
+    deadline = t0 + 5
+    while not fired and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert m._sock.fileno() >= 1024  # type: ignore[attr-defined]
+    assert fired and 0.8 <= fired[0] - t0 <= 2.5, fired
     coord_end.close()
 
 

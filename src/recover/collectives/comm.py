@@ -260,7 +260,7 @@ class FaultTolerantComm:
         box: dict[str, object] = {}
         # A new client each build (reusing an ended build's broke pipes to the store, DESIGN
         # §14), connected ahead of need: its connect's name lookup can take 5 s (`spare`).
-        store = PrefixStore(prefix + "/pg", self._spare.take())
+        store = PrefixStore(prefix + "/pg", self._spare.take(prepare_next=False))
 
         # Connections to the coordinator (store, shards, liveness) are not the group's.
         spare = {self.member.port, self.member.live_port, *self.member.shard_ports}
@@ -299,6 +299,7 @@ class FaultTolerantComm:
         self.stats["build_cpu_s"] += time.process_time() - c0
         self._pg, self._pg_gen = box["pg"], g
         self._socks = box.get("socks", [])  # type: ignore[assignment]
+        self._spare.prepare()  # the next build's client, connected while this group is used
         return self._pg
 
     # -- the interface gloo binds ------------------------------------------------------------

@@ -29,9 +29,8 @@ from recover.collectives import keys, shards
 FENCE_STALE_FACTOR = 3.0  # silence bound = this x the coordinator's --stale-s
 READ_TICK_S = 0.1  # every liveness-socket read and the watchdog wake up at least this often
 REFRESH_S = 2.0  # the store is read for generations this often even without a push
-# A main thread without progress for this fraction of its stuck bound is reported as stalled in
-# its heartbeats: evidence that lets the coordinator evict it when others name it, before it
-# fences itself at the whole bound (a member that is only late is never evicted for lateness).
+# Stalled this fraction of its stuck bound, a main thread says so in its heartbeats: evidence for an
+# eviction when others name it, before it fences itself (lateness alone never evicts anyone).
 STALL_REPORT_FRACTION = 0.5
 
 
@@ -451,7 +450,7 @@ class Member:
                 unread_since = None
                 continue
             try:
-                unread = not died and bool(select.select([self._sock], [], [], 0)[0])
+                unread = not died and _readable(self._sock)
             except (OSError, ValueError):  # closed by leave()
                 return
             if unread:
@@ -467,6 +466,13 @@ class Member:
                 f"partition, or the coordinator's host is down); the others have dropped it. "
                 f"Exiting with code {keys.EXIT_PARTITIONED} without touching shared state")
             return
+
+
+def _readable(sock: socket.socket) -> bool:
+    # poll, not select: select refuses a descriptor >= 1024 (a rank with many connections)
+    p = select.poll()
+    p.register(sock, select.POLLIN)  # ValueError once closed (its fileno is -1)
+    return bool(p.poll(0))
 
 
 def is_loopback(addr: str) -> bool:

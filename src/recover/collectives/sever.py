@@ -43,8 +43,10 @@ def sockets() -> dict[int, str]:
 
 
 def opened_since(before: dict[int, str], spare: set[int]) -> list[socket.socket]:
-    """Duplicates of the connected TCP sockets opened since `before`, less those whose peer's
-    port is in `spare`. The caller owns them: `release` them when the group is let go."""
+    """Duplicates of the connected TCP sockets opened since `before`, less those with an end on
+    a port in `spare` (a client of the store, or the store's own side of one where the
+    coordinator shares the process). The caller owns them: `release` them when the group is let
+    go."""
     out: list[socket.socket] = []
     for fd, inode in sockets().items():
         if before.get(fd) == inode:
@@ -55,7 +57,8 @@ def opened_since(before: dict[int, str], spare: set[int]) -> list[socket.socket]
             continue  # closed meanwhile
         try:
             keep = (s.family in (socket.AF_INET, socket.AF_INET6)
-                    and s.type == socket.SOCK_STREAM and s.getpeername()[1] not in spare)
+                    and s.type == socket.SOCK_STREAM and s.getpeername()[1] not in spare
+                    and s.getsockname()[1] not in spare)
         except OSError:
             keep = False  # not connected: a listener
         if keep:

@@ -35,14 +35,17 @@ class SpareClient:
             self._busy = True
         threading.Thread(target=self._fill, name="recover-spare-store", daemon=True).start()
 
-    def take(self) -> Any:
-        """A fresh client: the spare if it is connected, else one connected now. A new spare
-        is started either way."""
+    def take(self, prepare_next: bool = True) -> Any:
+        """A fresh client: the spare if it is connected, else one connected now. The next spare
+        is started now, or (prepare_next=False) when the caller calls `prepare`: a build
+        prepares it once it is built, so the connect competes with neither the build for the
+        CPU nor its socket census (`sever.opened_since`)."""
         with self._lock:
             client, self._ready = self._ready, None
         if client is None:
             client = self._connect()
-        self.prepare()
+        if prepare_next:
+            self.prepare()
         return client
 
     def _fill(self) -> None:
