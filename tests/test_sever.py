@@ -23,7 +23,7 @@ def _pair(listener: socket.socket) -> tuple[socket.socket, socket.socket]:
     return client, server
 
 
-def _inodes(socks: list[socket.socket]) -> set[tuple[int, int]]:
+def _ends(socks: list[socket.socket]) -> set[tuple[int, int]]:
     """(local port, peer port) of each: which connection a duplicate refers to."""
     return {(s.getsockname()[1], s.getpeername()[1]) for s in socks}
 
@@ -42,7 +42,7 @@ def test_opened_since_takes_new_connections_but_not_listeners_or_spare_ports() -
         # end of the connection to the spare port (a store client, and the store's side of it
         # where the coordinator shares the process), nothing opened before
         want = {(c.getsockname()[1], c.getpeername()[1]), (s.getsockname()[1], s.getpeername()[1])}
-        assert _inodes(got) == want
+        assert _ends(got) == want
     finally:
         sever.release(got)
         for x in (old_listener, old_c, old_s, listener, store_like, c, s, to_store, _from):

@@ -135,23 +135,22 @@ def serve_store(host: str, port: int) -> TCPStore:
     stalled the server for everyone for the resolver's 5 s (DESIGN §14). An AF_INET listener
     shows peers as plain IPv4, which /etc/hosts answers for loopback. An IPv6 host keeps torch's.
     """
+    host = host or "0.0.0.0"
     try:
-        ipv4 = host in ("", "0.0.0.0") or socket.inet_pton(socket.AF_INET, host) is not None
-    except OSError:
-        ipv4 = False
-    if not ipv4:
+        socket.inet_pton(socket.AF_INET, host)
+    except OSError:  # an IPv6 address or a name
         return TCPStore(host, port, is_master=True, wait_for_workers=False, use_libuv=True)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own listener
-        sock.bind((host or "0.0.0.0", port))
+        sock.bind((host, port))
         sock.listen(4096)
     except OSError:
         sock.close()
         raise
     bound = sock.getsockname()[1]
     # The store takes the descriptor over (it closes it when it stops): detach it from Python.
-    return TCPStore(host or "0.0.0.0", bound, is_master=True, wait_for_workers=False,
+    return TCPStore(host, bound, is_master=True, wait_for_workers=False,
                     master_listen_fd=sock.detach(), use_libuv=True)
 
 
