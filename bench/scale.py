@@ -189,8 +189,14 @@ def run_scale(reps: int, pos: int, a: argparse.Namespace, rng: random.Random, d:
                     err = (d / f"rank{k[0]}.{k[1]}.err").read_text(errors="replace")[-1500:]
                     raise ProtocolFailure(f"rank {k} exited {kids.code[k]} unexpectedly:\n{err}")
             for e in generations(clog):
-                if not expected_members <= set(e["members"]):
-                    raise FalseAlarm(f"generation {e['gen']}: {e.get('reason', '?')}")
+                dropped = sorted(expected_members - set(e["members"]))
+                if dropped:
+                    time.sleep(0.5)  # its process, if it ended, is reaped by then
+                    kids.reap()
+                    how = {k: kids.code.get(k, "still running") for k in ranks
+                           if k[0] in dropped}
+                    raise FalseAlarm(f"generation {e['gen']}: {e.get('reason', '?')}; the "
+                                     f"dropped ranks' exit codes: {how}")
 
         def reached(n: int, keys: list[Any], after_gen: int = -1) -> Callable[[], bool]:
             def cond() -> bool:

@@ -1,14 +1,17 @@
-"""`collectives.sever` on real loopback TCP sockets, `keys.serve_store`'s listener, and the spare
-store client a rebuild takes instead of connecting (`collectives.spare`)."""
+"""`collectives.sever` on real loopback TCP sockets and real gloo groups, `keys.serve_store`'s
+listener, and the spare store client a rebuild takes instead of connecting (`collectives.spare`)."""
 
 from __future__ import annotations
 
+import datetime
 import socket
 import sys
 import threading
 import time
 
 import pytest
+import torch
+from torch.distributed import HashStore, ProcessGroupGloo
 
 from recover.collectives import keys, sever
 from recover.collectives.spare import SpareClient
@@ -124,3 +127,55 @@ def test_spare_client_is_ready_ahead_and_never_shared() -> None:
     third = spare.take()  # the slow spare is still connecting: connect inline, do not wait
     assert time.monotonic() - t0 < 1.0
     assert third not in (first, second)
+
+
+def _gloo_ranks(size: int) -> list[ProcessGroupGloo]:
+    """`size` gloo ranks of one group in this process, built in threads on one store."""
+    store = HashStore()
+    groups: dict[int, ProcessGroupGloo] = {}
+
+    def build(r: int) -> None:
+        groups[r] = ProcessGroupGloo(store, r, size, datetime.timedelta(seconds=30))
+
+    builders = [threading.Thread(target=build, args=(r,)) for r in range(size)]
+    for b in builders:
+        b.start()
+    for b in builders:
+        b.join(30)
+    assert len(groups) == size, "a gloo rank was not built within 30 s"
+    return [groups[r] for r in range(size)]
+
+
+def test_severing_the_reading_side_ends_real_gloo_ops_in_flight() -> None:
+    """Four gloo ranks (threads, one store) all-reduce 4 MB tensors back to back; every rank's
+    sockets are shut down for reading while ops are in flight (as every survivor does when a
+    newer generation comes). Each op must fail within 3 s (it takes ~10 ms; gloo would wait out
+    its 30 s timeout). Shutting the writing side too lost sends inside gloo (EPIPE on an async
+    write is queued, and a queued unbound send is not failed by the pair's error): 4 of 8 such
+    trials waited out gloo's timeout (DESIGN §16)."""
+    size, trials = 4, 6
+    hit = 0
+    for t in range(trials):
+        before = sever.sockets()
+        groups = _gloo_ranks(size)
+        socks = sever.opened_since(before, set())
+        try:
+            xs = [torch.ones(1 << 20) for _ in range(size)]
+            cut = time.monotonic() + 0.1 + 0.03 * t
+            while True:
+                futs = [g.allreduce([x]).get_future() for g, x in zip(groups, xs, strict=True)]
+                while not all(f.done() for f in futs) and time.monotonic() < cut:
+                    time.sleep(0.0005)
+                if time.monotonic() >= cut:
+                    break
+            hit += any(not f.done() for f in futs)
+            t0 = time.monotonic()
+            sever.sever(socks, socket.SHUT_RD)
+            while not all(f.done() for f in futs) and time.monotonic() - t0 < 3.0:
+                time.sleep(0.002)
+            ended = sum(f.done() for f in futs)
+            assert ended == size, f"trial {t}: {size - ended} op(s) still on 3 s after the cut"
+        finally:
+            sever.sever(socks, socket.SHUT_WR)
+            sever.release(socks)
+    assert hit >= trials // 2, f"only {hit} of {trials} cuts landed with ops in flight"

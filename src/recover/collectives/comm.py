@@ -191,8 +191,11 @@ class FaultTolerantComm:
         except Exception as e:
             # Sever our side of the group (the other members' pending ops fail within ms, not
             # at the timeout, DESIGN §5) and retire it: never destroyed here, gloo's destructor
-            # waits for its threads and closes a pair per peer (1 s at 128 ranks).
-            self._sever(pg)
+            # waits for its threads and closes a pair per peer (1 s at 128 ranks). Only the
+            # writing side while nothing of ours runs: the peers read end-of-file, and their
+            # sends still land (a shut reading side answers data with a reset, `sever`).
+            ours_done = all(f.done() for f in futs)
+            self._sever(pg, socket.SHUT_WR if ours_done else socket.SHUT_RD)
             self._release(pg, works, futs)
             works, futs, pg = [], [], None  # this frame outlives the raise (its traceback)
             self.member.report_fail(g)
@@ -226,7 +229,7 @@ class FaultTolerantComm:
         return any(b.data_ptr() == ptr for h in self._holding for b in h.bufs)
 
     def close(self) -> None:
-        self._sever(self._pg)  # nobody will use it again: let peers' ops end at once
+        self._sever(self._pg, socket.SHUT_WR)  # nobody will use it again: peers' ops end now
         self._drop()
         self._holding.clear()
 
@@ -414,31 +417,35 @@ class FaultTolerantComm:
     def _abandon(self, pg: object, works: list[Any], futs: list[torch.futures.Future],
                  bufs: Sequence[torch.Tensor]) -> None:
         # A peer may be hung with its sockets open: gloo would write into `bufs` until its own
-        # timeout. Shutting our side of the group's connections down ends the op within ms
-        # (`sever`); without that (no socket known), a peer that died still fails it within
-        # ~40 ms (DESIGN §5). Only an op still running after ABANDON_SETTLE_S keeps its buffers
-        # held (`in_use`) until it ends; the group is retired either way.
-        severed = self._sever(pg)
+        # timeout. Shutting the group's connections down for reading ends the op within ms
+        # (`sever`: not for writing, which can lose a send inside gloo; the peers shut their own
+        # for the same generation); without a socket known, a dead peer still fails it in ~40
+        # ms (DESIGN §5). Only an op running after the settle keeps its buffers held (`in_use`).
+        severed = self._sever(pg, socket.SHUT_RD)
         if self.backend == "nccl":
             # Unlike gloo, aborting an NCCL communicator ends the operations in flight
             # (ncclCommAbort), after which the buffer is no longer written.
             with contextlib.suppress(Exception):
                 pg.abort()  # type: ignore[attr-defined]
         else:
-            # Severed, the op fails as soon as gloo's loop thread runs (ms; but on a loaded
-            # machine it once took > 0.25 s, and a second buffer was made): wait for it longer.
+            # Severed, the op fails as soon as gloo's loop thread runs (ms; on a loaded machine
+            # > 0.25 s, then a second buffer was made): wait longer, woken by its futures.
+            ended = threading.Event()
+            for fut in futs:
+                fut.add_done_callback(lambda _: ended.set())
             settle = time.monotonic() + (SEVERED_SETTLE_S if severed else ABANDON_SETTLE_S)
             while not all(f.done() for f in futs) and time.monotonic() < settle:
-                time.sleep(0.002)
+                ended.wait(max(0.0, settle - time.monotonic()))
+                ended.clear()
         if not all(f.done() for f in futs):
             # After an NCCL abort nothing writes into the buffers any more: only gloo's are held.
             self._holding.append(_Held(futs, [] if self.backend == "nccl" else list(bufs)))
         self._release(pg, works, futs)
 
-    def _sever(self, pg: object) -> bool:
-        """Shut down our side of `pg`'s connections if it is the current group (gloo only:
-        no socket is recorded for NCCL); whether any was."""
-        return self._pg is pg and sever.sever(self._socks) > 0
+    def _sever(self, pg: object, how: int = socket.SHUT_RDWR) -> bool:
+        """Shut down our side of `pg`'s connections (`how`: both ways, or one) if it is the
+        current group (gloo only: no socket is recorded for NCCL); whether any was."""
+        return self._pg is pg and sever.sever(self._socks, how) > 0
 
     def _release(self, pg: object, works: Sequence[Any] = (),
                  futs: Sequence[torch.futures.Future] = ()) -> None:
@@ -458,8 +465,6 @@ class FaultTolerantComm:
         keep = 3 * self.timeout_s
         self._holding = [h for h in self._holding
                          if not all(f.done() for f in h.futs) and now - h.since < keep]
-
-
 
 
 def _iface_addr(name: str) -> str | None:

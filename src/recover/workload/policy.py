@@ -22,7 +22,8 @@ def _weights(members: Sequence[int], speeds: Mapping[int, float] | None) -> list
     """Relative throughput per member from seconds-per-microbatch (unknown = the median)."""
     if not speeds:
         return [1.0] * len(members)
-    known = sorted(t for m, t in speeds.items() if m in members and t > 0)
+    present = set(members)  # a set: this runs for every plan, with R members
+    known = sorted(t for m, t in speeds.items() if m in present and t > 0)
     if not known:
         return [1.0] * len(members)
     median = known[len(known) // 2]
