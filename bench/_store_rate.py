@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -46,24 +47,11 @@ def _client(arg: tuple[int, int, int, Path]) -> int:
     return 0
 
 
-def request_cpu_s(d: Path, clients: int = 8, pairs: int = 1500, tries: int = 3) -> float:
-    """Server CPU seconds per request, over `clients` x `pairs` x 2 requests; a fresh server and
-    clients for each try. Why tries: on this session's machine, after the 64-rank scale, a
-    freshly forked store server sometimes answered no client for its whole connect timeout
-    (the kernel accepted, nothing replied; not explained, DESIGN §16). Raises the last error."""
-    for k in range(tries):
-        try:
-            return _measure(d / f"try{k}", clients, pairs)
-        except (RuntimeError, TimeoutError) as e:  # torch's DistNetworkError is a RuntimeError
-            print(f"store rate, try {k + 1} of {tries}: {str(e).splitlines()[0][:160]}",
-                  flush=True)
-            if k == tries - 1:
-                raise
-    raise AssertionError("unreachable")
-
-
-def _measure(d: Path, clients: int, pairs: int) -> float:
-    d.mkdir(parents=True, exist_ok=True)
+def request_cpu_s(d: Path, clients: int = 8, pairs: int = 1500) -> float:
+    """Server CPU seconds per request, over `clients` x `pairs` x 2 requests."""
+    if d.exists():
+        shutil.rmtree(d)  # an earlier run's port file would send the clients to a dead port
+    d.mkdir(parents=True)
     kids = Children()
     port_file, done = d / "store.port", d / "client.done"
     try:
@@ -75,7 +63,7 @@ def _measure(d: Path, clients: int, pairs: int) -> float:
         import torch.distributed as dist
 
         ctl = dist.TCPStore("127.0.0.1", port, is_master=False,
-                            timeout=datetime.timedelta(seconds=20))
+                            timeout=datetime.timedelta(seconds=60))
         ctl.wait([f"ready/{c}" for c in range(clients)])
         c0 = cpu_s(kids.pid["server"])
         ctl.set("go", "1")

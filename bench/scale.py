@@ -60,6 +60,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -160,7 +161,11 @@ def generations(path: Path) -> list[dict]:
 
 
 def run_scale(reps: int, pos: int, a: argparse.Namespace, rng: random.Random, d: Path) -> dict:
-    d.mkdir(parents=True, exist_ok=True)
+    if d.exists():
+        # An earlier run's logs there would be read as this one's (every log is appended to):
+        # its generations raised false alarms, its steps entered the figures.
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
     kids, clog, stop_file = Children(), d / "coordinator.jsonl", d / "stop_at"
     ranks = [(r, p) for r in range(reps) for p in range(pos)]
     try:

@@ -32,6 +32,7 @@ from torch.distributed import PrefixStore, ProcessGroupGloo
 
 from recover.collectives import keys, sever
 from recover.collectives.member import Member, is_loopback
+from recover.collectives.netif import iface_addr, iface_of, source_towards
 from recover.collectives.reaper import retire as _retire
 from recover.collectives.spare import SpareClient
 from recover.collectives.waiter import KeyWaiter
@@ -116,6 +117,8 @@ class FaultTolerantComm:
         self._pg: object | None = None
         self._pg_gen = -1
         self._socks: list[socket.socket] = []  # the gloo sockets of `_pg` (see `sever`)
+        # Those of groups let go, closed once the next group's barrier has passed: closed
+        self._closing: list[socket.socket] = []  # earlier, a slower peer's send is reset
         self._holding: list[_Held] = []
         self._waiter = KeyWaiter(member)  # blocking reads for the build barrier
         self._spare = SpareClient(member.store.clone)  # each build's own rendezvous client
@@ -139,6 +142,8 @@ class FaultTolerantComm:
             raise ReplicaFault(g, [self.member.replica],
                                f"replica {self.member.replica} is fenced (not in generation {g})")
         if len(members) == 1:
+            sever.release(self._closing)  # no peer left to meet, nor to wait for
+            self._closing = []
             self._superseded(g)
             if on_issued is not None:  # the step reached its reduce, even with nobody to meet
                 on_issued()
@@ -232,6 +237,8 @@ class FaultTolerantComm:
         self._sever(self._pg, socket.SHUT_WR)  # nobody will use it again: peers' ops end now
         self._drop()
         self._holding.clear()
+        sever.release(self._closing)
+        self._closing = []
 
     # -- internals ---------------------------------------------------------------------------
     def _lost_since(self, g: int) -> list[int]:
@@ -255,6 +262,8 @@ class FaultTolerantComm:
         if addr is not None:
             self.member.store.set(keys.gloo_addr(prefix, rank), addr)
         self._barrier(g, prefix, size)
+        sever.release(self._closing)  # every member left the older generations' ops by now
+        self._closing = []
         if addr is not None and is_loopback(addr):
             addr = self._off_loopback(addr, prefix, rank, size)
         t1 = time.monotonic()
@@ -318,7 +327,7 @@ class FaultTolerantComm:
                             f"replica {self.member.replica}: no network interface named "
                             f"{name!r} on this host (--gloo-ifname / {IFNAME_ENV}); `ip addr` "
                             "lists them") from None
-                self._addr = _iface_addr(self.ifname.split(",")[0]) or ""
+                self._addr = iface_addr(self.ifname.split(",")[0]) or ""
             else:
                 self._addr = self.member.local_addr
             if self._addr and is_loopback(self._addr) and self.member.coordinator_remote:
@@ -349,7 +358,7 @@ class FaultTolerantComm:
                 f"--gloo-ifname (or {IFNAME_ENV}) to the interface that reaches them")
         # This host reaches the coordinator over loopback (it runs the coordinator, or its name
         # resolves to 127.0.1.1) while others are elsewhere: bind the route towards them.
-        routed = _source_towards(remote[0])
+        routed = source_towards(remote[0])
         if routed is None or is_loopback(routed):
             raise GlooInterfaceError(
                 f"replica {me}: reaches the coordinator over loopback ({addr}) and finds no "
@@ -362,7 +371,7 @@ class FaultTolerantComm:
         return routed
 
     def _where(self, addr: str | None) -> str:
-        name = self.ifname or (_iface_of(addr) if addr else None)
+        name = self.ifname or (iface_of(addr) if addr else None)
         return f"{addr} ({name})" if name and addr else (addr or name or "gloo's default")
 
     def _hint(self, why: str, addr: str | None) -> None:
@@ -452,7 +461,7 @@ class FaultTolerantComm:
         """Stop using `pg` (and forget its sockets if it is the current group); the reaper
         destroys it once its work has ended."""
         if self._pg is pg:
-            sever.release(self._socks)
+            self._closing += self._socks
             self._pg, self._pg_gen, self._socks = None, -1, []
         _retire(pg, works, futs)
 
@@ -465,36 +474,3 @@ class FaultTolerantComm:
         keep = 3 * self.timeout_s
         self._holding = [h for h in self._holding
                          if not all(f.done() for f in h.futs) and now - h.since < keep]
-
-
-def _iface_addr(name: str) -> str | None:
-    """The IPv4 address of interface `name` (Linux SIOCGIFADDR), or None."""
-    try:
-        import fcntl
-        import struct
-
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
-        return socket.inet_ntoa(raw[20:24])
-    except (ImportError, OSError):
-        return None
-
-
-def _iface_of(addr: str) -> str | None:
-    """The name of the interface holding IPv4 address `addr`, or None."""
-    try:
-        names = [n for _, n in socket.if_nameindex()]
-    except OSError:
-        return None
-    return next((n for n in names if _iface_addr(n) == addr), None)
-
-
-def _source_towards(peer: str) -> str | None:
-    """The local address the kernel routes traffic to `peer` from (a UDP connect sends nothing)."""
-    try:
-        family = socket.AF_INET6 if ":" in peer else socket.AF_INET
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect((peer, 9))
-            return s.getsockname()[0]
-    except OSError:
-        return None
