@@ -117,8 +117,10 @@ class FaultTolerantComm:
         self._pg: object | None = None
         self._pg_gen = -1
         self._socks: list[socket.socket] = []  # the gloo sockets of `_pg` (see `sever`)
-        # Those of groups let go, closed once the next group's barrier has passed: closed
-        self._closing: list[socket.socket] = []  # earlier, a slower peer's send is reset
+        # The sockets of groups let go, closed only once the next group's barrier has passed
+        # (every member has left the older ops by then): closed earlier, a slower peer's send
+        # on one was reset, and gloo lost it (DESIGN §16).
+        self._closing: list[socket.socket] = []
         self._holding: list[_Held] = []
         self._waiter = KeyWaiter(member)  # blocking reads for the build barrier
         self._spare = SpareClient(member.store.clone)  # each build's own rendezvous client
@@ -198,7 +200,7 @@ class FaultTolerantComm:
             # at the timeout, DESIGN §5) and retire it: never destroyed here, gloo's destructor
             # waits for its threads and closes a pair per peer (1 s at 128 ranks). Only the
             # writing side while nothing of ours runs: the peers read end-of-file, and their
-            # sends still land (a shut reading side answers data with a reset, `sever`).
+            # sends still land (a socket shut both ways answers data with a reset, `sever`).
             ours_done = all(f.done() for f in futs)
             self._sever(pg, socket.SHUT_WR if ours_done else socket.SHUT_RD)
             self._release(pg, works, futs)
@@ -458,8 +460,8 @@ class FaultTolerantComm:
 
     def _release(self, pg: object, works: Sequence[Any] = (),
                  futs: Sequence[torch.futures.Future] = ()) -> None:
-        """Stop using `pg` (and forget its sockets if it is the current group); the reaper
-        destroys it once its work has ended."""
+        """Stop using `pg` (if it is the current group, its sockets go to `_closing`); the
+        reaper destroys it once its work has ended."""
         if self._pg is pg:
             self._closing += self._socks
             self._pg, self._pg_gen, self._socks = None, -1, []
