@@ -144,8 +144,7 @@ class FaultTolerantComm:
             raise ReplicaFault(g, [self.member.replica],
                                f"replica {self.member.replica} is fenced (not in generation {g})")
         if len(members) == 1:
-            sever.release(self._closing)  # no peer left to meet, nor to wait for
-            self._closing = []
+            self._close_old()  # no peer left to meet, nor to wait for
             self._superseded(g)
             if on_issued is not None:  # the step reached its reduce, even with nobody to meet
                 on_issued()
@@ -239,8 +238,7 @@ class FaultTolerantComm:
         self._sever(self._pg, socket.SHUT_WR)  # nobody will use it again: peers' ops end now
         self._drop()
         self._holding.clear()
-        sever.release(self._closing)
-        self._closing = []
+        self._close_old()
 
     # -- internals ---------------------------------------------------------------------------
     def _lost_since(self, g: int) -> list[int]:
@@ -264,8 +262,7 @@ class FaultTolerantComm:
         if addr is not None:
             self.member.store.set(keys.gloo_addr(prefix, rank), addr)
         self._barrier(g, prefix, size)
-        sever.release(self._closing)  # every member left the older generations' ops by now
-        self._closing = []
+        self._close_old()  # every member left the older generations' ops by now
         if addr is not None and is_loopback(addr):
             addr = self._off_loopback(addr, prefix, rank, size)
         t1 = time.monotonic()
@@ -453,7 +450,7 @@ class FaultTolerantComm:
             self._holding.append(_Held(futs, [] if self.backend == "nccl" else list(bufs)))
         self._release(pg, works, futs)
 
-    def _sever(self, pg: object, how: int = socket.SHUT_RDWR) -> bool:
+    def _sever(self, pg: object, how: int) -> bool:
         """Shut down our side of `pg`'s connections (`how`: both ways, or one) if it is the
         current group (gloo only: no socket is recorded for NCCL); whether any was."""
         return self._pg is pg and sever.sever(self._socks, how) > 0
@@ -466,6 +463,10 @@ class FaultTolerantComm:
             self._closing += self._socks
             self._pg, self._pg_gen, self._socks = None, -1, []
         _retire(pg, works, futs)
+
+    def _close_old(self) -> None:
+        sever.release(self._closing)
+        self._closing = []
 
     def _drop(self) -> None:
         self._release(self._pg)
