@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -35,6 +36,16 @@ def cores() -> int:
 def out_dir(arg: str | None, name: str) -> Path:
     path = Path(arg) if arg else Path(tempfile.mkdtemp(prefix=f"recover-bench-{name}-"))
     path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def fresh_dir(path: Path) -> Path:
+    """An empty folder at `path`, a bench's own (under its --out): the logs a bench reads are
+    appended to and port files are taken as they are found, so a folder reused from an earlier
+    run would feed that run's generations, steps and dead ports into this one's figures."""
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
     return path
 
 
@@ -123,6 +134,7 @@ def recover_train(out: Path, preset: str, extra: list[str], timeout_s: float
     cmd = [sys.executable, "-m", "recover.cli", "train", "--preset", preset, "--out", str(out),
            *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    fresh_dir(out)  # `recover train` refuses a folder that holds a run (a reused --out)
     log = out.parent / f"{out.name}.log"
     log.unlink(missing_ok=True)
     proc = start(cmd, log, env=env)

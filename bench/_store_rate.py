@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import datetime
 import os
-import shutil
 import time
 from pathlib import Path
 
+from _common import fresh_dir
 from _scale_procs import Children, cpu_s, fork_call, wait_for
 
 
@@ -49,9 +49,7 @@ def _client(arg: tuple[int, int, int, Path]) -> int:
 
 def request_cpu_s(d: Path, clients: int = 8, pairs: int = 1500) -> float:
     """Server CPU seconds per request, over `clients` x `pairs` x 2 requests."""
-    if d.exists():
-        shutil.rmtree(d)  # an earlier run's port file would send the clients to a dead port
-    d.mkdir(parents=True)
+    fresh_dir(d)  # an earlier run's port file would send the clients to a dead port
     kids = Children()
     port_file, done = d / "store.port", d / "client.done"
     try:

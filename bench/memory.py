@@ -41,7 +41,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import BENCH_DIR, cores, loadavg, out_dir, say, table
+from _common import BENCH_DIR, cores, fresh_dir, loadavg, out_dir, say, table
 from recover.procs import start, stop, stop_all
 
 STEP_NAMES = {1: "failure-free", 2: "recovered (kill mid-reduce)", 3: "after the kill",
@@ -52,8 +52,7 @@ def scenario(root: Path, layout: str, exact: bool, a: argparse.Namespace) -> lis
     """Run one coordinator + R replicas; return the surviving ranks' results."""
     nranks = a.shards if layout == "hsdp" else 1
     name = f"{layout}-{'exact' if exact else 'default'}"
-    d = root / name
-    d.mkdir(parents=True, exist_ok=True)
+    d = fresh_dir(root / name)
     port_file = d / "coordinator.port"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     coord = start([sys.executable, "-m", "recover.collectives.coordinator", "--replicas",

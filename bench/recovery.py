@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import cores, median, out_dir, say, table
+from _common import cores, fresh_dir, median, out_dir, say, table
 from recover.config import RunConfig
 from recover.procs import stop_all as end
 from recover.train.forkserver import ForkServer, Process
@@ -64,7 +64,7 @@ class FalseAlarm(RuntimeError):
 
 
 def trial(k: int, d: Path, a, rng: random.Random, server: ForkServer) -> dict:
-    d.mkdir(parents=True, exist_ok=True)
+    fresh_dir(d)
     procs: list[Process] = []
     logs = [d / f"replica{r}.jsonl" for r in range(a.replicas)]
     env = dict(os.environ, OMP_NUM_THREADS="1")

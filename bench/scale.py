@@ -60,7 +60,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import signal
 import sys
 import time
@@ -70,7 +69,7 @@ from typing import Any
 
 import torch  # noqa: F401  (imported once here, shared copy-on-write by every forked rank)
 
-from _common import BENCH_DIR, cores, loadavg, median, out_dir, say, table
+from _common import BENCH_DIR, cores, fresh_dir, loadavg, median, out_dir, say, table
 from _scale_procs import Children, Tail, cpu_s, dump_stacks, fork_call, pss_mib, wait_for
 from _scale_rank import RankArgs, rank_main
 from _store_rate import request_cpu_s
@@ -161,11 +160,9 @@ def generations(path: Path) -> list[dict]:
 
 
 def run_scale(reps: int, pos: int, a: argparse.Namespace, rng: random.Random, d: Path) -> dict:
-    if d.exists():
-        # An earlier run's logs there would be read as this one's (every log is appended to):
-        # its generations raised false alarms, its steps entered the figures.
-        shutil.rmtree(d)
-    d.mkdir(parents=True)
+    # An earlier run's logs there would be read as this one's (every log is appended to): its
+    # generations raised false alarms, its steps entered the figures.
+    fresh_dir(d)
     kids, clog, stop_file = Children(), d / "coordinator.jsonl", d / "stop_at"
     ranks = [(r, p) for r in range(reps) for p in range(pos)]
     try:

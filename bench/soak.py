@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from _common import fresh_dir
 from recover.config import RunConfig
 from recover.runtoken import run_token
 from recover.train.checkpoint import latest_checkpoint, load_checkpoint
@@ -38,6 +39,7 @@ PHASES = ("forward", "backward", "reduce", "commit", "optimizer")
 
 
 def train(out: Path, data: Path, faults: list[str], timeout: float = 300) -> int:
+    fresh_dir(out)  # `recover train` refuses a folder that holds a run (a reused --out)
     args = [sys.executable, "-m", "recover", "train", "--out", str(out), "--data", str(data),
             *BASE]
     for f in faults:

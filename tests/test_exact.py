@@ -109,7 +109,10 @@ def test_overflow_is_detected_and_widened() -> None:
 
 
 # -- whole runs: real processes, real SIGKILLs ------------------------------------------------
-EXACT = ["--preset", "debug", "--exact", "--steps", "200", "--eval-every", "0",
+# 120 steps: without --exact, runs grouped differently first differ at step ~39 (issue #15
+# measured it on this preset), so the kills at 20, 55 and 90 leave room to differ; its
+# acceptance command runs 200.
+EXACT = ["--preset", "debug", "--exact", "--steps", "120", "--eval-every", "0",
          "--n-layer", "1", "--n-embd", "32", "--dump-final-params"]
 
 
@@ -126,9 +129,9 @@ def exact_ref(corpus: Path, tmp_path_factory: pytest.TempPathFactory):  # type: 
 def test_faults_are_bitwise_the_failure_free_run(exact_ref, corpus: Path,  # type: ignore[no-untyped-def]
                                                   tmp_path: Path) -> None:
     run = recover_train(tmp_path / "run", *EXACT, "--no-speed-aware",
-                        "--fault", "kill:replica=1,step=30,phase=backward",
-                        "--fault", "kill:replica=2,step=90,phase=reduce",
-                        "--fault", "kill:replica=3,step=150,phase=commit",
+                        "--fault", "kill:replica=1,step=20,phase=backward",
+                        "--fault", "kill:replica=2,step=55,phase=reduce",
+                        "--fault", "kill:replica=3,step=90,phase=commit",
                         data=corpus, timeout=500)
     assert run.returncode == 0, run.stderr[-3000:]
     recs = run.metrics()

@@ -37,7 +37,7 @@ import torch
 from _procs import Proc, stop_all
 from _run import max_rel
 from recover.collectives import FaultTolerantComm, GlooInterfaceError
-from recover.collectives.member import is_loopback
+from recover.collectives.netif import is_loopback
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 SUBNET = "10.77.0"  # only ever assigned inside this test's own namespaces

@@ -31,8 +31,8 @@ import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo
 
 from recover.collectives import keys, sever
-from recover.collectives.member import Member, is_loopback
-from recover.collectives.netif import iface_addr, iface_of, source_towards
+from recover.collectives.member import Member
+from recover.collectives.netif import iface_addr, iface_of, is_loopback, source_towards
 from recover.collectives.reaper import retire as _retire
 from recover.collectives.spare import SpareClient
 from recover.collectives.waiter import KeyWaiter

@@ -104,6 +104,7 @@ class Coordinator(Admissions, Evidence):
         self._last_hello = 0.0
         self._floor = 0  # this coordinator's first generation (older ones are not in its store)
         self._gen_count = 0  # the store's GEN_COUNT
+        self._published: int | None = None  # the last generation this coordinator published
 
     # -- setup ---------------------------------------------------------------------------
     def start(self) -> int:
@@ -426,15 +427,18 @@ class Coordinator(Admissions, Evidence):
         stored = self.client.compare_set(keys.members_key(g), "", value)
         if stored != value:  # only possible if two coordinators share a store: refuse loudly
             raise RuntimeError(f"generation {g} already has members {stored!r}")
+        # Stored: push it now, as a change to the one published last (members know it: no store
+        # read for them), then write what nobody waits for (the reason; the fallback's count).
+        base = self.generation if self._published == self.generation else None
+        push = keys.gen_push(g, base, self.members, members)
+        self.generation, self.members, self._published = g, sorted(members), g
+        self.lost, self.pending_since, self.accusations, self.accused_since = {}, None, {}, None
+        self._log({"event": "generation", "gen": g, "members": self.members, "reason": reason})
+        for conn in list(self._conns.values()):
+            self._send(conn, push)
         self.client.set(keys.reason_key(g), reason)
         self.client.add(keys.GEN_COUNT, g + 1 - self._gen_count)  # after a --recover gap too
         self._gen_count = g + 1
-        self.generation, self.members = g, sorted(members)
-        self.lost, self.pending_since, self.accusations = {}, None, {}
-        self.accused_since = None
-        self._log({"event": "generation", "gen": g, "members": self.members, "reason": reason})
-        for conn in list(self._conns.values()):
-            self._send(conn, f"gen {g}\n")
 
     def _send(self, conn: _Conn, msg: str) -> None:
         try:

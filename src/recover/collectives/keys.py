@@ -22,8 +22,8 @@ written anywhere else, so the layout can be read (and changed) in one sitting:
     run/stopped                     why the run stopped early (below --min-replicas, ...)
 
 Invariant: generation `g`'s member list is written exactly once (by the coordinator, with
-compare-and-set) and published by incrementing `gen/count` only after it is written; so a reader
-that sees `gen/count > g` can always read generation g's members.
+compare-and-set) and published, by a push to every member and by incrementing `gen/count`, only
+after it is written; so a reader told of g either way can always read generation g's members.
 """
 
 from __future__ import annotations
@@ -76,6 +76,37 @@ def encode_members(members: list[int]) -> bytes:
 
 def decode_members(raw: bytes) -> list[int]:
     return [int(m) for m in json.loads(raw)]
+
+
+# The push that tells members of a generation carries it as a change to the one before, so a
+# member that knows that one learns the new one without a store round trip (a failure would
+# otherwise send every rank of the job to the one store server at the same moment). A change
+# larger than this is not pushed: those members read the store.
+PUSH_DELTA_MAX = 1024
+
+
+def gen_push(g: int, base: int | None, old: list[int], new: list[int]) -> str:
+    """`gen <g>` and, when `base` is the generation published just before with members `old`,
+    `<base> <left> <joined>` (comma-separated replicas, `-` for none)."""
+    left, joined = sorted(set(old) - set(new)), sorted(set(new) - set(old))
+    if base is None or len(left) + len(joined) > PUSH_DELTA_MAX:
+        return f"gen {g}\n"
+
+    def csv(xs: list[int]) -> str:
+        return ",".join(map(str, xs)) or "-"
+    return f"gen {g} {base} {csv(left)} {csv(joined)}\n"
+
+
+def read_gen_push(words: list[str], known: dict[int, list[int]]) -> tuple[int, list[int] | None]:
+    """(g, its members) from a `gen_push` line's words; members None when the line carries no
+    change or its base generation is not in `known` (then they are read from the store)."""
+    g = int(words[1])
+    if len(words) < 5 or int(words[2]) not in known:
+        return g, None
+
+    def ids(w: str) -> set[int]:
+        return set() if w == "-" else {int(x) for x in w.split(",")}
+    return g, sorted(set(known[int(words[2])]) - ids(words[3]) | ids(words[4]))
 
 
 # -- the step protocol (written by the replicas) ----------------------------------------------

@@ -14,7 +14,7 @@ The coordinator drops a silent member after --stale-s, well before the member gi
 from __future__ import annotations
 
 import contextlib
-import ipaddress
+import functools
 import os
 import select
 import socket
@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from recover.collectives import keys, shards
+from recover.collectives.netif import is_loopback
 
 FENCE_STALE_FACTOR = 3.0  # silence bound = this x the coordinator's --stale-s
 READ_TICK_S = 0.1  # every liveness-socket read and the watchdog wake up at least this often
@@ -309,36 +310,42 @@ class Member:
                 raise TimeoutError(f"coordinator did not publish {key!r} in time")
             time.sleep(0.01)
 
-    def _refresh(self, store) -> None:
-        """Learn every generation published so far (count is bumped after members are set)."""
+    def _refresh(self, store, upto: int | None = None) -> None:
+        """Learn every generation published so far from the store (count is bumped after the
+        members are set), or, told of `upto` by a push, every one up to it (its members were
+        set before the push)."""
         if not self._welcomed.is_set():
             return  # until the coordinator answered our hello, we do not know if we are joining
-        count = keys.store_int(store, keys.GEN_COUNT)
+        count = keys.store_int(store, keys.GEN_COUNT) if upto is None else upto + 1
         with self._lock:
             known = self._gen
         for g in range(max(known + 1, self._floor), count):
-            members = keys.decode_members(store.get(keys.members_key(g)))
-            if self.joining and self.replica in members and g > self._admit_after:
-                self.joining = False  # admitted: from now on a generation without us fences us
-            for r in [r for r in list(self.join_requests) if r in members]:
-                self.join_requests.pop(r, None)
-            fenced = self.replica not in members and not self.joining
-            if fenced:
-                # Fence before the generation becomes visible: no thread of this process may
-                # ever act in (or even see) a generation without its replica.
-                self.fenced = True
-                self._on_fenced(f"replica {self.replica} (pid {os.getpid()}) is not a member of "
-                                f"generation {g} (members {members}): fenced, exiting")
-            with self._changed:
-                if g in self._members:  # the other background thread got here first
-                    continue
+            raw = keys.try_get(store, keys.members_key(g)) if upto is not None else \
+                store.get(keys.members_key(g))
+            if raw is None or not self._learn(g, keys.decode_members(raw)):
+                return
+
+    def _learn(self, g: int, members: list[int]) -> bool:
+        """Make generation g known here (once); False if it fenced this process."""
+        if self.joining and self.replica in members and g > self._admit_after:
+            self.joining = False  # admitted: from now on a generation without us fences us
+        for r in [r for r in list(self.join_requests) if r in members]:
+            self.join_requests.pop(r, None)
+        fenced = self.replica not in members and not self.joining
+        if fenced:
+            # Fence before the generation becomes visible: no thread of this process may
+            # ever act in (or even see) a generation without its replica.
+            self.fenced = True
+            self._on_fenced(f"replica {self.replica} (pid {os.getpid()}) is not a member of "
+                            f"generation {g} (members {members}): fenced, exiting")
+        with self._changed:
+            if g not in self._members:  # the other background thread may have got here first
                 self._members[g] = members
                 self._gen = max(self._gen, g)
                 self._changed.notify_all()
                 for ev in self._waiters:
                     ev.set()
-            if fenced:  # a custom on_fenced returned: comm refuses to reduce from now on
-                return
+        return not fenced  # a custom on_fenced returned: comm refuses to reduce from now on
 
     def _heartbeat_loop(self) -> None:
         # Heartbeats are a line on the liveness socket: the coordinator reads them with its
@@ -384,20 +391,26 @@ class Member:
             buf += data
             if b"\n" in buf:
                 *lines, buf = buf.split(b"\n")
-                refresh = False
                 for line in lines:
-                    refresh |= self._pushed(line.decode(errors="replace").split())
-                if not refresh:
-                    continue  # pings and join notes: nothing to read from the store
-                try:
-                    self._refresh(self._rd_store)
-                except Exception:
-                    pass  # the heartbeat thread notices a dead store
+                    upto = self._pushed(line.decode(errors="replace").split())
+                    if upto is None:
+                        continue  # pings and join notes, or a generation the push carried
+                    try:
+                        self._refresh(self._rd_store, upto)
+                    except Exception:
+                        pass  # the heartbeat thread notices a dead store
 
-    def _pushed(self, words: list[str]) -> bool:
-        """Handle one line from the coordinator; True if the store holds news (a generation)."""
+    def _pushed(self, words: list[str]) -> int | None:
+        """Handle one line from the coordinator; a generation to read from the store up to, if
+        it told of one it did not carry (or this process did not know the one it changed)."""
         try:
-            if words[:1] == ["welcome"]:  # welcome [<first generation of this coordinator>]
+            if words[:1] == ["gen"]:
+                with self._lock:
+                    g, members = keys.read_gen_push(words, self._members)
+                if members is None or not self._welcomed.is_set():
+                    return g
+                self._learn(g, members)
+            elif words[:1] == ["welcome"]:  # welcome [<first generation of this coordinator>]
                 self._floor = int(words[1]) if len(words) > 1 else 0
                 self._welcomed.set()
             elif words[:1] == ["join"]:  # join <replica> <epoch> <step>: a joiner waits for a donor
@@ -417,9 +430,9 @@ class Member:
                 self.refused = " ".join(words[1:]) or "refused"
                 self.coordinator_lost = True
                 self._welcomed.set()
-            return words[:1] == ["gen"]
         except (ValueError, IndexError):
-            return False
+            pass
+        return None
 
     def _watchdog_loop(self) -> None:
         """Fence this process once the coordinator has been silent for `fence_after_s`.
@@ -475,26 +488,11 @@ def _readable(sock: socket.socket) -> bool:
     return bool(p.poll(0))
 
 
-def is_loopback(addr: str) -> bool:
-    """True for 127.0.0.0/8 and ::1 (and IPv4-mapped forms); False for names and other addresses."""
-    try:
-        ip = ipaddress.ip_address(addr.split("%", 1)[0])
-    except ValueError:
-        return False
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return (mapped or ip).is_loopback
-
-
-def _exit_fenced(why: str) -> None:
+def _exit_with(code: int, why: str) -> None:
     print(f"recover: {why}", file=sys.stderr, flush=True)
-    os._exit(keys.EXIT_FENCED)
+    os._exit(code)
 
 
-def _exit_stuck(why: str) -> None:
-    print(f"recover: {why}", file=sys.stderr, flush=True)
-    os._exit(keys.EXIT_STUCK)
-
-
-def _exit_partitioned(why: str) -> None:
-    print(f"recover: {why}", file=sys.stderr, flush=True)
-    os._exit(keys.EXIT_PARTITIONED)
+_exit_fenced = functools.partial(_exit_with, keys.EXIT_FENCED)
+_exit_stuck = functools.partial(_exit_with, keys.EXIT_STUCK)
+_exit_partitioned = functools.partial(_exit_with, keys.EXIT_PARTITIONED)

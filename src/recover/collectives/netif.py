@@ -6,6 +6,7 @@ returns None instead of raising when it cannot tell; nothing here resolves a nam
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 
 
@@ -40,3 +41,13 @@ def source_towards(peer: str) -> str | None:
             return s.getsockname()[0]
     except OSError:
         return None
+
+
+def is_loopback(addr: str) -> bool:
+    """True for 127.0.0.0/8 and ::1 (and IPv4-mapped forms); False for names and other addresses."""
+    try:
+        ip = ipaddress.ip_address(addr.split("%", 1)[0])
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
