@@ -34,14 +34,17 @@ integer-valued gradient (checked exactly after every commit). P > 1 runs multi-p
      rest        -> the last survivor's commit (decision, stragglers).
      store_cpu   the coordinator's CPU time (it runs the store server) from the kill to the
                  survivors' --settle commits, less what as many failure-free steps cost it:
-                 the server's work for detection, agreement and the group's rendezvous.
+                 the server's work for detection, agreement and the group's rendezvous;
+     rec_ops     the store round trips of a survivor's step that reduced in the new
+                 generation (the most any survivor made), less a failure-free step's: what a
+                 failure adds per rank on the main store.
 
 A survivor that dies, a wrong gradient or a stuck step (every live rank's stacks are then dumped
 into its .err log) is a protocol failure: reported, never hidden, and the scale is retried
 (--retries). Every process is ended by PID in a `finally` (`recover.procs`). Outputs in --out:
 `scale.json` (the P = 1 curve: {"source", "ranks", "group", "store_ops_per_rank_step",
 "control_plane_s", "control_plane_cpu_s", "detect_s", "agree_s", "rebuild_s", "rebuild_cpu_s",
-"reduce_s",
+"reduce_s", "store_cpu_s", "recovery_store_ops_per_rank",
 "store_request_cpu_s"}, the last the store server's CPU per request, `_store_rate.py`; "group" is
 the size of the cross-replica group rebuilt, R, here = ranks), `scale_detail.json` (every
 scale and kill, and the failures), `scale.png`, and each scale's logs; `--write-curve` also
@@ -77,7 +80,8 @@ from recover.collectives import coordinator
 
 CURVE = BENCH_DIR.parent / "src" / "recover" / "sim" / "data" / "scale_curve.json"
 PARTS = ("detect", "agree", "recomp", "rebuild", "reduce", "rest")  # add up to "total"
-EXTRA = (*PARTS, "total", "teardown", "agree_med", "agree_cpu", "rebuild_cpu", "store_cpu")
+EXTRA = (*PARTS, "total", "teardown", "agree_med", "agree_cpu", "rebuild_cpu", "store_cpu",
+         "recovery_ops")
 
 
 class FalseAlarm(RuntimeError):
@@ -124,13 +128,14 @@ def breakdown(steps: dict[Any, list[dict]], t_kill: float, t_gen: float, g0: int
     published, and `agree_med` the median survivor's agree."""
     start, rebuild, coll, commit, recomp, teardown, cpu = {}, {}, {}, {}, {}, {}, {}
     agree_cpu: dict[Any, float] = {}
+    ops: dict[Any, float] = {}  # store round trips of its step that reduced in the new gen
     raised = 0
     for k, recs in steps.items():
         calls = [c for s in recs for c in s["reduces"]]
         for s in recs:
             call = next((c for c in s["reduces"] if c[0] > g0), None)
             if call is not None and k not in start:
-                start[k], commit[k] = call[1], s["t_commit"]
+                start[k], commit[k], ops[k] = call[1], s["t_commit"], s["ops"] + s["waits"]
                 rebuild[k], coll[k], cpu[k] = call[4] + call[5], call[6], call[7]
                 before = [c for c in calls if c[1] < call[1]]
                 if before and len(call) > 8:  # its CPU from its last reduce before to this one
@@ -149,7 +154,8 @@ def breakdown(steps: dict[Any, list[dict]], t_kill: float, t_gen: float, g0: int
            "total": max(commit.values()) - t_kill, "raised": float(raised),
            "teardown": teardown[last], "rebuild_cpu": cpu[last],
            "agree_cpu": max(agree_cpu.values(), default=float("nan")),
-           "agree_med": median([start[k] - t_gen - recomp[k] for k in start])}
+           "agree_med": median([start[k] - t_gen - recomp[k] for k in start]),
+           "step_ops": max(ops.values())}
     res["rest"] = res["total"] - sum(res[p] for p in PARTS[:-1])
     return res
 
@@ -240,7 +246,8 @@ def run_scale(reps: int, pos: int, a: argparse.Namespace, rng: random.Random, d:
             bd = breakdown({k: [s for s in tails[k].steps() if s["t_commit"] > t_kill]
                             for k in survivors}, t_kill, t_gen, g0)
             kills.append({"victim": list(victim), "ranks_before": before, **bd,
-                          "store_cpu": max(0.0, k1 - k0 - (m1 - m0) * step_cpu)})
+                          "store_cpu": max(0.0, k1 - k0 - (m1 - m0) * step_cpu),
+                          "recovery_ops": max(0.0, bd["step_ops"] - ff["store_ops"])})
         bad = [(k, s["step"]) for k in ranks for s in tails[k].steps() if not s["correct"]]
         if bad:
             raise ProtocolFailure(f"wrong reduced gradient at (rank, step) {bad[:5]}")
@@ -278,6 +285,7 @@ def curve(res: list[dict], source: str = "") -> dict[str, Any]:
             "rebuild_s": [round(r["rebuild"], 5) for r in one],
             "rebuild_cpu_s": [round(r["rebuild_cpu"], 5) for r in one],
             "store_cpu_s": [round(r["store_cpu"], 5) for r in one],
+            "recovery_store_ops_per_rank": [round(r["recovery_ops"], 3) for r in one],
             "reduce_s": [round(r["reduce"], 5) for r in one]}
 
 
@@ -377,15 +385,16 @@ def main() -> int:
             f"PSS {r['pss_mib']:.0f} MiB in all, max RSS {r['max_rss_mib']:.0f} MiB; load "
             f"{r['load']:.1f}; {time.monotonic() - t0:.0f}s so far")
     cols = ("detect", "agree", "teardown", "agree_med", "agree_cpu", "recomp", "rebuild",
-            "rebuild_cpu",
-            "reduce", "rest", "store_cpu")
+            "rebuild_cpu", "reduce", "rest", "store_cpu")
     rows = [(f"{r['replicas']}x{r['positions']}", r["ranks"],
              f"{r['engine_ops']:.2f}/{r['store_ops']:.2f}", f"{r['control_s'] * 1e3:.1f}",
              f"{r['control_cpu_s'] * 1e3:.2f}", f"{r['period_s'] * 1e3:.0f}",
              f"{r['total'] * 1e3:.0f}",
-             *(f"{r[p] * 1e3:.0f}" for p in cols), f"{r['pss_mib']:.0f}") for r in res]
+             *(f"{r[p] * 1e3:.0f}" for p in cols), f"{r['recovery_ops']:.1f}",
+             f"{r['pss_mib']:.0f}") for r in res]
     say("")
-    table(rows, ("RxP", "ranks", "ops", "ctl", "ctl_cpu", "step", "kill->ok", *cols, "PSS MiB"))
+    table(rows, ("RxP", "ranks", "ops", "ctl", "ctl_cpu", "step", "kill->ok", *cols, "rec_ops",
+                 "PSS MiB"))
     say("  ops: store round trips per rank per failure-free step, engine.stats['store_ops'] / "
         "that plus the engine's blocking key waits; ctl: failure-free control plane (ctl_cpu: "
         "the most CPU a rank spent in it); step: "
@@ -393,7 +402,8 @@ def main() -> int:
         "agree_med is the median survivor's agree (agree: the last survivor's); agree_cpu: the "
         "most CPU a survivor spent from its failed reduce to its next; rebuild_cpu: "
         "that survivor's CPU time (all its threads) over its rebuild; store_cpu: the coordinator's "
-        "(store server's) CPU for the recovery, less as many failure-free steps' worth")
+        "(store server's) CPU for the recovery, less as many failure-free steps' worth; rec_ops: "
+        "the store round trips a failure adds to a survivor's step")
     loads = [r["load"] for r in res]
     data = curve(res, f"bench/scale.py on {cores()} CPU cores shared by all ranks (load "
                       f"{min(loads):.0f}-{max(loads):.0f}), {time.strftime('%Y-%m-%d')}, "

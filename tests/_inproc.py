@@ -205,8 +205,8 @@ class Rank:
         self.kill()  # a fenced process exits: its socket closes, it never acts again
 
     def _on_write(self, key: str) -> None:
-        # The outcome: counted (`add`) failure-free, or written after a membership change.
-        if f"step/{self.step}/" in key and ("/out/" in key or key.endswith("/count")):
+        # The outcome: counted (`add`) failure-free, or as evidence after a membership change.
+        if f"step/{self.step}/" in key and ("/ev" in key or key.endswith("/count")):
             self.fire("outcome", 0)
 
     # -- the rank's life -----------------------------------------------------------------------
@@ -349,10 +349,6 @@ class Harness:
 
     def decision(self, step: int, g: int) -> bytes | None:
         return try_get(self.store(), decision_key(step, g))
-
-    def outcome(self, step: int, g: int, leaf: str) -> bytes | None:
-        """A rank's outcome: leaf "{replica}" (one rank per replica) or "{replica}.{position}"."""
-        return try_get(self.store(), keys.outcome_key(step, g, leaf))
 
     def check(self, survivors: list[int]) -> dict[int, StepResult]:
         """Every result any rank returned is exact; the survivors finished every step; each step

@@ -68,11 +68,12 @@ def test_breakdown_follows_the_last_survivor() -> None:
 def test_curve_keeps_the_simulators_schema() -> None:
     row = {"ranks": 4, "replicas": 4, "positions": 1, "store_ops": 3.0, "control_s": 0.001,
            "control_cpu_s": 0.0005, "detect": 0.04, "agree": 0.01, "rebuild": 0.005,
-           "rebuild_cpu": 0.001, "store_cpu": 0.01, "reduce": 0.002}
+           "rebuild_cpu": 0.001, "store_cpu": 0.01, "reduce": 0.002, "recovery_ops": 2.0}
     data = scale.curve([{**row, "ranks": 16, "replicas": 16}, row,
                         {**row, "positions": 8, "ranks": 64, "replicas": 8}], "here")
     assert list(data) == ["source", "ranks", "group", "store_ops_per_rank_step",
                           "control_plane_s", "control_plane_cpu_s", "detect_s", "agree_s",
-                          "rebuild_s", "rebuild_cpu_s", "store_cpu_s", "reduce_s"]
+                          "rebuild_s", "rebuild_cpu_s", "store_cpu_s",
+                          "recovery_store_ops_per_rank", "reduce_s"]
     assert data["ranks"] == [4, 16]  # P = 1 only, sorted by ranks
     assert data["group"] == [4, 16]  # each rebuilt group: one member per replica

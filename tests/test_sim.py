@@ -467,3 +467,26 @@ def test_control_plane_charges_rank_cpu_and_the_store_servers_serial_work(tmp_pa
     path.write_text(json.dumps({**doc, "store_request_cpu_s": -1}))
     with pytest.raises(ConfigError):
         load_curve(path)
+
+
+def test_a_failure_charges_the_main_store_its_ranks_recovery_requests(tmp_path) -> None:
+    """Per failure, every rank's extra round trips of the recovery step (the curve's
+    recovery_store_ops_per_rank) are served by the main store in series, on top of the pause;
+    not charged without the measurement or with the wall-clock control plane."""
+    from recover.sim.curve import COLUMNS, load_curve
+    from recover.sim.scale import ScaleSpec, recovery_store_s, scale_base, size_params
+
+    doc = {"source": "s", "ranks": [4, 64], **{c: [0.0, 0.0] for c in COLUMNS},
+           "store_request_cpu_s": 1e-5, "control_plane_cpu_s": [0.001, 0.001]}
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(doc))
+    without = ScaleSpec(curve=load_curve(path))
+    assert recovery_store_s(without, without.fits(), 100_000) == 0.0
+    path.write_text(json.dumps({**doc, "recovery_store_ops_per_rank": [2.0, 2.0]}))
+    spec = ScaleSpec(curve=load_curve(path))
+    assert recovery_store_s(spec, spec.fits(), 100_000) == pytest.approx(2.0)  # 2 x 1e5 x 10 us
+    wall = ScaleSpec(curve=spec.curve, control="wall")
+    assert recovery_store_s(wall, wall.fits(), 100_000) == 0.0
+    base = size_params(scale_base(), 131072, 0, without).rebuild_s
+    assert size_params(scale_base(), 131072, 0, spec).rebuild_s == pytest.approx(
+        base + 2 * 131072 * 1e-5)

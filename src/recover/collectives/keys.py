@@ -10,7 +10,8 @@ written anywhere else, so the layout can be read (and changed) in one sitting:
     step/{t}/chain/{k}              ownership chain of step t (entry k written once); a step run
                                     again (exact mode, after an overflow) uses t = "{t}.{round}";
                                     entry 0 is absent when it was implied (recovery/step.py)
-    step/{t}/g{g}/out/{leaf}        one rank's outcome of step t's reduce in generation g
+    step/{t}/g{g}/ev{s}             ranks of generation s with a verified result of that
+                                    attempt (counted when the membership changed mid-decision)
     step/{t}/g{g}/count             verified results of that attempt, counted
     step/{t}/g{g}/decision          the commit decision of that attempt (written once)
     coord/replicas                  R, the replicas the job was started with
@@ -114,13 +115,10 @@ def chain_key(step: int | str, k: int) -> str:
     return f"step/{step}/chain/{k}"
 
 
-def outcome_leaf(replica: int, position: int, positions: int) -> str:
-    """`{replica}` for one-rank replicas, `{replica}.{position}` for multi-rank ones."""
-    return f"{replica}" if positions == 1 else f"{replica}.{position}"
-
-
-def outcome_key(step: int | str, g: int, leaf: str) -> str:
-    return f"step/{step}/g{g}/out/{leaf}"
+def evidence_key(step: int | str, g: int, seen: int) -> str:
+    """Ranks of generation `seen` (and of g) that hold a verified result of step t's attempt in
+    generation g, counted (`add`) once each after the membership changed (recovery/decide.py)."""
+    return f"step/{step}/g{g}/ev{seen}"
 
 
 def decision_key(step: int | str, g: int) -> str:
@@ -132,7 +130,6 @@ def count_key(step: int | str, g: int) -> str:
     return f"step/{step}/g{g}/count"
 
 
-OK, FAIL = b"ok", b"fail"  # outcomes
 COMMIT, REDO = b"commit", b"redo"  # decisions
 # Also a commit; and the next step's plan (entry 0 of its chain) goes through the store, not
 # implied (a joiner waits, or the commit was decided on evidence after a fault).

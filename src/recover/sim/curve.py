@@ -21,6 +21,9 @@ measured scale, times in seconds. `ranks` = R x P processes of the job; `group` 
   that span, median over steps: its own control-plane work without the wait for a core;
 - store_cpu_s (optional): the store server's (coordinator's) CPU time for one recovery, less its
   failure-free steps' worth: reported beside the assumptions, not charged.
+- recovery_store_ops_per_rank (optional): the store round trips a failure adds to a survivor's
+  step (the most any survivor made, less a failure-free step's), charged per failure on the
+  main store (`recover.sim.scale.recovery_store_s`);
 - store_request_cpu_s (optional, one number): the store server's CPU time per request, measured
   apart (`bench/_store_rate.py`): charged (`recover.sim.scale.store_serial_s`) as each store
   server handling its ranks' failure-free requests of a step one after another.
@@ -48,10 +51,11 @@ DEFAULT_CURVE = Path(__file__).parent / "data" / "scale_curve.json"
 COST_COLUMNS = ("control_plane_s", "detect_s", "agree_s", "rebuild_s", "rebuild_cpu_s",
                 "reduce_s")
 COLUMNS = ("store_ops_per_rank_step", *COST_COLUMNS)
-OPTIONAL = ("store_cpu_s", "control_plane_cpu_s")
+OPTIONAL = ("store_cpu_s", "control_plane_cpu_s", "recovery_store_ops_per_rank")
 GROUP_COLUMNS = ("rebuild_s", "rebuild_cpu_s", "reduce_s", "store_cpu_s")  # of the group's size
 MIXED = {
     "store_ops_per_rank_step": "log2",
+    "recovery_store_ops_per_rank": "log2",
     "control_plane_s": "log2",
     "control_plane_cpu_s": "log2",
     "detect_s": "log2",

@@ -25,8 +25,10 @@ Assumptions:
   one model: the state to save does not grow), at the Young-Daly interval; work since the last
   checkpoint is rolled back.
 - recover: per failure, detect and agree from the measured scale curve (`curve.py`) extrapolated
-  to the job's ranks = GPUs (every rank talks to the one coordinator), then the rebuild of the
-  cross-replica groups, extrapolated to the size of one group, R = GPUs / 128 (781 at 100,000
+  to the job's ranks = GPUs (every rank talks to the one coordinator), plus the main store's
+  serial work for the round trips the failure adds to every rank's step (`recovery_store_s`:
+  the curve's agree was measured where the store served at most 128 ranks), then the rebuild of
+  the cross-replica groups, extrapolated to the size of one group, R = GPUs / 128 (781 at 100,000
   GPUs; one group per position, built in parallel), then the lost quota recomputed on the
   survivors, then the redone reduce: one more cross-replica all-reduce of the gradient, priced
   like every step's (`allreduce_s`, 0.5 s; the curve's loopback reduce of 1k floats is not a
@@ -163,6 +165,17 @@ def store_serial_s(spec: ScaleSpec, fits: dict[str, Fit], gpus: int) -> float:
     return (ops * math.ceil(gpus / shards) + 2 * shards) * per
 
 
+def recovery_store_s(spec: ScaleSpec, fits: dict[str, Fit], gpus: int) -> float:
+    """The main store's serial work for one failure at `gpus` ranks: every rank's extra round
+    trips of the recovery step (the curve's recovery_store_ops_per_rank; the failed attempt's
+    decision and the chain's extension go to the main store, shards or not) one after another.
+    0 in "wall" mode, or when the curve did not measure it."""
+    if control_mode(spec) == "wall" or "recovery_store_ops_per_rank" not in fits:
+        return 0.0
+    per = float(spec.curve.request_cpu_s or 0.0)  # type: ignore[union-attr]
+    return fits["recovery_store_ops_per_rank"](gpus) * gpus * per
+
+
 def control_plane_s(spec: ScaleSpec, fits: dict[str, Fit], gpus: int) -> float:
     """The failure-free control plane of one step at `gpus` ranks (see `ScaleSpec.control`)."""
     if control_mode(spec) == "wall":
@@ -186,7 +199,8 @@ def size_params(base: SimParams, gpus: int, seed: int, spec: ScaleSpec) -> SimPa
         "microbatches": p.microbatches_per_replica * p.replicas,  # weak scaling, no floor
         "restart_cost_s": restart_fit()(gpus),
         "detect_s": fits["detect_s"](gpus),
-        "rebuild_s": recover_pause_s(fits, gpus, p.replicas, spec.rebuild),
+        "rebuild_s": recover_pause_s(fits, gpus, p.replicas, spec.rebuild)
+        + recovery_store_s(spec, fits, gpus),
         "control_plane_s": control_plane_s(spec, fits, gpus),
         "spares": math.ceil(SPARE_FACTOR * expected_losses(p)) + (2 if p.per_gpu_mttf_h else 0),
     }

@@ -32,6 +32,7 @@ from recover.sim.scale import (
     control_mode,
     control_plane_s,
     recover_pause_s,
+    recovery_store_s,
     restart_fit,
     run_size,
     scale_base,
@@ -162,6 +163,7 @@ def assumption_lines(base: SimParams, spec: ScaleSpec) -> list[str]:
         ),
     ]
     lines.append(control_line(spec, fits))
+    lines.append(recovery_store_line(spec, fits))
     store = spec.curve.values.get("store_cpu_s")
     if store:
         lines.append(
@@ -181,6 +183,21 @@ def assumption_lines(base: SimParams, spec: ScaleSpec) -> list[str]:
     if given:
         lines.append("  given (not modelled): " + ", ".join(given))
     return lines
+
+
+def recovery_store_line(spec: ScaleSpec, fits: dict) -> str:
+    """How a failure's extra store round trips are charged (`recovery_store_s`)."""
+    g = TARGET_GPUS
+    if "recovery_store_ops_per_rank" not in fits or control_mode(spec) == "wall":
+        return ("    per failure, the main store's work for the recovery's requests: not charged "
+                "(the curve does not measure recovery_store_ops_per_rank, or the control plane "
+                "is charged as the wall clock)")
+    ops = fits["recovery_store_ops_per_rank"](g)
+    return (f"    per failure, + the main store's serial work for the round trips the failure "
+            f"adds to every rank's step: recovery_store_ops_per_rank(G) ({fmt(ops, 2)} at "
+            f"{g:,}) x G x the measured CPU per request = "
+            f"{fmt(recovery_store_s(spec, fits, g), 2)} s at {g:,} GPUs (ASSUMPTION: all on "
+            "the main store, in series, shards or not)")
 
 
 def control_line(spec: ScaleSpec, fits: dict) -> str:
@@ -239,12 +256,14 @@ def summary_lines(base: SimParams, spec: ScaleSpec, rows: list[SizeRow]) -> list
     g = TARGET_GPUS
     r = g // base.gpus_per_replica
     col = REBUILD_COLUMN[spec.rebuild]
+    store = recovery_store_s(spec, fits, g)
     parts = (
-        f"detect {fmt(fits['detect_s'](g), 2)}, agree {fmt(fits['agree_s'](g), 2)}, rebuild of "
-        f"a {r}-member group {fmt(fits[col](r), 2)} ({col}), then the recompute and a "
+        f"detect {fmt(fits['detect_s'](g), 2)}, agree {fmt(fits['agree_s'](g), 2)}, the main "
+        f"store's recovery requests {fmt(store, 2)}, rebuild of a {r}-member group "
+        f"{fmt(fits[col](r), 2)} ({col}), then the recompute and a "
         f"{fmt(base.allreduce_s, 2)} s all-reduce"
     )
-    pause = fits["detect_s"](g) + recover_pause_s(fits, g, r, spec.rebuild)
+    pause = fits["detect_s"](g) + recover_pause_s(fits, g, r, spec.rebuild) + store
     mtbf = base.per_gpu_mttf_h * 3600 / g if base.per_gpu_mttf_h else math.inf
     ref = ", ".join(f"{k} {v}" for k, v in FTHSDP_AT_100K.items())
     lines = [

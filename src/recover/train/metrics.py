@@ -56,7 +56,7 @@ class MetricsSink:
     def __init__(self, store: Any, path: Path, start_step: int, steps: int, tokens_per_step: int,
                  run_start: float, console: Console, quiet: bool = False,
                  positions: int = 1) -> None:
-        self.positions = positions  # ranks per replica (outcome keys are per rank)
+        self.positions = positions  # ranks per replica
         self.store, self.path = store, path
         self._shards: list[Any] = []  # clients of the coordinator's store shards, if any
         self._shards_of: Any = None  # the main store client they were read from
@@ -116,16 +116,14 @@ class MetricsSink:
         if self._shards_of is not self.store:  # first use, or a restarted coordinator
             self._shards_of = self.store
             self._shards = shards.connect_all(self.store, "127.0.0.1", 30.0)
+        # A decision on evidence counted in generations up to the one step + 1 ran in.
+        newest = by_step.get(step + 1, by_step[step])["generation"]
         for g in range(first, by_step[step]["generation"] + 1):
             for store in (self.store, *self._shards):
                 store.delete_key(keys.count_key(step, g))
                 store.delete_key(keys.decision_key(step, g))
-            if g != first or by_step[step]["attempts"] > 1:  # outcomes exist only after faults
-                members = keys.generation_members(self.store, g) or []
-                for m in members:
-                    for p in range(self.positions):
-                        leaf = keys.outcome_leaf(m, p, self.positions)
-                        self.store.delete_key(keys.outcome_key(step, g, leaf))
+            for seen in range(g + 1, newest + 1):  # none in a failure-free step
+                self.store.delete_key(keys.evidence_key(step, g, seen))
         k = 0
         # Entry 0 is absent when it was implied (recovery/step.py); later entries may exist.
         while self.store.delete_key(keys.chain_key(step, k)) or k == 0:
