@@ -166,9 +166,7 @@ def generations(path: Path) -> list[dict]:
 
 
 def run_scale(reps: int, pos: int, a: argparse.Namespace, rng: random.Random, d: Path) -> dict:
-    # An earlier run's logs there would be read as this one's (every log is appended to): its
-    # generations raised false alarms, its steps entered the figures.
-    fresh_dir(d)
+    fresh_dir(d)  # a reused folder's stale logs raised false alarms and entered the figures
     kids, clog, stop_file = Children(), d / "coordinator.jsonl", d / "stop_at"
     ranks = [(r, p) for r in range(reps) for p in range(pos)]
     try:

@@ -320,9 +320,8 @@ class Member:
         with self._lock:
             known = self._gen
         for g in range(max(known + 1, self._floor), count):
-            raw = keys.try_get(store, keys.members_key(g)) if upto is not None else \
-                store.get(keys.members_key(g))
-            if raw is None or not self._learn(g, keys.decode_members(raw)):
+            members = keys.generation_members(store, g)
+            if members is None or not self._learn(g, members):
                 return
 
     def _learn(self, g: int, members: list[int]) -> bool:

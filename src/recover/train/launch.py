@@ -265,8 +265,7 @@ def _launch(cfg: RunConfig, start: int, console: Console, quiet: bool, external_
         watch = _AbortWatch(workers) if abort_on_loss else None
         end = cfg.run.stop_at or cfg.run.steps
         tokens = cfg.data.microbatches * cfg.data.microbatch_size * cfg.model.block_size
-        sink = MetricsSink(store, metrics, start, end, tokens, t_start, console, quiet,
-                           cfg.layout.ranks_per_replica())
+        sink = MetricsSink(store, metrics, start, end, tokens, t_start, console, quiet)
         if not quiet:
             console.print(f"recover: {cfg.layout.replicas} replicas, N={cfg.data.microbatches} "
                           f"microbatches x {cfg.data.microbatch_size} x {cfg.model.block_size} "

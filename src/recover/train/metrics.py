@@ -54,9 +54,7 @@ def step_record(res: StepResult, lr: float, grad_norm: float, timer: StepTimer) 
 
 class MetricsSink:
     def __init__(self, store: Any, path: Path, start_step: int, steps: int, tokens_per_step: int,
-                 run_start: float, console: Console, quiet: bool = False,
-                 positions: int = 1) -> None:
-        self.positions = positions  # ranks per replica
+                 run_start: float, console: Console, quiet: bool = False) -> None:
         self.store, self.path = store, path
         self._shards: list[Any] = []  # clients of the coordinator's store shards, if any
         self._shards_of: Any = None  # the main store client they were read from
