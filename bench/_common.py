@@ -97,7 +97,7 @@ class Sampler:
                         cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
                     except OSError:
                         continue
-                    self.kinds[pid] = ("worker" if b"recover.train.worker" in cmd else
+                    self.kinds[pid] = ("worker" if b"recover.app.train.worker" in cmd else
                                        "coordinator" if b"coordinator" in cmd else "other")
         try:
             with open(self.metrics, "rb") as f:
@@ -131,7 +131,7 @@ class Sampler:
 def recover_train(out: Path, preset: str, extra: list[str], timeout_s: float
                   ) -> tuple[list[dict], Sampler]:
     """Run `recover train` (a real coordinator + replica processes): its step records, CPU."""
-    cmd = [sys.executable, "-m", "recover.cli", "train", "--preset", preset, "--out", str(out),
+    cmd = [sys.executable, "-m", "recover.app.cli", "train", "--preset", preset, "--out", str(out),
            *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     fresh_dir(out)  # `recover train` refuses a folder that holds a run (a reused --out)

@@ -2,10 +2,10 @@
 
 Same model (`build_model`), optimizer (`build_optimizer`, `lr_at`), data (`load_data`,
 `microbatch`), microbatch ids (`plan(step, N, range(R))` with no speeds: N/R contiguous ids each,
-what recover plans for equal speeds) and clipping as `recover.train.worker`; gradient accumulation
-with `no_sync` on all but the last microbatch, whose backward runs DDP's bucketed allreduce. The
-loss is scaled by R/N because DDP averages over R ranks, so the applied gradient is the same
-(1/N) * sum of per-microbatch gradients. `DDPTrainer` is also driven, interleaved with recover's
+what recover plans for equal speeds) and clipping as `recover.app.train.worker`; gradient
+accumulation with `no_sync` on all but the last microbatch, whose backward runs DDP's bucketed
+allreduce. The loss is scaled by R/N because DDP averages over R ranks, so the applied gradient
+is the same (1/N) * sum of per-microbatch gradients. `DDPTrainer` is also driven, interleaved with recover's
 steps in the same processes, by `bench/_profile.py`. Standalone (rank r writes `--result`):
 
     python bench/_ddp.py --run-dir D --rank r --world R --store-file F --result J
@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from recover.config import RunConfig
-from recover.train.data import load_data, microbatch
-from recover.train.model import build_model
-from recover.train.optim import build_optimizer, lr_at, set_lr
+from recover.app.config import RunConfig
+from recover.app.train.data import load_data, microbatch
+from recover.app.train.model import build_model
+from recover.app.train.optim import build_optimizer, lr_at, set_lr
 from recover.workload import plan
 
 KEYS = ("end", "step_s", "accum_s", "last_s", "opt_s", "cpu", "cpu_accum", "cpu_last", "cpu_opt")

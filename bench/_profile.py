@@ -1,6 +1,6 @@
 """Where a failure-free recover step spends its time, next to DDP (for `bench/overhead.py`).
 
-Runs the unmodified `recover.train.worker` in R processes against a real coordinator. Invariant:
+Runs the unmodified `recover.app.train.worker` in R processes against a real coordinator. Invariant:
 it reads only what the library makes public and patches no name starting with `_`: the phase
 split comes from the cumulative counters `StepEngine.stats` ("compute_s", "reduce_s",
 "decide_s", "store_ops", ...) and `FaultTolerantComm.stats` ("reduce_s", "build_s",
@@ -176,7 +176,7 @@ def profiled_run(cfg: Any, timeout_s: float, ddp_block: int = 0, bucket_mb: floa
     Returns (per replica {"recover": [step records], "ddp": DDP records or None, "hooks": which
     hooks took}, [(time, coordinator CPU seconds)] samples).
     """
-    from recover.train.launch import prepare_run
+    from recover.app.train.launch import prepare_run
 
     cfg, _ = prepare_run(cfg)
     out = Path(cfg.run.out)
@@ -230,7 +230,7 @@ def worker_main() -> int:
     inter = (Interleave(run_dir, args.replica, args.coordinator, args.ddp_block, args.bucket_mb)
              if args.ddp_block else None)
     install(prof, inter)
-    from recover.train import worker
+    from recover.app.train import worker
 
     code = worker.main(["--run-dir", args.run_dir, "--replica", str(args.replica),
                         "--coordinator", args.coordinator])

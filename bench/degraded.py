@@ -28,7 +28,7 @@ import math
 import sys
 
 from _common import cores, field, loadavg, median, out_dir, periods, recover_train, say, table
-from recover.config import preset
+from recover.app.config import preset
 
 
 def main() -> int:

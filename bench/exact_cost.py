@@ -30,8 +30,8 @@ GOAL = 1.15
 
 def grad_bytes(preset_name: str) -> int:
     """Bytes of the model's fp32 gradient (one per trainable parameter)."""
-    from recover.config import preset
-    from recover.train.model import build_model
+    from recover.app.config import preset
+    from recover.app.train.model import build_model
 
     cfg = preset(preset_name)
     model = build_model(cfg.model, cfg.run.seed)

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from recover.config import preset
-from recover.train.data import load_data, prepare_data
-from recover.train.model import build_model
-from recover.train.optim import build_optimizer, lr_at, set_lr
+from recover.app.config import preset
+from recover.app.train.data import load_data, prepare_data
+from recover.app.train.model import build_model
+from recover.app.train.optim import build_optimizer, lr_at, set_lr
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GROUPINGS = {"2+2+2+2": [2, 2, 2, 2], "3+3+2": [3, 3, 2], "8": [8], "1x8 reversed": [1] * 8}
@@ -31,7 +31,7 @@ GROUPINGS = {"2+2+2+2": [2, 2, 2, 2], "3+3+2": [3, 3, 2], "8": [8], "1x8 reverse
 
 def run(groups: list[int], steps: int, dtype: str, reduce_dtype: str, corpus, cfg,
         reverse: bool) -> list[float]:
-    from recover.train.data import microbatch
+    from recover.app.train.data import microbatch
 
     torch.manual_seed(0)
     model = build_model(cfg.model, cfg.run.seed)

@@ -1,7 +1,7 @@
 """Failure-free overhead of recover's trainer against plain PyTorch DDP, measured side by side.
 
 What: time per optimizer step of recover (coordinator + R replica processes running the
-unmodified `recover.train.worker`, fault tolerance on, no faults) divided by that of
+unmodified `recover.app.train.worker`, fault tolerance on, no faults) divided by that of
 `DistributedDataParallel` with `no_sync` gradient accumulation (`bench/_ddp.py`) on the same
 model, data, microbatch ids, N, B, R, optimizer and clipping; one process per replica, gloo, one
 intra-op thread each.
@@ -45,9 +45,9 @@ from _common import (
 )
 from _overhead_report import report
 from _profile import profiled_run
-from recover.config import preset
+from recover.app.config import preset
+from recover.app.train.launch import prepare_run
 from recover.procs import start, stop_all
-from recover.train.launch import prepare_run
 
 
 def ddp_run(cfg, run: Path, bucket_mb: float, timeout_s: float) -> list[dict]:

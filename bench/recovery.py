@@ -15,7 +15,7 @@ Breakdown per trial (all wall clocks of one machine, time.time()):
   reduce  = the rest: the first allreduce of --numel floats among the survivors.
 `raised` is kill -> the last ReplicaFault logged by a survivor (survivors between reductions
 raise none). Fresh processes every trial, forked by recover's fork server
-(`recover.train.forkserver`, as `recover train` starts its processes), which imported torch once
+(`recover.app.train.forkserver`, as `recover train` starts its processes), which imported torch once
 (saves ~3 CPU-s per process). Last line: `recovery_median_s=<x>`.
 
     python bench/recovery.py --quick     # 5 trials, < 2 min
@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 
 from _common import cores, fresh_dir, median, out_dir, say, table
-from recover.config import RunConfig
+from recover.app.config import RunConfig
+from recover.app.train.forkserver import ForkServer, Process
 from recover.procs import stop_all as end
-from recover.train.forkserver import ForkServer, Process
 
 
 def events(path: Path) -> list[dict]:

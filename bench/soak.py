@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 
 from _common import fresh_dir
-from recover.config import RunConfig
-from recover.runtoken import run_token
-from recover.train.checkpoint import latest_checkpoint, load_checkpoint
-from recover.train.model import build_model
-from recover.train.optim import build_optimizer
+from recover.app.config import RunConfig
+from recover.app.runtoken import run_token
+from recover.app.train.checkpoint import latest_checkpoint, load_checkpoint
+from recover.app.train.model import build_model
+from recover.app.train.optim import build_optimizer
 
 R, N, STEPS = 4, 8, 14
 BASE = ["--preset", "debug", "--steps", str(STEPS), "--eval-every", "0", "--warmup-steps", "3",

@@ -12,7 +12,7 @@ import socket
 import sys
 import time
 
-from recover.train import forkserver
+from recover.app.train import forkserver
 
 
 def _dump(path: str, **extra: object) -> None:

@@ -20,10 +20,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from recover.config import RunConfig
-from recover.train.data import load_data, microbatch
-from recover.train.model import build_model
-from recover.train.optim import build_optimizer, lr_at, set_lr
+from recover.app.config import RunConfig
+from recover.app.train.data import load_data, microbatch
+from recover.app.train.model import build_model
+from recover.app.train.optim import build_optimizer, lr_at, set_lr
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@ its stdout/stderr go to files (a full pipe can never block it). `stop` ends one 
 SIGCONT first (a stopped process ignores SIGTERM until continued), then SIGTERM, then SIGKILL.
 
 Python entry points (`module:function(argv)`) are forked by one fork server per test session
-(`session_server()`, recover's own `recover.train.forkserver`), which imported torch once: each
+(`session_server()`, recover's own `recover.app.train.forkserver`), which imported torch once: each
 process is still real and separate, but skips a ~3 CPU-s import. `RECOVER_FORKSERVER=0` makes every
 one a fresh `python -m module` instead. The server is ended by PID at the end of the session.
 """
@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from recover.train import forkserver
-from recover.train.forkserver import PRELOAD, PRELOAD_OPTIONAL, ForkServer, Process
+from recover.app.train import forkserver
+from recover.app.train.forkserver import PRELOAD, PRELOAD_OPTIONAL, ForkServer, Process
 
 TESTS = Path(__file__).resolve().parent
 
@@ -34,12 +34,12 @@ def session_server() -> ForkServer | None:
     if not forkserver.enabled():
         return None
     if not _SERVER:
-        # recover.cli too: `recover train` launchers are forked here (tests/_run.py); and the
+        # recover.app.cli too: `recover train` launchers are forked here (tests/_run.py); and the
         # tests folder on the path, for entry points of the tests' own (tests/_fs_entries.py).
         old = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), old]))
         try:
-            _SERVER.append(ForkServer(("recover.cli", "recover.train.launch", "_fs_entries",
+            _SERVER.append(ForkServer(("recover.app.cli", "recover.app.train.launch", "_fs_entries",
                                        *PRELOAD, *PRELOAD_OPTIONAL)).start())
         finally:
             if old is None:

@@ -1,6 +1,6 @@
 """Helpers to run `recover train` as a real process tree and read what it wrote.
 
-The launcher (`recover.cli:main(["train", ...])`) is forked by the session's fork server
+The launcher (`recover.app.cli:main(["train", ...])`) is forked by the session's fork server
 (tests/_procs.py), so it starts with torch imported and, being a single-threaded fork-server child,
 forks its own fork server from itself: no process of the tree imports torch again. `fresh=True`
 (or `RECOVER_FORKSERVER=0`) runs `python -m recover train` instead. Its stdout and stderr go to
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from _procs import session_server
-from recover.train.forkserver import Process
+from recover.app.train.forkserver import Process
 
 # The common small config of the multi-process tests: fast on 2 cores, enough steps to see drift.
 BASE = ["--preset", "debug", "--steps", "14", "--eval-every", "0", "--warmup-steps", "3"]
@@ -73,7 +73,7 @@ class Launch:
                     [sys.executable, "-m", "recover", *argv], stdout=o, stderr=e,
                     stdin=subprocess.DEVNULL, start_new_session=True, env=env)
         else:
-            self.proc = server.spawn("recover.cli:main", argv, self.stdout_path,
+            self.proc = server.spawn("recover.app.cli:main", argv, self.stdout_path,
                                      self.stderr_path, env=env, new_session=True)
 
     def stderr(self) -> str:

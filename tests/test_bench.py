@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from _run import Launch, max_rel
+from recover.app.train.metrics import read_metrics
 from recover.sim.calibrate import load_calibration, predict_wall_times
-from recover.train.metrics import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -1,4 +1,4 @@
-"""Tests for recover.train.checkpoint: exact resume, safe publishing, authentication, errors."""
+"""Tests for recover.app.train.checkpoint: exact resume, safe publishing, authentication, errors."""
 
 from __future__ import annotations
 
@@ -17,20 +17,20 @@ import torch
 import torch.distributed as dist
 
 from _run import Run, max_rel, recover_train
-from recover.config import (
+from recover.app.config import (
     DataConfig,
     ModelConfig,
     OptimConfig,
     RunConfig,
     RunSettings,
 )
+from recover.app.runtoken import run_token
+from recover.app.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from recover.app.train.ckpt_files import advance_latest, find_latest, write_manifest
+from recover.app.train.data import microbatch
+from recover.app.train.model import GPT, build_model
+from recover.app.train.optim import build_optimizer, lr_at, set_lr
 from recover.errors import CheckpointError, ConfigError
-from recover.runtoken import run_token
-from recover.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from recover.train.ckpt_files import advance_latest, find_latest, write_manifest
-from recover.train.data import microbatch
-from recover.train.model import GPT, build_model
-from recover.train.optim import build_optimizer, lr_at, set_lr
 from recover.workload.ids import id_seed, step_ids
 
 MODEL = ModelConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)

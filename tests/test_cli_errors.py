@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from recover.cli import main
+from recover.app.cli import main
 
 pytestmark = pytest.mark.timeout(60)
 

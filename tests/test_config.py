@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from recover.cli import build_parser, config_fields, config_from_args
-from recover.config import LAYOUTS, RunConfig, flag_of, flatten, preset
+from recover.app.cli import build_parser, config_fields, config_from_args
+from recover.app.config import LAYOUTS, RunConfig, flag_of, flatten, preset
 from recover.errors import ConfigError
 from recover.parallel import LAYOUTS as PARALLEL_LAYOUTS
 

@@ -18,9 +18,9 @@ import torch
 from rich.console import Console
 
 from _inproc import Harness
+from recover.app.train.metrics import MetricsSink
 from recover.collectives import keys, shards
 from recover.recovery.step import MAX_MICROBATCHES
-from recover.train.metrics import MetricsSink
 
 pytestmark = pytest.mark.timeout(240)
 

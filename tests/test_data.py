@@ -1,4 +1,4 @@
-"""Tests for recover.train.data: sources, prepared files, errors, and microbatch purity."""
+"""Tests for recover.app.train.data: sources, prepared files, errors, and microbatch purity."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-import recover.train.data as data_mod
-from recover.errors import DataError
-from recover.train.data import (
+import recover.app.train.data as data_mod
+from recover.app.train.data import (
     default_corpus,
     eval_batches,
     load_data,
     microbatch,
     prepare_data,
 )
+from recover.errors import DataError
 
 TEXT = ("To be, or not to be, that is the question:\n" * 40).encode()  # 1760 bytes
 

@@ -1,4 +1,4 @@
-"""recover.train.forkserver: real, separate, clean children; exit statuses; signals; cleanup.
+"""recover.app.train.forkserver: real, separate, clean children; exit statuses; signals; cleanup.
 
 Most tests use the session's server (tests/_procs.py, which every process test uses too); entry
 points live in tests/_fs_entries.py.
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from _procs import session_server
-from recover.train import forkserver
-from recover.train.forkserver import ForkServer
+from recover.app.train import forkserver
+from recover.app.train.forkserver import ForkServer
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(not forkserver.enabled(), reason="no fork server here")]
@@ -171,9 +171,9 @@ def _live_children() -> set[int]:
 def test_launch_ends_its_server_on_error(corpus: Path, tmp_path: Path) -> None:
     """The launcher's fork server is ended even when the launch fails (here: the coordinator
     cannot bind its port), and so is every process it had started."""
-    from recover.config import preset
+    from recover.app.config import preset
+    from recover.app.train.launch import launch
     from recover.errors import RecoverError
-    from recover.train.launch import launch
 
     cfg = preset("debug")
     cfg.layout.replicas, cfg.run.steps = 2, 2

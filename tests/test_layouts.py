@@ -21,7 +21,7 @@ import pytest
 
 from _procs import session_server
 from _run import Run, bitwise_equal, max_rel, recover_train, rel_l2
-from recover.train.forkserver import Process
+from recover.app.train.forkserver import Process
 
 pytestmark = pytest.mark.timeout(300)
 N, STEPS = 8, 6
@@ -225,8 +225,8 @@ def test_sharded_grads_round_trip() -> None:
 
 
 def test_fault_rank_defaults_to_the_last() -> None:
+    from recover.app.faults import FaultInjector, validate_faults
     from recover.errors import ConfigError
-    from recover.faults import FaultInjector, validate_faults
 
     faults = validate_faults(["kill:replica=1,step=2", "hang:replica=0,step=1,seconds=1,rank=0"],
                              replicas=2, steps=5, nranks=2)

@@ -1,4 +1,4 @@
-"""Tests for recover.train.model: shapes, initial loss, deterministic build, no distributed."""
+"""Tests for recover.app.train.model: shapes, initial loss, deterministic build, no distributed."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-import recover.train.model as model_mod
-from recover.config import ModelConfig
-from recover.train.model import GPT, build_model, num_params
+import recover.app.train.model as model_mod
+from recover.app.config import ModelConfig
+from recover.app.train.model import GPT, build_model, num_params
 
 CFG = ModelConfig(vocab_size=256, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
 

@@ -1,4 +1,4 @@
-"""Tests for recover.train.optim: schedule shape, weight-decay groups, set_lr."""
+"""Tests for recover.app.train.optim: schedule shape, weight-decay groups, set_lr."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from recover.config import ModelConfig, OptimConfig, RunConfig, RunSettings
-from recover.train.model import build_model
-from recover.train.optim import build_optimizer, lr_at, set_lr
+from recover.app.config import ModelConfig, OptimConfig, RunConfig, RunSettings
+from recover.app.train.model import build_model
+from recover.app.train.optim import build_optimizer, lr_at, set_lr
 
 
 def _cfg(steps: int = 20, **optim: float) -> RunConfig:

@@ -111,7 +111,7 @@ def test_torchrun_workers_match(ref4: Run, corpus: Path, tmp_path: Path) -> None
         for r in range(2):
             replicas.append(subprocess.Popen(
                 [torchrun, "--standalone", "--nproc-per-node", "1", "--max-restarts", "0",
-                 "-m", "recover.train.worker", "--run-dir", str(out),
+                 "-m", "recover.app.train.worker", "--run-dir", str(out),
                  "--replica", str(r), "--coordinator", f"127.0.0.1:{port}"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
         res = server.finish(240)

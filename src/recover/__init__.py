@@ -2,7 +2,7 @@
 
 Three protocol layers with one-way dependencies (workload <- recovery -> collectives):
 `recover.collectives` (fault-tolerant collectives), `recover.recovery` (in-step recovery) and
-`recover.workload` (versatile workload). `recover.train` is the reference trainer built on their
+`recover.workload` (versatile workload). `recover.app.train` is the reference trainer built on their
 public API.
 """
 

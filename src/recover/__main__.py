@@ -2,6 +2,6 @@
 
 import sys
 
-from recover.cli import main
+from recover.app.cli import main
 
 sys.exit(main())

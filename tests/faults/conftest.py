@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from _run import BASE, Run, bitwise_equal, max_rel, recover_train
-from recover.config import RunConfig
-from recover.runtoken import run_token
-from recover.train.checkpoint import latest_checkpoint, load_checkpoint
-from recover.train.model import build_model
-from recover.train.optim import build_optimizer
+from recover.app.config import RunConfig
+from recover.app.runtoken import run_token
+from recover.app.train.checkpoint import latest_checkpoint, load_checkpoint
+from recover.app.train.model import build_model
+from recover.app.train.optim import build_optimizer
 
 N = 8
 DOC = Path(__file__).resolve().parents[2] / "docs" / "faults.md"

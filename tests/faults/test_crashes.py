@@ -18,7 +18,7 @@ from _run import Run
 from faults.conftest import _MATRIX, Row, check_run, faulty, gaps
 
 pytestmark = pytest.mark.timeout(200)
-STALE_S = 2.0  # the default --stale-s (recover.config.FtConfig)
+STALE_S = 2.0  # the default --stale-s (recover.app.config.FtConfig)
 
 
 @pytest.fixture(scope="module")

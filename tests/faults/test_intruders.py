@@ -22,7 +22,7 @@ import pytest
 from _procs import session_server
 from _run import Launch, Run
 from faults.conftest import _MATRIX, Row, check_run, fault_args
-from recover.train.forkserver import Process
+from recover.app.train.forkserver import Process
 
 pytestmark = pytest.mark.timeout(240)
 SLOW = [f"slow:replica={r},factor=8" for r in range(4)]
@@ -43,11 +43,11 @@ def _foreign_worker(run_dir: Path, port: int, log: Path, env: dict[str, str]) ->
     argv = ["--run-dir", str(run_dir), "--replica", "1", "--coordinator", f"127.0.0.1:{port}"]
     server = session_server()  # forked with torch imported: it arrives while the run trains
     if server is not None:
-        p: Process = server.spawn("recover.train.worker:main", argv, log, env=env,
+        p: Process = server.spawn("recover.app.train.worker:main", argv, log, env=env,
                                   new_session=True)
     else:
         with open(log, "wb") as err:
-            p = subprocess.Popen([sys.executable, "-m", "recover.train.worker", *argv],
+            p = subprocess.Popen([sys.executable, "-m", "recover.app.train.worker", *argv],
                                  stdout=err, stderr=err, stdin=subprocess.DEVNULL, env=env,
                                  start_new_session=True)
     try:

@@ -18,7 +18,9 @@ from torch.distributed import PrefixStore
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from recover.collectives import connect_store
-from recover.config import LAYOUTS  # one definition; re-exported as recover.parallel.LAYOUTS
+
+# The replica layouts recover knows how to reduce (one definition; the app offers these choices).
+LAYOUTS = ("plain", "hsdp", "tp", "pp", "tp,pp")
 
 
 def ranks_per_replica(layout: str, shards: int = 1, tp: int = 1, stages: int = 1) -> int:

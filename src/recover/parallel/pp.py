@@ -29,7 +29,7 @@ def stage_blocks(n_layer: int, stages: int, stage: int) -> range:
 
 
 class Stage(nn.Module):
-    """One pipeline stage of a GPT (`recover.train.model.GPT`), sharing its submodules."""
+    """One pipeline stage of a GPT (`recover.app.train.model.GPT`), sharing its submodules."""
 
     def __init__(self, model: nn.Module, stage: int, stages: int) -> None:
         super().__init__()

@@ -16,12 +16,12 @@ import sys
 import time
 from pathlib import Path
 
-from recover.baselines.ckpt_restart import run_ckpt_restart, young_daly_k
-from recover.baselines.measure import calibration, step_period, summarize
-from recover.baselines.report import plot, write_md
-from recover.baselines.runs import dump_runs, measure_ckpt_cost, run_once
-from recover.baselines.schedule import bench_schedule, describe
-from recover.config import preset
+from recover.app.baselines.ckpt_restart import run_ckpt_restart, young_daly_k
+from recover.app.baselines.measure import calibration, step_period, summarize
+from recover.app.baselines.report import plot, write_md
+from recover.app.baselines.runs import dump_runs, measure_ckpt_cost, run_once
+from recover.app.baselines.schedule import bench_schedule, describe
+from recover.app.config import preset
 from recover.errors import RecoverError
 from recover.sim.calibrate import validation_rows
 

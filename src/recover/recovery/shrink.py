@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from recover.recovery import Chain, chain_owners
+from recover.recovery.strategy import Chain, chain_owners
 from recover.workload import plan
 
 

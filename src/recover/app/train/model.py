@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from recover.config import ModelConfig
+from recover.app.config import ModelConfig
 
 
 class CausalSelfAttention(nn.Module):

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recover.config import RunConfig
+from recover.app.config import RunConfig
+from recover.app.runtoken import run_token
+from recover.app.train.ckpt_files import find_latest
+from recover.app.train.layout import RankModel
 from recover.errors import CheckpointError
-from recover.runtoken import run_token
-from recover.train.ckpt_files import find_latest
-from recover.train.layout import RankModel
 
 
 def layout_of(cfg: RunConfig) -> dict[str, Any]:
@@ -58,7 +58,7 @@ class RankCheckpoints:
             self.log(f"resume: {line}")
         if path is None:
             raise CheckpointError(f"--resume: no checkpoint in {self.root} verifies")
-        from recover.train.checkpoint import load_checkpoint  # DCP: ~1.5 s of CPU to import
+        from recover.app.train.checkpoint import load_checkpoint  # DCP: ~1.5 s of CPU to import
 
         meta = load_checkpoint(path, self.rm.module, self.opt, key=self.key, group=self.group,
                                scope=self.scope, layout=self.layout)
@@ -73,7 +73,7 @@ class RankCheckpoints:
             dist.broadcast(flag, group_src=0, group=self.group)
             leader = bool(flag[0])
         if leader:
-            from recover.train.checkpoint import save_checkpoint
+            from recover.app.train.checkpoint import save_checkpoint
 
             save_checkpoint(self.root, step, self.rm.module, self.opt, extra, key=self.key,
                             group=self.group, scope=self.scope, layout=self.layout)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 import random
 
+from recover.app.faults import PHASES, Fault
 from recover.errors import ConfigError
-from recover.faults import PHASES, Fault
 
 
 def bench_schedule(replicas: int, steps: int, seed: int, kills: int | None = None) -> list[Fault]:

@@ -46,9 +46,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 # The process entry points the launcher starts; imported by the server before its first fork.
-PRELOAD = ("recover.train.worker", "recover.collectives.coordinator")
+PRELOAD = ("recover.app.train.worker", "recover.collectives.coordinator")
 # Imported too when present (best effort): the multi-rank training loop and torch's parallel APIs.
-PRELOAD_OPTIONAL = ("recover.train.loop", "recover.train.multirank", "recover.parallel")
+PRELOAD_OPTIONAL = ("recover.app.train.loop", "recover.app.train.multirank", "recover.parallel")
 _PR_SET_PDEATHSIG = 1
 IN_CHILD = False  # True in a process forked by a server (its heap is the server's: clean)
 
@@ -146,7 +146,7 @@ class ForkServer:
             # OMP_NUM_THREADS=1 before torch/numpy load: OpenBLAS would start a thread pool.
             env = dict(os.environ, OMP_NUM_THREADS="1")
             self._popen = subprocess.Popen(
-                [sys.executable, "-m", "recover.train.forkserver", str(req_r), str(resp_w),
+                [sys.executable, "-m", "recover.app.train.forkserver", str(req_r), str(resp_w),
                  *self.preload], pass_fds=(req_r, resp_w), stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, stderr=self.stderr, env=env)
             self.pid = self._popen.pid
@@ -470,6 +470,6 @@ def _max_fd() -> int:
 
 if __name__ == "__main__":  # started by ForkServer.start: REQ_FD RESP_FD MODULE...
     # Run the importable module's copy, not __main__'s: children must see *its* IN_CHILD.
-    from recover.train import forkserver
+    from recover.app.train import forkserver
 
     forkserver._serve_forever(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])

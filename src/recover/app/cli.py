@@ -18,7 +18,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from recover.config import RunConfig, flag_of, preset
+from recover.app.config import RunConfig, flag_of, preset
 from recover.errors import RecoverError
 
 
@@ -90,8 +90,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 def cmd_train(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from recover.train.launch import launch
-    from recover.train.reference import compare_final_params, max_rel_loss_diff, plot_trajectory
+    from recover.app.train.launch import launch
+    from recover.app.train.reference import compare_final_params, max_rel_loss_diff, plot_trajectory
 
     console = Console(stderr=True)
     cfg = config_from_args(args)
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_cli(argv[1:])
     if argv and argv[0] == "bench":
-        from recover.baselines.bench import run_cli as bench_cli
+        from recover.app.baselines.bench import run_cli as bench_cli
 
         return bench_cli(argv[1:])
     args = build_parser().parse_args(argv)

@@ -4,7 +4,7 @@ Invariant: a `RunConfig` that passed `validate()` describes a run that can start
 failure-free run's trajectory depends on (model, data, seed, N, B, optimizer, schedule) is in it,
 marked `trajectory=True` beside the field, and is saved as `DIR/config.json` (nested by
 sub-config), so a resumed run or a reference run reproduces it exactly. Each field carries its own
-help text, CLI flag name and choices (`setting(...)` metadata): `recover.cli` generates the
+help text, CLI flag name and choices (`setting(...)` metadata): `recover.app.cli` generates the
 `recover train` flags from them, so a field is documented in one place only.
 """
 
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from recover.errors import ConfigError
+from recover.parallel.mesh import LAYOUTS
 
-LAYOUTS = ("plain", "hsdp", "tp", "pp", "tp,pp")  # replica layouts (recover.parallel)
 POLICIES = ("recover", "shrink-batch")  # reactions to a lost replica (see `ft.policy`)
 DTYPES = ("fp32", "bf16", "fp16")  # autocast / reduce dtypes (see `compute`)
 
@@ -143,7 +143,7 @@ class FaultToleranceConfig:
     speed_aware: bool = setting(True, "equal quotas instead of quotas that follow measured "
                                 "replica speed", flag="--no-speed-aware", const=False)
     # "recover" (in-step recovery, batch stays N) or "shrink-batch" (baseline,
-    # recover.baselines.shrink: the faulted step is discarded, the batch shrinks). It changes
+    # recover.recovery.shrink: the faulted step is discarded, the batch shrinks). It changes
     # which gradients are applied, so it is part of the trajectory.
     policy: str = setting("recover", "reaction to a lost replica: recover, or shrink-batch "
                           "(baseline)", choices=POLICIES, trajectory=True)

@@ -3,7 +3,7 @@
 Invariant: the launcher never kills a survivor because another replica died; it only reads the
 step records, and ends processes (by PID, through their handles) once the run is over or cannot go
 on. Every wait is bounded. User mistakes are caught here, before any process starts, as one-line
-RecoverErrors. Processes are forked by one fork server per launch (`recover.train.forkserver`:
+RecoverErrors. Processes are forked by one fork server per launch (`recover.app.train.forkserver`:
 torch is imported once, not once per process; the server is ended by PID when the launch ends,
 whatever happened), or started as plain subprocesses where that is off (`RECOVER_FORKSERVER=0`).
 """
@@ -24,15 +24,15 @@ from typing import Any
 
 from rich.console import Console
 
+from recover.app.config import RunConfig, fingerprint, flatten
+from recover.app.faults import validate_faults
+from recover.app.runtoken import run_token
+from recover.app.train import forkserver
+from recover.app.train.data import prepare_data
+from recover.app.train.forkserver import ForkServer, Process
+from recover.app.train.metrics import MetricsSink, truncate_metrics
 from recover.collectives import connect_store, keys, try_get
-from recover.config import RunConfig, fingerprint, flatten
 from recover.errors import CheckpointError, ConfigError, RecoverError
-from recover.faults import validate_faults
-from recover.runtoken import run_token
-from recover.train import forkserver
-from recover.train.data import prepare_data
-from recover.train.forkserver import ForkServer, Process
-from recover.train.metrics import MetricsSink, truncate_metrics
 
 EXIT_MEANING = {0: "finished", 1: "error", 2: "configuration error", 3: "fenced",
                 4: "below --min-replicas", 5: "coordinator lost",
@@ -87,9 +87,9 @@ def prepare_run(cfg: RunConfig) -> tuple[RunConfig, int]:
 def _resume_point(cfg: RunConfig, out: Path) -> int:
     """The step `--resume` continues from: the newest checkpoint that verifies, if the settings
     and the layout match the saved run. Says which checkpoint and why newer ones were skipped."""
-    from recover.train.checkpoint import check_layout
-    from recover.train.ckpt_files import find_latest, read_manifest
-    from recover.train.ckpt_rank import layout_of
+    from recover.app.train.checkpoint import check_layout
+    from recover.app.train.ckpt_files import find_latest, read_manifest
+    from recover.app.train.ckpt_rank import layout_of
 
     if not (out / "ckpt").is_dir():
         raise CheckpointError(f"--resume: no checkpoint found in {out / 'ckpt'}")
@@ -251,7 +251,7 @@ def _launch(cfg: RunConfig, start: int, console: Console, quiet: bool, external_
             for k in range(cfg.layout.ranks_per_replica()):  # multi-rank: a process per rank
                 name = f"replica{r}.log" if k == 0 else f"replica{r}.rank{k}.log"
                 procs[(r, k)] = _start(
-                    server, "recover.train.worker:main",
+                    server, "recover.app.train.worker:main",
                     ["--run-dir", str(out), "--replica", str(r), "--rank", str(k),
                      "--coordinator", f"127.0.0.1:{port}"], out / "logs" / name,
                     {**env, "RECOVER_INCARNATION": str(inc), "RECOVER_JOIN_AT": str(join_at)})

@@ -21,14 +21,14 @@ from typing import Any
 
 import torch
 
-from recover.config import RunConfig
+from recover.app.config import RunConfig
+from recover.app.faults import Fault
+from recover.app.train.checkpoint import save_checkpoint
+from recover.app.train.launch import RunResult, launch
+from recover.app.train.metrics import read_metrics
+from recover.app.train.model import build_model
+from recover.app.train.optim import build_optimizer
 from recover.errors import RecoverError
-from recover.faults import Fault
-from recover.train.checkpoint import save_checkpoint
-from recover.train.launch import RunResult, launch
-from recover.train.metrics import read_metrics
-from recover.train.model import build_model
-from recover.train.optim import build_optimizer
 
 
 @dataclass

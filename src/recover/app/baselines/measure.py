@@ -15,9 +15,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from recover.baselines.runs import SystemRun
-from recover.faults import Fault
-from recover.train.reference import max_rel_loss_diff
+from recover.app.baselines.runs import SystemRun
+from recover.app.faults import Fault
+from recover.app.train.reference import max_rel_loss_diff
 
 
 def summarize(run: SystemRun, ref: SystemRun, budget_s: float, target_step: int) -> dict[str, Any]:

@@ -18,17 +18,17 @@ from pathlib import Path
 import torch
 from torch.distributed import DistError
 
+from recover.app.config import RunConfig, fingerprint
+from recover.app.faults import FaultInjector, validate_faults
+from recover.app.runtoken import run_token
+from recover.app.train import layout
+from recover.app.train.ckpt_rank import RankCheckpoints
+from recover.app.train.data import eval_batches, load_data, microbatch
+from recover.app.train.metrics import StepTimer, step_record
+from recover.app.train.optim import build_optimizer, lr_at, set_lr
 from recover.collectives import CoordinatorGone, CoordinatorLost, GlooInterfaceError, keys
-from recover.config import RunConfig, fingerprint
-from recover.faults import FaultInjector, validate_faults
 from recover.parallel import Replica
 from recover.recovery import BelowMinReplicas, StepStrategy
-from recover.runtoken import run_token
-from recover.train import layout
-from recover.train.ckpt_rank import RankCheckpoints
-from recover.train.data import eval_batches, load_data, microbatch
-from recover.train.metrics import StepTimer, step_record
-from recover.train.optim import build_optimizer, lr_at, set_lr
 from recover.workload import id_seed
 
 EXIT_OK, EXIT_USAGE, EXIT_BELOW_MIN, EXIT_COORDINATOR_LOST = 0, 2, 4, 5
@@ -198,7 +198,7 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
 def _strategy(cfg: RunConfig) -> StepStrategy | None:
     """`recover`: in-step recovery (the engine's default); `shrink-batch`: the torchft baseline."""
     if cfg.ft.policy == "shrink-batch":
-        from recover.baselines.shrink import ShrinkBatch
+        from recover.recovery.shrink import ShrinkBatch
 
         return ShrinkBatch(range(cfg.layout.replicas))
     return None

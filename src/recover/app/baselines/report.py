@@ -15,7 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from recover.baselines.runs import SystemRun  # noqa: E402
+from recover.app.baselines.runs import SystemRun  # noqa: E402
 
 COLORS = {"recover": "tab:green", "ckpt-restart": "tab:red", "shrink-batch": "tab:orange",
           "reference": "tab:gray"}

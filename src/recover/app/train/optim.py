@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn as nn
 
-from recover.config import RunConfig
+from recover.app.config import RunConfig
 
 
 def build_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.AdamW:

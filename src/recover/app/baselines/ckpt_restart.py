@@ -18,16 +18,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from recover.baselines.runs import Attempt, SystemRun, config_for
-from recover.baselines.schedule import remap
-from recover.config import RunConfig
+from recover.app.baselines.runs import Attempt, SystemRun, config_for
+from recover.app.baselines.schedule import remap
+from recover.app.config import RunConfig
+from recover.app.faults import Fault
+from recover.app.runtoken import run_token
+from recover.app.train.checkpoint import latest_checkpoint
+from recover.app.train.launch import launch
+from recover.app.train.metrics import read_metrics
 from recover.errors import RecoverError
-from recover.faults import Fault
-from recover.runtoken import run_token
 from recover.sim.params import young_daly_steps
-from recover.train.checkpoint import latest_checkpoint
-from recover.train.launch import launch
-from recover.train.metrics import read_metrics
 
 
 def young_daly_k(ckpt_cost_s: float, step_time_s: float, steps: int, kills: int) -> int:

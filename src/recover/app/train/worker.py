@@ -1,4 +1,4 @@
-"""The replica process's entry point: `python -m recover.train.worker` (or under torchrun).
+"""The replica process's entry point: `python -m recover.app.train.worker` (or under torchrun).
 
 Invariant: the process ends with the loop's exit code and without interpreter teardown, which can
 abort a process whose gloo group a dead peer left mid-operation. Launched by `recover train` (one
@@ -17,7 +17,7 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m recover.train.worker")
+    ap = argparse.ArgumentParser(prog="python -m recover.app.train.worker")
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--replica", type=int, default=int(os.environ.get("RECOVER_REPLICA", -1)))
     ap.add_argument("--coordinator", default=os.environ.get("RECOVER_COORDINATOR"))
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         print("recover worker: need --replica/RECOVER_REPLICA and --coordinator/"
               "RECOVER_COORDINATOR", file=sys.stderr)
         return 2
-    from recover.train.loop import run  # after argument checks: importing torch takes seconds
+    from recover.app.train.loop import run  # after argument checks: importing torch takes seconds
 
     # `kill -USR1 <pid>` prints every thread's stack into the replica's log (a stuck rank).
     faulthandler.register(signal.SIGUSR1, all_threads=True)

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from recover.config import RunConfig
-from recover.train.model import build_model
+from recover.app.config import RunConfig
+from recover.app.train.model import build_model
 
 
 @dataclass

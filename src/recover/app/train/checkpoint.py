@@ -37,9 +37,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from recover.app.train import ckpt_files as files
+from recover.app.train.ckpt_files import FORMAT, find_latest
 from recover.errors import CheckpointError
-from recover.train import ckpt_files as files
-from recover.train.ckpt_files import FORMAT, find_latest
 
 PLAIN = {"layout": "plain", "shards": 1, "tp": 1, "stages": 1}
 
