@@ -5,8 +5,9 @@ Same model (`build_model`), optimizer (`build_optimizer`, `lr_at`), data (`load_
 what recover plans for equal speeds) and clipping as `recover.app.train.worker`; gradient
 accumulation with `no_sync` on all but the last microbatch, whose backward runs DDP's bucketed
 allreduce. The loss is scaled by R/N because DDP averages over R ranks, so the applied gradient
-is the same (1/N) * sum of per-microbatch gradients. `DDPTrainer` is also driven, interleaved with recover's
-steps in the same processes, by `bench/_profile.py`. Standalone (rank r writes `--result`):
+is the same (1/N) * sum of per-microbatch gradients. `DDPTrainer` is also driven,
+interleaved with recover's steps in the same processes, by `bench/_profile.py`. Standalone
+(rank r writes `--result`):
 
     python bench/_ddp.py --run-dir D --rank r --world R --store-file F --result J
 """
