@@ -9,9 +9,13 @@ public API.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from typing import Any
 
-__version__ = "0.1.0"
+try:  # the one version: pyproject's, as installed
+    __version__ = importlib.metadata.version("recover")
+except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
 
 # The user-facing API, imported lazily: `recover train` and `recover simulate` start without
 # paying for torch.distributed's DTensor/FSDP2 imports (seconds) until a Replica is needed.

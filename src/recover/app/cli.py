@@ -18,6 +18,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from recover import __version__
 from recover.app.config import RunConfig, flag_of, preset
 from recover.errors import RecoverError
 
@@ -155,6 +156,7 @@ def _raise_interrupt(*_: object) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser (coordinator, simulate and bench parse their own arguments)."""
     ap = argparse.ArgumentParser(prog="recover", description=__doc__.splitlines()[0])
+    ap.add_argument("--version", action="version", version=f"recover {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     _train_parser(sub)
     sub.add_parser("coordinator", help="run the control plane for a multi-node job")
