@@ -1,5 +1,6 @@
-"""The grouping noise floor: how far two failure-free runs drift when only the grouping of the
-same microbatches into per-replica sums differs (DESIGN §1's measurement, for any precision).
+"""The grouping noise floor: how far two failure-free runs drift when only the grouping of the same
+microbatches into per-replica sums differs (docs/MEASUREMENTS.md, "Loss tolerances", for any
+precision).
 
 One process, no recover protocol: every step computes the N microbatches' gradients one by one
 (forward in the given autocast dtype), sums them in groups the way quotas would (2+2+2+2, 3+3+2,

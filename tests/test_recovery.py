@@ -1,8 +1,8 @@
 """In-step recovery under real faults: SIGKILL, SIGSTOP, slowness at a (replica, step, phase).
 
-Each run is compared with the failure-free reference: every step's loss within relative 1e-5,
-final parameters within relative L2 1e-4 (DESIGN §1), survivors bitwise equal to each other, and
-`microbatches` = N on every step, including the recovered ones.
+Each run is compared with the failure-free reference: every step's loss within relative 1e-5, final
+parameters within relative L2 1e-4 (docs/DESIGN.md, "The invariant and its tolerances"), survivors
+bitwise equal to each other, and `microbatches` = N on every step, including the recovered ones.
 """
 
 from __future__ import annotations

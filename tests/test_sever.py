@@ -95,7 +95,7 @@ def test_serve_store_listens_on_ipv4_for_an_ipv4_host() -> None:
         return any(r[1].endswith(":" + hexport) and r[3] == "0A" for r in rows)  # 0A: LISTEN
 
     # Peers of an AF_INET listener are plain IPv4 (their names answered by /etc/hosts), not
-    # v4-mapped IPv6 as torch's dual-stack listener shows them (DESIGN §14-15).
+    # v4-mapped IPv6 as torch's dual-stack listener shows them (docs/MEASUREMENTS.md, "TCPStore").
     assert listening("tcp") and not listening("tcp6")
     client = keys.connect_store("127.0.0.1", port, 10.0)
     client.set("k", "v")
@@ -149,11 +149,11 @@ def _gloo_ranks(size: int) -> list[ProcessGroupGloo]:
 def test_severing_the_reading_side_ends_real_gloo_ops_in_flight() -> None:
     """Four gloo ranks (threads, one store) all-reduce 4 MB tensors back to back; every rank's
     sockets are shut down for reading while ops are in flight (as every survivor does when a
-    newer generation comes). The ops must fail within 3 s (it takes ~10 ms; unsevered, gloo
-    waits out its 30 s timeout) in all but at most one of 10 cuts: one op in one cut of a CI
-    run did not (DESIGN §17), which the library bounds by the severed-op settle. (Shutting both
-    sides hung 4 of 8 cuts on the machine of DESIGN §16, but 1 of 10 here: this test does not
-    tell the two apart.)"""
+    newer generation comes). The ops must fail within 3 s (it takes ~10 ms; unsevered, gloo waits
+    out its 30 s timeout) in all but at most one of 10 cuts: one op in one cut of a CI run did not
+    (docs/MEASUREMENTS.md, "Severing a gloo operation"), which the library bounds by the severed-op
+    settle. (Shutting both sides hung 4 of 8 cuts on an earlier measurement (same section), but 1 of
+    10 here: this test does not tell the two apart.)"""
     size, trials = 4, 10
     hit, stuck = 0, []
     for t in range(trials):

@@ -74,4 +74,6 @@ if __name__ == "__main__":
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # no teardown of a gloo group a dead peer left mid-operation (DESIGN §9)
+    # No teardown of a gloo group a dead peer left mid-operation (docs/MEASUREMENTS.md,
+    # "gloo on CPU").
+    os._exit(code)

@@ -7,7 +7,8 @@
   collective, and `_nccl_one_rank.py` drives the steps a multi-GPU reduce takes (the abandonable
   build with eager connect, event-based completion, abort) through the communicator's own parts.
 - `recover train --device cuda --dtype bf16` with a kill stays within the bf16 tolerance of its
-  failure-free reference (DESIGN §10); `--exact` on CUDA is bitwise its reference.
+  failure-free reference (docs/DESIGN.md, "The invariant and its tolerances"); `--exact` on CUDA is
+  bitwise its reference.
 
 Every process is started by tests/_procs.py and ended by its PID.
 """
@@ -35,7 +36,9 @@ pytestmark = [
 HERE = Path(__file__).resolve().parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 N = 8
-BF16_TOL = 5e-3  # DESIGN §10: bf16 autocast's grouping noise floor is 8.2e-4 .. 1.2e-3
+# bf16 autocast's grouping noise floor is 8.2e-4 .. 1.2e-3 (docs/MEASUREMENTS.md,
+# "Loss tolerances").
+BF16_TOL = 5e-3
 
 
 def coordinator(tmp: Path, replicas: int, procs: list[Proc]) -> str:

@@ -160,7 +160,8 @@ class FaultToleranceConfig:
     coordinator_restarts: int = setting(3, "times `recover train` restarts a coordinator that "
                                         "died (0: never; the replicas then checkpoint and stop)")
     # One store server handles every request on one thread: past ~1,000 ranks its serial work
-    # per step outgrows the step's control plane (collectives/shards.py, DESIGN §14).
+    # per step outgrows the step's control plane (collectives/shards.py;
+    # docs/DESIGN.md, "Scaling the control plane").
     store_shards: int = setting(0, "store servers the coordinator also hosts for the step "
                                 "decision's counts (0 or 1: none; ~1 per 1,000 ranks)")
     faults: list[str] = setting(help="inject a fault, e.g. kill:replica=2,step=10,"

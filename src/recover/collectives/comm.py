@@ -119,7 +119,7 @@ class FaultTolerantComm:
         self._socks: list[socket.socket] = []  # the gloo sockets of `_pg` (see `sever`)
         # The sockets of groups let go, closed only once the next group's barrier has passed
         # (every member has left the older ops by then): closed earlier, a slower peer's send
-        # on one was reset, and gloo lost it (DESIGN §16).
+        # on one was reset, and gloo lost it (docs/MEASUREMENTS.md, "Severing a gloo operation").
         self._closing: list[socket.socket] = []
         self._holding: list[_Held] = []
         self._waiter = KeyWaiter(member)  # blocking reads for the build barrier
@@ -195,11 +195,11 @@ class FaultTolerantComm:
             for fut in futs:
                 fut.value()
         except Exception as e:
-            # Sever our side of the group (the other members' pending ops fail within ms, not
-            # at the timeout, DESIGN §5) and retire it: never destroyed here, gloo's destructor
-            # waits for its threads and closes a pair per peer (1 s at 128 ranks). Only the
-            # writing side while nothing of ours runs: the peers read end-of-file, and their
-            # sends still land (a socket shut both ways answers data with a reset, `sever`).
+            # Sever our side of the group (the other members' pending ops fail within ms, not at the
+            # timeout: docs/MEASUREMENTS.md, "gloo on CPU") and retire it: never destroyed here,
+            # gloo's destructor waits for its threads and closes a pair per peer (1 s at 128 ranks).
+            # Only the writing side while nothing of ours runs: the peers read end-of-file, and
+            # their sends still land (a socket shut both ways answers data with a reset, `sever`).
             ours_done = all(f.done() for f in futs)
             self._sever(pg, socket.SHUT_WR if ours_done else socket.SHUT_RD)
             self._release(pg, works, futs)
@@ -269,8 +269,9 @@ class FaultTolerantComm:
         # Build in a helper thread: if a member dies between the barrier and the build, the
         # constructor would block for its whole timeout; we give up as soon as g is superseded.
         box: dict[str, object] = {}
-        # A new client each build (reusing an ended build's broke pipes to the store, DESIGN
-        # §14), connected ahead of need: its connect's name lookup can take 5 s (`spare`).
+        # A new client each build (reusing an ended build's broke pipes to the store:
+        # docs/MEASUREMENTS.md, "TCPStore"), connected ahead of need: its connect's name lookup can
+        # take 5 s (`spare`).
         store = PrefixStore(prefix + "/pg", self._spare.take(prepare_next=False))
 
         # Connections to the coordinator (store, shards, liveness) are not the group's.
@@ -425,10 +426,11 @@ class FaultTolerantComm:
     def _abandon(self, pg: object, works: list[Any], futs: list[torch.futures.Future],
                  bufs: Sequence[torch.Tensor]) -> None:
         # A peer may be hung with its sockets open: gloo would write into `bufs` until its own
-        # timeout. Shutting the group's connections down for reading ends the op within ms
-        # (`sever`: not for writing, which can lose a send inside gloo; the peers shut their own
-        # for the same generation); without a socket known, a dead peer still fails it in ~40
-        # ms (DESIGN §5). Only an op running after the settle keeps its buffers held (`in_use`).
+        # timeout. Shutting the group's connections down for reading ends the op within ms (`sever`:
+        # not for writing, which can lose a send inside gloo; the peers shut their own for the same
+        # generation); without a socket known, a dead peer still fails it in ~40 ms
+        # (docs/MEASUREMENTS.md, "gloo on CPU"). Only an op running after the settle keeps its
+        # buffers held (`in_use`).
         severed = self._sever(pg, socket.SHUT_RD)
         if self.backend == "nccl":
             # Unlike gloo, aborting an NCCL communicator ends the operations in flight

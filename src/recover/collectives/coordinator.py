@@ -7,11 +7,11 @@ and the evidence convicts it: `admission.convicted`), plus a replica admitted af
 transfer; it is written once and never changed, and every member is told over its liveness socket.
 Only a connection whose hello was accepted (valid ids, the run's token, the run's config
 fingerprint, not a duplicate) can change membership, and only for its own replica; no input crashes
-the loop. It runs in its own process so the store survives any worker's death (DESIGN §2). It pings
-every liveness socket at least every PING_S (and every stale_s / 4), so a member that hears nothing
-for 3 x stale_s knows it is cut off (recover.collectives.member). Ports: the store's, and the
-liveness listener's (store port + 1 when the store port is fixed, so a firewall can be opened for
-both ahead of time).
+the loop. It runs in its own process so the store survives any worker's death (docs/DESIGN.md,
+"Processes and roles"). It pings every liveness socket at least every PING_S (and every stale_s /
+4), so a member that hears nothing for 3 x stale_s knows it is cut off (recover.collectives.member).
+Ports: the store's, and the liveness listener's (store port + 1 when the store port is fixed, so a
+firewall can be opened for both ahead of time).
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ class Coordinator(Admissions, Evidence):
                  token: str | None = None, fingerprint: str | None = None,
                  recover: bool = False, store_shards: int = 0) -> None:
         # A member must show the run's token (when set) and the fingerprint of the run's
-        # trajectory-defining config (when set; else the first member's sets it): DESIGN §10.
+        # trajectory-defining config (when set; else the first member's sets it): docs/DESIGN.md,
+        # "Checkpoints, rejoin and trust".
         self.token, self.fingerprint = token, fingerprint
         self.heard: dict[int, _Conn] = {}  # fd -> conn, least recently heard first
         self.joins: dict[int, Join] = {}  # replica -> its admission in progress
@@ -303,7 +304,8 @@ class Coordinator(Admissions, Evidence):
             rep.ranks.add(rank)
             self._send(conn, f"welcome {self._floor}\n")
             return
-        # Mid-run: admission at a step boundary, after a live state transfer (DESIGN §10).
+        # Mid-run: admission at a step boundary, after a live state transfer (docs/DESIGN.md,
+        # "Checkpoints, rejoin and trust").
         join = self.joins.setdefault(replica, Join(nranks))
         join.ranks.add(rank)
         join.at = max(join.at, h.join_at)

@@ -158,10 +158,11 @@ def serve_store(host: str, port: int) -> TCPStore:
     """A TCPStore server on `port` (0: any), on an IPv4 listener of ours when `host` is IPv4.
 
     Why our own listener: torch's server listens dual-stack, so it sees a local client as
-    ::ffff:127.0.0.1, and its one thread resolves every new peer's name; /etc/hosts does not
-    answer a v4-mapped address, so each connection cost a DNS query, and one that got no reply
-    stalled the server for everyone for the resolver's 5 s (DESIGN §14). An AF_INET listener
-    shows peers as plain IPv4, which /etc/hosts answers for loopback. An IPv6 host keeps torch's.
+    ::ffff:127.0.0.1, and its one thread resolves every new peer's name; /etc/hosts does not answer
+    a v4-mapped address, so each connection cost a DNS query, and one that got no reply stalled the
+    server for everyone for the resolver's 5 s (docs/MEASUREMENTS.md, "TCPStore"). An AF_INET
+    listener shows peers as plain IPv4, which /etc/hosts answers for loopback. An IPv6 host keeps
+    torch's.
     """
     host = host or "0.0.0.0"
     try:

@@ -48,7 +48,8 @@ class Member:
     """Membership client of one rank of one replica.
 
     Threads: the caller's thread uses `store`; the heartbeat thread and the liveness-socket reader
-    each have their own store client, because one client serialises its calls (DESIGN §5).
+    each have their own store client, because one client serialises its calls
+    (docs/MEASUREMENTS.md, "TCPStore").
     """
 
     def __init__(self, host: str, port: int, replica: int, rank: int = 0, nranks: int = 1, *,

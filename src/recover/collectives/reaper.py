@@ -32,8 +32,9 @@ import torch
 
 REAP_POLL_S = 0.1  # while work is in flight: its end is not urgent
 # A failed group is released as soon as its dropper's frame lets go of it (microseconds to
-# milliseconds after `retire`): its closing sockets are what makes the other members' pending
-# ops fail (DESIGN §5), one ring hop at a time, so each hop must not wait for a slow poll.
+# milliseconds after `retire`): its closing sockets are what makes the other members' pending ops
+# fail (docs/MEASUREMENTS.md, "gloo on CPU"), one ring hop at a time, so each hop must not wait for
+# a slow poll.
 FAST_POLL_S = 0.002
 FAST_FOR_S = 1.0
 UNOWNED_KEEP_S = 120.0  # an ended group another owner still holds this long: that owner's

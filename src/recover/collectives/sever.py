@@ -7,16 +7,17 @@ a group is built). It acts on the sockets themselves: `opened_since` keeps a dup
 of each, so a number gloo closed and the process reused is never touched; `release` closes the
 duplicates (the connections then close when gloo closes its own descriptors).
 
-Why: gloo cannot abort an operation in flight (`abort()`/`shutdown()` do not unblock it, DESIGN
-§5), so an operation stuck on a peer whose process hangs with its sockets open kept its buffers,
-and its group's destructor blocked, until gloo's own timeout. Shutting the group's sockets down
-makes gloo fail the operation at once ("connection closed", measured ~5 ms on loopback), after
-which its buffers are free and destroying the group is cheap; which side to shut is `sever`'s
-`how` (DESIGN §16). The peers' side fails too once we shut ours for writing, which is what they
-need: the operation belongs to a generation nobody can commit in.
-Holding the duplicates makes a sever one system call per socket: every survivor of a failure
-severs its R - 1 connections at once, so at R = 64 on 2 cores the readlink + dup + close per socket
-it used to cost showed in the survivors' agreement time (DESIGN §15).
+Why: gloo cannot abort an operation in flight (`abort()`/`shutdown()` do not unblock it:
+docs/MEASUREMENTS.md, "gloo on CPU"), so an operation stuck on a peer whose process hangs with its
+sockets open kept its buffers, and its group's destructor blocked, until gloo's own timeout.
+Shutting the group's sockets down makes gloo fail the operation at once ("connection closed",
+measured ~5 ms on loopback), after which its buffers are free and destroying the group is cheap;
+which side to shut is `sever`'s `how` (docs/MEASUREMENTS.md, "Severing a gloo operation"). The
+peers' side fails too once we shut ours for writing, which is what they need: the operation belongs
+to a generation nobody can commit in.
+Holding the duplicates makes a sever one system call per socket: every survivor of a failure severs
+its R - 1 connections at once, so at R = 64 on 2 cores the readlink + dup + close per socket it used
+to cost showed in the survivors' agreement time (docs/MEASUREMENTS.md, "Severing a gloo operation").
 Linux only (/proc/self/fd); elsewhere nothing is tracked and the caller holds the buffers.
 """
 
@@ -73,14 +74,14 @@ def sever(socks: list[socket.socket], how: int = socket.SHUT_RDWR) -> int:
     """Shut down each socket (whichever descriptor refers to it); returns how many were open.
 
     `how`: with an operation of ours in flight, the reading side alone (`SHUT_RD`): gloo's loop
-    reads end-of-file on every pair and fails the operation. A shut writing side makes a send
-    the operation still issues fail with `EPIPE`, which gloo's asynchronous write takes for
-    "try again later" and queues; a queued send of an unbound buffer (ring all-reduce's) is not
-    failed by the pair's error, so the operation waited in `waitSend` until the group's
-    timeout. Once both sides are shut, data a peer still sends is answered with a reset, and
-    the peer's send can be lost the same way. With nothing of ours in flight, the writing side
-    alone (`SHUT_WR`): the peers read end-of-file, and their sends still land. (Measured, DESIGN
-    §16: 4 of 8 cuts of in-flight 4 MB all-reduces at 4 ranks hung with `SHUT_RDWR`, 0 of 30
+    reads end-of-file on every pair and fails the operation. A shut writing side makes a send the
+    operation still issues fail with `EPIPE`, which gloo's asynchronous write takes for "try again
+    later" and queues; a queued send of an unbound buffer (ring all-reduce's) is not failed by the
+    pair's error, so the operation waited in `waitSend` until the group's timeout. Once both sides
+    are shut, data a peer still sends is answered with a reset, and the peer's send can be lost the
+    same way. With nothing of ours in flight, the writing side alone (`SHUT_WR`): the peers read
+    end-of-file, and their sends still land. (Measured, docs/MEASUREMENTS.md, "Severing a gloo
+    operation": 4 of 8 cuts of in-flight 4 MB all-reduces at 4 ranks hung with `SHUT_RDWR`, 0 of 30
     with `SHUT_RD`.)
     """
     n = 0

@@ -1,16 +1,17 @@
 """A store client connected ahead of need, so a communicator rebuild opens no connection.
 
-Invariant: `take()` returns a client that nobody else has used (each build gets its own: sharing
-an ended build's client broke pipes, DESIGN §14), and never waits longer than a plain connect
-would: a spare still connecting is left to become the next one, and the caller connects inline.
+Invariant: `take()` returns a client that nobody else has used (each build gets its own: sharing an
+ended build's client broke pipes: docs/MEASUREMENTS.md, "TCPStore"), and never waits longer than a
+plain connect would: a spare still connecting is left to become the next one, and the caller
+connects inline.
 At most one connect runs in the background at a time, on a daemon thread that exists only while
 it runs; its failure is not an error (the next `take` connects inline and says why if it fails).
 
-Why: opening a TCPStore client makes torch resolve the peer's name (DESIGN §14). Where that
-lookup goes to a DNS server, one in 10-25 here got no reply and the connect took the resolver's
-5 s, and a rebuild opens one client per rank: with R ranks, one of them was likely to hold up
-everyone's barrier. Connected right after the previous build, during training, the lookup is off
-the recovery's critical path.
+Why: opening a TCPStore client makes torch resolve the peer's name (docs/MEASUREMENTS.md,
+"TCPStore"). Where that lookup goes to a DNS server, one in 10-25 here got no reply and the connect
+took the resolver's 5 s, and a rebuild opens one client per rank: with R ranks, one of them was
+likely to hold up everyone's barrier. Connected right after the previous build, during training, the
+lookup is off the recovery's critical path.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ Invariant: the k shard ranks of a replica split every microbatch id's B sequence
 contiguous row blocks (rank s takes rows [s*B/k, (s+1)*B/k)). Each rank backpropagates the mean
 loss over its rows / N; FSDP2's reduce-scatter averages over the shard group, so the replica's
 sharded gradient is grad(mean loss over the B sequences) / N per id, the same as a plain replica's.
-Shard s of every replica holds the same slice of every parameter, so the cross-replica reduction
-of position s sums like with like; that is native HSDP's all-reduce over the "replicate" dimension,
-done after backward from a kept copy (DESIGN §5: it matches native HSDP).
+Shard s of every replica holds the same slice of every parameter, so the cross-replica reduction of
+position s sums like with like; that is native HSDP's all-reduce over the "replicate" dimension,
+done after backward from a kept copy (it matches native HSDP: docs/MEASUREMENTS.md, "Parallel
+layouts on CPU").
 """
 
 from __future__ import annotations

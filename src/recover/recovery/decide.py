@@ -95,7 +95,8 @@ class Decisions:
         if self.shard.add(ckey, 1) != per_shard[mine]:
             # Decided on evidence (no leader copied it), the decision is copied here too: that
             # ends our shard waiter's blocked get, so its client is reused, not replaced by a
-            # new connection (each costs the server a blocking DNS lookup, DESIGN §14).
+            # new connection (each costs the server a blocking DNS lookup:
+            # docs/MEASUREMENTS.md, "TCPStore").
             return self._await_decision(self.shard_waiter, tag, g, dkey, copy_to=self.shard)
         if self.store.add(ckey, 1) == len(per_shard):
             decided = self.store.compare_set(dkey, "", self._commit_value(step, g))

@@ -141,7 +141,7 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
                 # replica's next request on the same client: before it counts its next step, so
                 # before the sink can have read step + 2 and deleted this key. Only the leader,
                 # from a background thread, was tried: a leader killed before its offer left, with
-                # every other replica killed in the next step, lost a line (DESIGN §12).
+                # every other replica killed in the next step, lost a line (CHANGELOG.md, 0.3.1).
                 if rank == 0:
                     recent.append((step, json.dumps(rec)))
                     rep.member.store.set(keys.record_key(step), recent[-1][1])
