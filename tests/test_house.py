@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import re
 from pathlib import Path
 
 import pytest
@@ -186,3 +188,52 @@ def test_functions_are_short_and_take_few_parameters() -> None:
             if len(params) > MAX_PARAMS:
                 bad.append(f"{where}: {len(params)} parameters")
     assert not bad, "\n".join(bad)
+
+
+# -- the documents: the design is the design, history lives in the changelog --------------------
+DESIGN_MAX_LINES = 400
+SECTION_SIGN = "\u00a7"
+
+
+def test_design_is_the_current_design_only() -> None:
+    """docs/DESIGN.md states the design as it is (history: CHANGELOG.md; figures:
+    docs/MEASUREMENTS.md), short enough to read in one sitting."""
+    text = (ROOT / "docs" / "DESIGN.md").read_text()
+    assert len(text.splitlines()) <= DESIGN_MAX_LINES
+    assert "as built" not in text.lower()
+
+
+def test_no_section_sign_in_code_or_bench() -> None:
+    """A comment names a DESIGN.md / MEASUREMENTS.md section by its title, never by a section
+    sign and number (numbers move when sections do). Every text file under src/, tests/ and
+    bench/ (generated metadata and caches aside: `pip install -e .` copies the README into the
+    egg-info)."""
+    bad = []
+    for top in ("src", "tests", "bench"):
+        for path in sorted((ROOT / top).rglob("*")):
+            parts = path.relative_to(ROOT).parts
+            if not path.is_file() or "__pycache__" in parts or \
+                    any(p.endswith(".egg-info") for p in parts):
+                continue
+            data = path.read_bytes()
+            if b"\0" in data[:8192]:
+                continue  # binary
+            try:
+                text = data.decode()
+            except UnicodeDecodeError:
+                continue
+            bad += [f"{path.relative_to(ROOT)}:{i}" for i, line in
+                    enumerate(text.splitlines(), 1) if SECTION_SIGN in line]
+    assert not bad, "\n".join(bad)
+
+
+def test_one_version_in_pyproject_metadata_and_changelog() -> None:
+    """`recover --version` prints the installed metadata's version: it must be pyproject's,
+    and the changelog's newest entry must be that version."""
+    declared = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(),
+                         re.MULTILINE)
+    newest = re.search(r"^## (\d+\.\d+\.\d+)\b", (ROOT / "CHANGELOG.md").read_text(),
+                       re.MULTILINE)
+    assert declared is not None, "pyproject.toml declares no version"
+    assert newest is not None, "CHANGELOG.md has no '## x.y.z' entry"
+    assert importlib.metadata.version("recover") == declared.group(1) == newest.group(1)
