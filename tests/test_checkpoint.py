@@ -43,7 +43,7 @@ KEY = b"this run's token"
 @pytest.fixture(autouse=True)
 def _one_thread() -> Iterator[None]:
     # These tests train a little; with other work on a small CPU box, two intra-op threads per
-    # process made them ~15x slower (DESIGN.md section 5 saw the same).
+    # process made them ~15x slower (docs/MEASUREMENTS.md, "Threads and start-up", saw the same).
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

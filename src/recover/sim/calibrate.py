@@ -4,8 +4,8 @@ Invariant: `predict_wall_times(calib)` simulates exactly the bench's run (its re
 fault schedule) with the costs the bench measured, and nothing else; it never reads the measured
 `wall_s`, so comparing the two validates the simulator (target: within 15% per system).
 
-bench.json schema (one JSON object; times in seconds, steps 0-based as in DESIGN.md section 1: step
-t consumes microbatch ids t*N .. t*N+N-1):
+bench.json schema (one JSON object; times in seconds, steps 0-based as in docs/DESIGN.md, "The
+invariant and its tolerances": step t consumes microbatch ids t*N .. t*N+N-1):
 
     {
       "schema": "recover.bench/1",     optional tag

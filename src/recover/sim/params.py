@@ -17,12 +17,13 @@ Sources of the defaults (each is an assumption; `recover simulate` prints them a
 - Restart: tearing the job down and relaunching it (scheduler, process start and imports, rendezvous
   and NCCL init, checkpoint load, warm-up) takes minutes to tens of minutes for large jobs;
   FlashRecovery (2025) reports 150 s on 4,800 accelerators as an optimised result. Default 300 s.
-- Detection: `recover`'s heartbeat threshold of 1.0 s (DESIGN.md section 5, no false alarms
-  measured). By default the same detection time is charged to every policy (generous to
+- Detection: 1.0 s, `recover`'s first heartbeat threshold (docs/MEASUREMENTS.md, "Liveness and
+  detection": a crash is now seen in milliseconds by connection loss, a hang after --stale-s,
+  2.0 s). By default the same detection time is charged to every policy (generous to
   ckpt-restart, whose hangs are often only seen at the NCCL watchdog timeout, 10 min by default;
   `restart_detect_s` sets its own).
-- Rebuild of a communicator generation: a few seconds for NCCL at hundreds of GPUs (8-25 ms measured
-  for gloo on CPU, DESIGN.md section 5). Default 5 s.
+- Rebuild of a communicator generation: a few seconds for NCCL at hundreds of GPUs (1-25 ms measured
+  for gloo on CPU: docs/MEASUREMENTS.md, "gloo on CPU"). Default 5 s.
 - Shape: 512 GPUs, 8 GPUs per replica (tensor parallel inside an 8-GPU node), 64 replicas, N = 256
   microbatches of one 8,192-token sequence (2.1M tokens per step), 5 s per step with all replicas of
   which 0.5 s is the cross-replica all-reduce. These set the time scale only; results depend on the

@@ -1,4 +1,5 @@
-"""Baselines the benchmarks compare `recover` against (DESIGN.md section 7), and `recover bench`.
+"""Baselines the benchmarks compare `recover` against, and `recover bench` (docs/DESIGN.md,
+"Layers and packages").
 
 - `shrink`: the shrink-batch (torchft) step engine, selected by `RunConfig.ft.policy`.
 - `ckpt_restart`: checkpoint every K steps (Young-Daly), tear down and relaunch on every fault.
