@@ -21,8 +21,9 @@ from typing import Any, NoReturn
 
 import torch
 
-from recover.collectives import FaultTolerantComm, Member, ReplicaFault
+from recover.collectives import FaultTolerantComm, Member, ReplicaFault, connect
 from recover.recovery import StepEngine
+from recover.settings import FaultTolerance
 
 
 @dataclass
@@ -136,9 +137,9 @@ def stop_step(path: Path) -> int | None:
 
 def rank_main(a: RankArgs) -> NoReturn:
     torch.set_num_threads(1)
-    member = Member("127.0.0.1", a.port, a.replica, a.rank, a.nranks, timeout_s=a.timeout_s)
-    member.join()
-    comm = TimedComm(member, a.rank, a.timeout_s)
+    ft = FaultTolerance(join_timeout_s=a.timeout_s, reduce_timeout_s=a.timeout_s)
+    member = Member("127.0.0.1", a.port, a.replica, a.rank, a.nranks, ft=ft)
+    comm = connect(member, ft, comm_class=TimedComm)
     grad = torch.zeros(a.numel)
     # The engine's "commit" hook runs as soon as its reduce step is over, failed or not: the
     # gap from the end of a failed reduce_ call to it is the cost of discarding the attempt

@@ -30,7 +30,8 @@ from pathlib import Path
 import pytest
 
 from _procs import Proc, stop, stop_all
-from recover.collectives import EXIT_FENCED, connect_store, keys
+from recover.collectives import connect_store, keys
+from recover.errors import ExitCode
 
 N = 4  # replicas per scenario
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -356,10 +357,10 @@ def test_sigstop_is_fenced_and_exits_by_itself(cluster: Cluster) -> None:
     time.sleep(3.0)
     t_cont = time.time()
     cluster.replicas[victim].signal(signal.SIGCONT)
-    # Not killed by the test: it must see it was fenced and exit with EXIT_FENCED on its own.
+    # Not killed by the test: it must see it was fenced and exit with ExitCode.FENCED on its own.
     rc = cluster.replicas[victim].wait(30.0)
     t_exit = cluster.replicas[victim].exited_at
-    assert rc == EXIT_FENCED, f"stopped replica exit code {rc}\n{cluster.diagnostics()}"
+    assert rc == ExitCode.FENCED, f"stopped replica exit code {rc}\n{cluster.diagnostics()}"
     assert "fenced" in cluster.replicas[victim].stderr()
     rcs = cluster.wait_exit(survivors, 90.0)
     assert all(rc == 0 for rc in rcs.values()), f"{rcs}\n{cluster.diagnostics()}"

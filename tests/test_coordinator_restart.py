@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from recover.collectives import keys
+from recover.collectives import Coordinator, CoordinatorConfig, keys
 from recover.collectives.admission import resume_plan
-from recover.collectives.coordinator import Coordinator
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -66,8 +65,9 @@ class Fake:
 
 @pytest.fixture
 def coordinator(tmp_path: Path) -> Iterator[Coordinator]:
-    coord = Coordinator(3, "127.0.0.1", 0, stale_s=2.0, join_timeout_s=30.0,
-                        log_path=str(tmp_path / "coordinator.jsonl"), recover=True)
+    coord = Coordinator(CoordinatorConfig(replicas=3, host="127.0.0.1", port=0, stale_s=2.0,
+                                          join_timeout_s=30.0, recover=True,
+                                          log_path=str(tmp_path / "coordinator.jsonl")))
     coord.start()
     stop = threading.Event()
     th = threading.Thread(target=coord.serve, args=(stop.is_set,), daemon=True)

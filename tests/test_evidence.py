@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from recover.collectives import keys
+from recover.collectives import Coordinator, CoordinatorConfig, keys
 from recover.collectives.admission import convicted
-from recover.collectives.coordinator import Coordinator
 
 pytestmark = pytest.mark.timeout(60)
 STALE_S = 1.0  # heartbeats every 50 ms: silence is never what these tests see
@@ -75,8 +74,9 @@ class Fake:
 
 @pytest.fixture
 def run(tmp_path: Path) -> Iterator[tuple[Coordinator, list[Fake]]]:
-    coord = Coordinator(3, "127.0.0.1", 0, stale_s=STALE_S, join_timeout_s=30.0,
-                        log_path=str(tmp_path / "coordinator.jsonl"))
+    coord = Coordinator(CoordinatorConfig(replicas=3, host="127.0.0.1", port=0, stale_s=STALE_S,
+                                          join_timeout_s=30.0,
+                                          log_path=str(tmp_path / "coordinator.jsonl")))
     coord.start()
     stop = threading.Event()
     th = threading.Thread(target=coord.serve, args=(stop.is_set,), daemon=True)

@@ -17,8 +17,10 @@ from typing import Any
 
 import pytest
 
-from recover.collectives import Member, keys
-from recover.collectives.coordinator import Coordinator
+from recover.collectives import Coordinator, CoordinatorConfig, FenceHandlers, Member, keys
+from recover.settings import FaultTolerance
+
+FT = FaultTolerance(join_timeout_s=30.0)  # the members' store connects and joins
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -54,8 +56,9 @@ class Counting:
 
 @pytest.fixture
 def coordinator(tmp_path: Path) -> Iterator[Coordinator]:
-    coord = Coordinator(3, "127.0.0.1", 0, stale_s=2.0, join_timeout_s=30.0,
-                        log_path=str(tmp_path / "coordinator.jsonl"))
+    coord = Coordinator(CoordinatorConfig(replicas=3, host="127.0.0.1", port=0, stale_s=2.0,
+                                          join_timeout_s=30.0,
+                                          log_path=str(tmp_path / "coordinator.jsonl")))
     port = coord.start()
     stop = threading.Event()
     th = threading.Thread(target=coord.serve, args=(stop.is_set,), daemon=True)
@@ -69,8 +72,8 @@ def coordinator(tmp_path: Path) -> Iterator[Coordinator]:
 def test_survivors_learn_a_generation_without_reading_the_store(coordinator: Coordinator
                                                                 ) -> None:
     fenced: list[str] = []
-    members = [Member("127.0.0.1", coordinator.port, r, timeout_s=30.0, on_fenced=fenced.append)
-               for r in range(3)]
+    members = [Member("127.0.0.1", coordinator.port, r, ft=FT,
+                      handlers=FenceHandlers(fenced=fenced.append)) for r in range(3)]
     threads = [threading.Thread(target=m.join, daemon=True) for m in members]
     for t in threads:
         t.start()
@@ -104,7 +107,7 @@ def test_survivors_learn_a_generation_without_reading_the_store(coordinator: Coo
 
 
 def test_a_member_that_missed_the_base_reads_the_store(coordinator: Coordinator) -> None:
-    members = [Member("127.0.0.1", coordinator.port, r, timeout_s=30.0) for r in range(3)]
+    members = [Member("127.0.0.1", coordinator.port, r, ft=FT) for r in range(3)]
     threads = [threading.Thread(target=m.join, daemon=True) for m in members]
     for t in threads:
         t.start()

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from recover.collectives import Member, keys
+from recover.collectives import FenceHandlers, Member, keys
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def _watched_member(store: object, bound_s: float) -> tuple[object, socket.socke
     port = store.port  # type: ignore[attr-defined]
     fired: list[float] = []
     m = Member("127.0.0.1", port, 1, fence_after_s=bound_s,
-               on_partitioned=lambda why: fired.append(time.monotonic()))
+               handlers=FenceHandlers(partitioned=lambda why: fired.append(time.monotonic())))
     m._sock, coord_end = socket.socketpair()  # what join() would connect
     m._heard = time.monotonic()
     threading.Thread(target=m._watchdog_loop, daemon=True).start()

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from recover.collectives import FaultTolerantComm, Member
+from recover.collectives import Member, connect
 from recover.recovery import StepEngine
+from recover.settings import FaultTolerance
 
 
 def main() -> int:
@@ -42,9 +43,9 @@ def main() -> int:
     n = a.microbatches
     device = torch.device(a.device, 0) if a.device == "cuda" else torch.device(a.device)
     host, port = a.coordinator.rsplit(":", 1)
-    member = Member(host, int(port), a.replica, timeout_s=60.0)
-    member.join()
-    comm = FaultTolerantComm(member, timeout_s=30.0, device=device)  # gloo, on device tensors
+    member = Member(host, int(port), a.replica, ft=FaultTolerance(join_timeout_s=60.0))
+    # gloo, on device tensors
+    comm = connect(member, FaultTolerance(reduce_timeout_s=30.0), device=device)
     flat = torch.zeros(a.numel, dtype=getattr(torch, a.dtype), device=device)
 
     def hook(phase: str, step: int, j: int) -> None:

@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from recover.collectives import FaultTolerantComm, Member
+from recover.collectives import Member, connect
+from recover.settings import FaultTolerance, Numerics
 
 
 def main() -> int:
@@ -30,10 +31,10 @@ def main() -> int:
     ap.add_argument("--numel", type=int, default=1 << 22)
     a = ap.parse_args()
     host, port = a.coordinator.rsplit(":", 1)
-    member = Member(host, int(port), 0, timeout_s=60.0)
-    member.join()
+    ft = FaultTolerance(join_timeout_s=60.0, reduce_timeout_s=60.0)
+    member = Member(host, int(port), 0, ft=ft)
     dev = torch.device("cuda", 0)
-    comm = FaultTolerantComm(member, backend="nccl", device=dev, timeout_s=60.0)
+    comm = connect(member, ft, Numerics(backend="nccl"), device=dev)
     out: dict[str, object] = {}
     g = member.generation()
     members = member.members(g)

@@ -144,6 +144,8 @@ def _summary(console, res) -> None:  # type: ignore[no-untyped-def]
 
 
 def cmd_coordinator(argv: list[str]) -> int:
+    """`recover coordinator`: the library's entry point, whose flags are `CoordinatorConfig`'s
+    fields (the launcher builds the same argv with `CoordinatorConfig.to_argv`)."""
     from recover.collectives.coordinator import main as coordinator_main
 
     return coordinator_main(argv)

@@ -89,8 +89,9 @@ def convicted(accusations: dict[int, set[int]], members: list[int] | set[int],
 
 
 @dataclass
-class Member:
-    """A member replica as the coordinator knows it: its rank count and connected ranks."""
+class Registration:
+    """A replica as the coordinator knows it (a member, or one re-registering with a restarted
+    coordinator): its rank count and its connected ranks."""
 
     nranks: int
     ranks: set[int] = field(default_factory=set)

@@ -7,11 +7,9 @@ known, and tells its caller (`in_use`) which buffers an abandoned operation may 
 so none is reused before that operation ends. A group it stops using is retired, never destroyed
 on the caller's thread nor while its work is in flight (`reaper.py`).
 
-Cross-replica gloo traffic binds one address: the interface the user names (`ifname`, else
-$GLOO_SOCKET_IFNAME), else this host's end of its connection to the coordinator (never the
-hostname's resolution, which is loopback on many hosts). Loopback is never used when another
-member is on another host: an automatic choice moves to the route towards that member, a named
-interface raises `GlooInterfaceError` (one line: the interface and the fix) at the first build.
+Cross-replica gloo traffic binds the address `netif.GlooInterface` chooses (the interface the user
+names, else this host's end of its connection to the coordinator; never loopback towards another
+host).
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ import contextlib
 import datetime
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,17 +29,13 @@ from torch.distributed import PrefixStore, ProcessGroupGloo
 
 from recover.collectives import keys, sever
 from recover.collectives.member import Member
-from recover.collectives.netif import iface_addr, iface_of, is_loopback, source_towards
-from recover.collectives.reaper import retire as _retire
+from recover.collectives.netif import GlooInterface, GlooInterfaceError, is_loopback
+from recover.collectives.reaper import retire
 from recover.collectives.spare import SpareClient
 from recover.collectives.waiter import KeyWaiter
+from recover.settings import FaultTolerance, Numerics
 
-IFNAME_ENV = "GLOO_SOCKET_IFNAME"  # torch's own variable; `--gloo-ifname` sets it for a worker
-_HINTED: list[bool] = []  # a connect-failure hint was printed by this process (once is enough)
-
-
-class GlooInterfaceError(RuntimeError):
-    """Cross-replica traffic would bind an interface the other replicas cannot reach."""
+__all__ = ["FaultTolerantComm", "GlooInterfaceError", "ReplicaFault"]
 
 
 def _new_group(backend: str, store: PrefixStore, rank: int, size: int, timeout_s: float,
@@ -86,7 +79,7 @@ class ReplicaFault(RuntimeError):
 @dataclass
 class _Held:
     """Buffers an abandoned operation may still write into (`in_use`), until it ends; the
-    group itself is retired (`_retire`)."""
+    group itself is retired (`reaper.retire`)."""
 
     futs: list[torch.futures.Future]
     bufs: list[torch.Tensor]
@@ -96,9 +89,12 @@ class _Held:
 class FaultTolerantComm:
     """The cross-replica communicator of one position (a shard index, a (tp, pp) rank, or 0)."""
 
-    def __init__(self, member: Member, position: int = 0, timeout_s: float = 60.0,
-                 poll_s: float = 0.002, backend: str = "gloo", recheck_s: float = 0.1,
-                 device: torch.device | None = None, ifname: str | None = None) -> None:
+    def __init__(self, member: Member, position: int = 0, ft: FaultTolerance | None = None,
+                 numerics: Numerics | None = None, *, device: torch.device | None = None,
+                 ifname: str | None = None, poll_s: float = 0.002, recheck_s: float = 0.1) -> None:
+        """`ft.reduce_timeout_s` bounds every wait; `numerics.backend`: gloo or nccl."""
+        backend = (numerics or Numerics()).backend
+        timeout_s = (ft or FaultTolerance()).reduce_timeout_s
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"unknown backend {backend!r}")
         if backend == "nccl" and (device is None or device.type != "cuda"):
@@ -108,8 +104,7 @@ class FaultTolerantComm:
         self.suspect_s = (getattr(member, "fence_after_s", None) or 6.0) / 3
         # Fault injection: while this returns True, cross-replica traffic fails here.
         self.link_down: Callable[[], bool] | None = None
-        self.ifname = ifname or os.environ.get(IFNAME_ENV) or None
-        self._addr: str | None = None  # the address gloo binds (resolved at the first build)
+        self.iface = GlooInterface(member.replica, ifname)  # the address gloo binds
         self.member, self.position = member, position
         # poll_s paces the barrier and the build wait; recheck_s bounds a reduce's sleep between
         # wake-ups (a missed event costs at most this much, never a hang).
@@ -258,13 +253,15 @@ class FaultTolerantComm:
         rank, size = members.index(self.member.replica), len(members)
         prefix = keys.comm_prefix(g, self.position)
         t0, c0 = time.monotonic(), time.process_time()
-        addr = self._bind_addr() if self.backend == "gloo" else None
+        addr = (self.iface.bind(self.member.local_addr, self.member.host,
+                                self.member.coordinator_remote)
+                if self.backend == "gloo" else None)
         if addr is not None:
             self.member.store.set(keys.gloo_addr(prefix, rank), addr)
         self._barrier(g, prefix, size)
         self._close_old()  # every member left the older generations' ops by now
         if addr is not None and is_loopback(addr):
-            addr = self._off_loopback(addr, prefix, rank, size)
+            addr = self.iface.off_loopback(addr, self._peer_addrs(prefix, rank, size))
         t1 = time.monotonic()
         # Build in a helper thread: if a member dies between the barrier and the build, the
         # constructor would block for its whole timeout; we give up as soon as g is superseded.
@@ -280,8 +277,8 @@ class FaultTolerantComm:
         def build() -> None:
             try:
                 before = sever.sockets() if self.backend == "gloo" else {}
-                pg = _new_group(self.backend, store, rank, size, self.timeout_s, self.ifname,
-                                addr)
+                pg = _new_group(self.backend, store, rank, size, self.timeout_s,
+                                self.iface.ifname, addr)
                 if self.backend == "gloo":
                     box["socks"] = sever.opened_since(before, spare)
                 if self.backend == "nccl":  # connect now, inside the abandonable build, not
@@ -304,7 +301,7 @@ class FaultTolerantComm:
         if "err" in box:
             self.member.report_fail(g)
             why = str(box["err"]).splitlines()[0][:300]
-            self._hint(why, addr)
+            self.iface.hint(why, addr)
             raise ReplicaFault(g, [], f"communicator build failed: {why}")
         self.stats["barrier_s"] += t1 - t0
         self.stats["build_s"] += time.monotonic() - t1
@@ -314,75 +311,13 @@ class FaultTolerantComm:
         self._spare.prepare()  # the next build's client, connected while this group is used
         return self._pg
 
-    # -- the interface gloo binds ------------------------------------------------------------
-    def _bind_addr(self) -> str | None:
-        """The local address cross-replica traffic binds (None: gloo's default, or unknown)."""
-        if self._addr is None:
-            if self.ifname:
-                for name in self.ifname.split(","):
-                    try:
-                        socket.if_nametoindex(name)
-                    except OSError:
-                        raise GlooInterfaceError(
-                            f"replica {self.member.replica}: no network interface named "
-                            f"{name!r} on this host (--gloo-ifname / {IFNAME_ENV}); `ip addr` "
-                            "lists them") from None
-                self._addr = iface_addr(self.ifname.split(",")[0]) or ""
-            else:
-                self._addr = self.member.local_addr
-            if self._addr and is_loopback(self._addr) and self.member.coordinator_remote:
-                # Only a named interface gets here: the automatic choice is the local end of a
-                # connection to a remote coordinator, which is never loopback.
-                raise GlooInterfaceError(
-                    f"replica {self.member.replica}: cross-replica traffic would use "
-                    f"{self._where(self._addr)}, a loopback interface, but the coordinator at "
-                    f"{self.member.host} is remote; set --gloo-ifname (or {IFNAME_ENV}) to the "
-                    "interface that reaches the other replicas' hosts, or leave it unset")
-        return self._addr or None
-
-    def _off_loopback(self, addr: str, prefix: str, rank: int, size: int) -> str:
-        """Keep a loopback address only if every member of the group published one too."""
+    def _peer_addrs(self, prefix: str, rank: int, size: int) -> list[str] | None:
+        """The addresses the group's other ranks bind (None: one of them published none)."""
         names = [keys.gloo_addr(prefix, r) for r in range(size)]
         if not self.member.store.check(names):
-            return addr  # a member that publishes no address: nothing to compare with
+            return None
         addrs = self.member.store.multi_get(names)
-        remote = [a.decode() for r, a in enumerate(addrs)
-                  if r != rank and not is_loopback(a.decode())]
-        if not remote:
-            return addr  # everyone on this host: loopback is right
-        me = self.member.replica
-        if self.ifname:
-            raise GlooInterfaceError(
-                f"replica {me}: cross-replica traffic would use {self._where(addr)}, a "
-                f"loopback interface, but other members are on other hosts ({remote[0]}); set "
-                f"--gloo-ifname (or {IFNAME_ENV}) to the interface that reaches them")
-        # This host reaches the coordinator over loopback (it runs the coordinator, or its name
-        # resolves to 127.0.1.1) while others are elsewhere: bind the route towards them.
-        routed = source_towards(remote[0])
-        if routed is None or is_loopback(routed):
-            raise GlooInterfaceError(
-                f"replica {me}: reaches the coordinator over loopback ({addr}) and finds no "
-                f"route to the other members ({remote[0]}); set --gloo-ifname (or {IFNAME_ENV})"
-                " to the interface that reaches them")
-        self._addr = routed
-        print(f"recover: replica {me}: the coordinator is reached over loopback ({addr}) but "
-              f"other members are remote: cross-replica traffic uses {self._where(routed)} "
-              "(--gloo-ifname overrides)", file=sys.stderr, flush=True)
-        return routed
-
-    def _where(self, addr: str | None) -> str:
-        name = self.ifname or (iface_of(addr) if addr else None)
-        return f"{addr} ({name})" if name and addr else (addr or name or "gloo's default")
-
-    def _hint(self, why: str, addr: str | None) -> None:
-        """One line per process when a build cannot connect: the usual cause is the interface."""
-        if "connect" not in why.lower() or _HINTED:
-            return
-        _HINTED.append(True)
-        print(f"recover: replica {self.member.replica}: the cross-replica communicator could "
-              f"not connect from {self._where(addr)}: {why}. If every build fails, the other "
-              f"replicas cannot reach this interface: set --gloo-ifname (or {IFNAME_ENV}) to "
-              "the one on their network", file=sys.stderr, flush=True)
+        return [a.decode() for r, a in enumerate(addrs) if r != rank]
 
     def _barrier(self, g: int, prefix: str, size: int) -> None:
         """Wait until every member of g arrived; give up as soon as g is superseded. A member
@@ -464,7 +399,7 @@ class FaultTolerantComm:
         if self._pg is pg:
             self._closing += self._socks
             self._pg, self._pg_gen, self._socks = None, -1, []
-        _retire(pg, works, futs)
+        retire(pg, works, futs)
 
     def _close_old(self) -> None:
         sever.release(self._closing)

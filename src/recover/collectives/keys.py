@@ -1,4 +1,4 @@
-"""The one place that spells the control plane's store keys, their encodings and wire codes.
+"""The one place that spells the control plane's store keys and their encodings.
 
 Every module that touches the coordinator's store calls a named function here; no key string is
 written anywhere else, so the layout can be read (and changed) in one sitting:
@@ -44,12 +44,6 @@ COORD_STALE_S = "coord/stale_s"  # the coordinator's --stale-s: members derive t
 COORD_PID = "coord/pid"  # the coordinator's process id (a `coordinator` fault kills it)
 SHARDS = "coord/shards"  # JSON [port, ...] of the store shards (collectives/shards.py)
 COORD_EXITS = "coord/exits"  # JSON {replica: how the coordinator saw it end} (launcher summary)
-
-EXIT_FENCED = 3  # a process fenced out of the newest generation exits with this code
-EXIT_STUCK = 7  # a process whose main thread made no progress in the step protocol
-# A process that heard nothing from the coordinator for its bound (a lasting network partition,
-# or the coordinator's host gone) exits with this code; by then the coordinator has dropped it.
-EXIT_PARTITIONED = 6
 
 
 # -- membership (written by the coordinator) --------------------------------------------------

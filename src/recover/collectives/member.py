@@ -2,30 +2,36 @@
 
 Invariant: a process only ever acts in a generation whose member list contains its replica. The
 moment it learns of a newer generation without it (pushed over the liveness socket, or polled from
-the store), it is fenced: it says why on stderr and exits with `EXIT_FENCED`, from a background
+the store), it is fenced: it logs why and exits with `ExitCode.FENCED`, from a background
 thread, so even a process that was stopped (SIGSTOP) and resumed cannot touch the survivors' state.
 A process cut off from the coordinator (no byte on the liveness socket, which the coordinator
-pings, for `fence_after_s` = 3 x its --stale-s) exits with `EXIT_PARTITIONED`, also from a
+pings, for `fence_after_s` = 3 x its --stale-s) exits with `ExitCode.PARTITIONED`, also from a
 background thread: TCPStore calls have no timeout on a silent link (measured: an `add` blocked for
 the whole 25 s outage), so no thread that waits on the store or the socket may be the one to fence.
 The coordinator drops a silent member after --stale-s, well before the member gives up on it.
+What a process shows at its hello (`Identity`) is given by its caller; nothing here reads the
+environment.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
+import logging
 import os
 import select
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from recover.collectives import keys, shards
 from recover.collectives.netif import is_loopback
+from recover.errors import ExitCode
+from recover.settings import FaultTolerance
+
+log = logging.getLogger(__name__)
 
 FENCE_STALE_FACTOR = 3.0  # silence bound = this x the coordinator's --stale-s
 READ_TICK_S = 0.1  # every liveness-socket read and the watchdog wake up at least this often
@@ -44,6 +50,31 @@ class CoordinatorGone(CoordinatorLost):
     a restarted one may be joined again (unlike a refusal, which is final)."""
 
 
+@dataclass(frozen=True)
+class Identity:
+    """What a process shows the coordinator at its hello, beyond its replica and rank ids."""
+
+    # The run's secret (the launcher's RECOVER_RUN_TOKEN; None: "-") and a fingerprint of the
+    # run's trajectory-defining config: a mismatch is refused.
+    token: str | None = None
+    fingerprint: str = "-"
+    join_at: int = 0  # a replacement asks not to be admitted before this step
+    # A process that was running when its coordinator died tells a restarted one where it
+    # stands (steps applied, newest generation); -1: it holds no run state.
+    applied: int = -1
+    last_generation: int = -1
+
+
+@dataclass(frozen=True)
+class FenceHandlers:
+    """What a process does when it must stop acting (each gets the reason, one line). None: log
+    the reason and exit at once with `ExitCode.FENCED`, `PARTITIONED` or `STUCK`."""
+
+    fenced: Callable[[str], None] | None = None  # a generation without its replica was seen
+    partitioned: Callable[[str], None] | None = None  # the coordinator was silent too long
+    stuck: Callable[[str], None] | None = None  # the armed main thread made no progress
+
+
 class Member:
     """Membership client of one rank of one replica.
 
@@ -53,26 +84,23 @@ class Member:
     """
 
     def __init__(self, host: str, port: int, replica: int, rank: int = 0, nranks: int = 1, *,
-                 heartbeat_s: float = 0.1, timeout_s: float = 60.0,
-                 on_fenced: Callable[[str], None] | None = None,
-                 fence_after_s: float | None = None,
-                 on_partitioned: Callable[[str], None] | None = None,
-                 token: str | None = None, fingerprint: str = "-",
-                 on_stuck: Callable[[str], None] | None = None, applied: int = -1,
-                 last_generation: int = -1, restart_wait_s: float = 0.0) -> None:
+                 ft: FaultTolerance | None = None, identity: Identity | None = None,
+                 handlers: FenceHandlers | None = None,
+                 fence_after_s: float | None = None) -> None:
+        """`ft`: heartbeat_s, join_timeout_s (store connects and the join) and
+        coordinator_wait_s; `fence_after_s` (None: 3 x the coordinator's stale_s) is for tests."""
+        ft, identity = ft or FaultTolerance(), identity or Identity()
+        handlers = handlers or FenceHandlers()
         self.host, self.port = host, port
-        # Shown to the coordinator at join: the run's secret (env RECOVER_RUN_TOKEN) and a
-        # fingerprint of the run's trajectory-defining config; a mismatch is refused.
-        self.token = token or os.environ.get("RECOVER_RUN_TOKEN") or "-"
-        self.fingerprint = fingerprint
+        self.token = identity.token or "-"
+        self.fingerprint = identity.fingerprint
+        self.join_at = identity.join_at
         self.refused: str | None = None  # the coordinator's reason, if it refused this process
-        # A process that was running when its coordinator died tells a restarted one where it
-        # stands (steps applied, newest generation); -1: it holds no run state.
-        self.applied, self.last_generation = applied, last_generation
+        self.applied, self.last_generation = identity.applied, identity.last_generation
         # > 0: when the coordinator's connection closes (its process died), the caller waits
         # this long for a restarted one (`recover.Replica.reconnect`) instead of being fenced
         # for the silence; the watchdog still ends the process if the caller never takes over.
-        self.restart_wait_s = restart_wait_s
+        self.restart_wait_s = ft.coordinator_wait_s
         self._floor = 0  # generations below this were published by an earlier coordinator
         # Admission mid-run (recover.parallel.Replica does the state transfer): `joining` until a
         # generation includes this replica; members learn of joiners in `join_requests`.
@@ -82,19 +110,20 @@ class Member:
         # may wait at once: two replacements started close together)
         self.join_requests: dict[int, tuple[int, int]] = {}
         # Progress watchdog: while armed, a main thread that reports no progress for `_stuck_s`
-        # is stuck (a deadlock, a hung kernel): the process fences itself (EXIT_STUCK).
-        self._on_stuck = on_stuck or _exit_stuck
+        # is stuck (a deadlock, a hung kernel): the process fences itself (ExitCode.STUCK).
+        self._on_stuck = handlers.stuck or exit_stuck
         self._stuck_s = 0.0
         self._progress = time.monotonic()
         self._welcomed = threading.Event()  # the coordinator answered our hello
         self._hb_paused = False
         self._admit_after = -1
         self.replica, self.rank, self.nranks = replica, rank, nranks
-        self.heartbeat_s, self.timeout_s = heartbeat_s, timeout_s
-        self._on_fenced = on_fenced or _exit_fenced
+        # timeout_s bounds the store connects and the join
+        self.heartbeat_s, self.timeout_s = ft.heartbeat_s, ft.join_timeout_s
+        self._on_fenced = handlers.fenced or exit_fenced
         # None: FENCE_STALE_FACTOR x the coordinator's --stale-s, read at join.
         self.fence_after_s = fence_after_s
-        self._on_partitioned = on_partitioned or _exit_partitioned
+        self._on_partitioned = handlers.partitioned or exit_partitioned
         self._heard = time.monotonic()  # last byte from the coordinator on the liveness socket
         # This host's address on its path to the coordinator (the liveness socket's local end),
         # and whether the coordinator is on another host: cross-replica traffic binds this
@@ -112,7 +141,7 @@ class Member:
         self.coordinator_lost = False
         self.replicas = 0  # known after join()
         self.fenced = False  # set (for good) once a generation without this replica is seen
-        self.store = keys.connect_store(host, port, timeout_s)
+        self.store = keys.connect_store(host, port, self.timeout_s)
 
     # -- lifecycle -----------------------------------------------------------------------
     def join(self, timeout_s: float | None = None) -> int:
@@ -139,9 +168,8 @@ class Member:
         self._sock.settimeout(READ_TICK_S)
         self._heard = time.monotonic()
         # A replacement may ask not to be admitted before a step (the `restart` fault's step).
-        at = os.environ.get("RECOVER_JOIN_AT", "0")
         hello = (f"hello {self.replica} {self.rank} {self.nranks} {os.getpid()} {self.token} "
-                 f"{self.fingerprint} {int(at) if at.isdigit() else 0} {self.applied} "
+                 f"{self.fingerprint} {max(0, int(self.join_at))} {self.applied} "
                  f"{self.last_generation}\n")
         self._sock.sendall(hello.encode())
         for target, name in ((self._heartbeat_loop, "recover-heartbeat"),
@@ -452,7 +480,7 @@ class Member:
                                f"its main thread made no progress in the step protocol for "
                                f"{now - self._progress:.1f}s (bound {self._stuck_s:.1f}s): "
                                f"stuck (a deadlock or a hung kernel); exiting with code "
-                               f"{keys.EXIT_STUCK} so the others can go on")
+                               f"{int(ExitCode.STUCK)} so the others can go on")
                 return
             silent = now - self._heard
             died = self.coordinator_lost and self.restart_wait_s > 0
@@ -477,7 +505,7 @@ class Member:
                 f"the coordinator at {self.host}:{self.port} for {silent:.1f}s (bound "
                 f"{bound:.1f}s = {FENCE_STALE_FACTOR:g} x its --stale-s): cut off (a network "
                 f"partition, or the coordinator's host is down); the others have dropped it. "
-                f"Exiting with code {keys.EXIT_PARTITIONED} without touching shared state")
+                f"Exiting with code {int(ExitCode.PARTITIONED)} without touching shared state")
             return
 
 
@@ -488,11 +516,23 @@ def _readable(sock: socket.socket) -> bool:
     return bool(p.poll(0))
 
 
-def _exit_with(code: int, why: str) -> None:
-    print(f"recover: {why}", file=sys.stderr, flush=True)
-    os._exit(code)
+def exit_fenced(why: str) -> None:
+    """The default `FenceHandlers.fenced`: log why, exit with `ExitCode.FENCED` at once."""
+    _exit_with(ExitCode.FENCED, why)
 
 
-_exit_fenced = functools.partial(_exit_with, keys.EXIT_FENCED)
-_exit_stuck = functools.partial(_exit_with, keys.EXIT_STUCK)
-_exit_partitioned = functools.partial(_exit_with, keys.EXIT_PARTITIONED)
+def exit_partitioned(why: str) -> None:
+    """The default `FenceHandlers.partitioned`: log why, exit with `ExitCode.PARTITIONED`."""
+    _exit_with(ExitCode.PARTITIONED, why)
+
+
+def exit_stuck(why: str) -> None:
+    """The default `FenceHandlers.stuck`: log why, exit with `ExitCode.STUCK`."""
+    _exit_with(ExitCode.STUCK, why)
+
+
+def _exit_with(code: ExitCode, why: str) -> None:
+    # os._exit: no thread of this process may act again, and teardown could block on a dead
+    # peer; logging's stream handlers flush each record, so the reason is written first.
+    log.error("%s", why)
+    os._exit(int(code))

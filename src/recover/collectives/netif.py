@@ -1,13 +1,113 @@
-"""Which local address reaches where: interface addresses and the kernel's route (Linux).
+"""Which local address cross-replica gloo traffic binds, and what the kernel says reaches where.
 
-Invariant: each function only asks the kernel (an ioctl, a UDP connect that sends nothing) and
-returns None instead of raising when it cannot tell; nothing here resolves a name.
+Invariants:
+- The address is the interface the user names (`--gloo-ifname`, which sets $GLOO_SOCKET_IFNAME,
+  torch's own variable), else this host's end of its connection to the coordinator; never the
+  hostname's resolution, which is loopback on many hosts.
+- Loopback is never used when another member is on another host: an automatic choice moves to the
+  kernel's route towards that member; a named interface raises `GlooInterfaceError` (one line:
+  the interface and the fix) at the first build.
+- The kernel helpers (`iface_addr`, `iface_of`, `source_towards`, `is_loopback`) only ask the
+  kernel (an ioctl, a UDP connect that sends nothing) and return None instead of raising when
+  they cannot tell; nothing here resolves a name.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
+import os
 import socket
+
+log = logging.getLogger(__name__)
+
+IFNAME_ENV = "GLOO_SOCKET_IFNAME"  # torch's own variable; `--gloo-ifname` sets it for a worker
+_HINTED: list[bool] = []  # a connect-failure hint was logged by this process (once is enough)
+
+
+class GlooInterfaceError(RuntimeError):
+    """Cross-replica traffic would bind an interface the other replicas cannot reach."""
+
+
+class GlooInterface:
+    """The address one process's cross-replica gloo traffic binds (see the module docstring).
+
+    `ifname`: the interface(s) the user names (comma-separated), else $GLOO_SOCKET_IFNAME, else
+    none (the automatic choice). The address is resolved once, at the first build (`bind`).
+    """
+
+    def __init__(self, replica: int, ifname: str | None = None) -> None:
+        self.replica = replica
+        self.ifname = ifname or os.environ.get(IFNAME_ENV) or None
+        self.addr: str | None = None  # resolved by the first `bind`; "" for gloo's default
+
+    def bind(self, local_addr: str, coordinator: str, coordinator_remote: bool) -> str | None:
+        """The local address to bind (None: gloo's default, or unknown). `local_addr`: this
+        host's end of its connection to `coordinator` (a host), which is remote or not."""
+        if self.addr is None:
+            if self.ifname:
+                for name in self.ifname.split(","):
+                    try:
+                        socket.if_nametoindex(name)
+                    except OSError:
+                        raise GlooInterfaceError(
+                            f"replica {self.replica}: no network interface named {name!r} on "
+                            f"this host (--gloo-ifname / {IFNAME_ENV}); `ip addr` lists them"
+                        ) from None
+                self.addr = iface_addr(self.ifname.split(",")[0]) or ""
+            else:
+                self.addr = local_addr
+            if self.addr and is_loopback(self.addr) and coordinator_remote:
+                # Only a named interface gets here: the automatic choice is the local end of a
+                # connection to a remote coordinator, which is never loopback.
+                raise GlooInterfaceError(
+                    f"replica {self.replica}: cross-replica traffic would use "
+                    f"{self.where(self.addr)}, a loopback interface, but the coordinator at "
+                    f"{coordinator} is remote; set --gloo-ifname (or {IFNAME_ENV}) to the "
+                    "interface that reaches the other replicas' hosts, or leave it unset")
+        return self.addr or None
+
+    def off_loopback(self, addr: str, others: list[str] | None) -> str:
+        """Keep the loopback `addr` only if every other member of the group (`others`: the
+        addresses they published; None: one published none) is on this host too."""
+        if others is None:
+            return addr  # a member that publishes no address: nothing to compare with
+        remote = [a for a in others if not is_loopback(a)]
+        if not remote:
+            return addr  # everyone on this host: loopback is right
+        if self.ifname:
+            raise GlooInterfaceError(
+                f"replica {self.replica}: cross-replica traffic would use {self.where(addr)}, a "
+                f"loopback interface, but other members are on other hosts ({remote[0]}); set "
+                f"--gloo-ifname (or {IFNAME_ENV}) to the interface that reaches them")
+        # This host reaches the coordinator over loopback (it runs the coordinator, or its name
+        # resolves to 127.0.1.1) while others are elsewhere: bind the route towards them.
+        routed = source_towards(remote[0])
+        if routed is None or is_loopback(routed):
+            raise GlooInterfaceError(
+                f"replica {self.replica}: reaches the coordinator over loopback ({addr}) and "
+                f"finds no route to the other members ({remote[0]}); set --gloo-ifname (or "
+                f"{IFNAME_ENV}) to the interface that reaches them")
+        self.addr = routed
+        log.warning("replica %d: the coordinator is reached over loopback (%s) but other members "
+                    "are remote: cross-replica traffic uses %s (--gloo-ifname overrides)",
+                    self.replica, addr, self.where(routed))
+        return routed
+
+    def where(self, addr: str | None) -> str:
+        """`addr (interface)` for messages."""
+        name = self.ifname or (iface_of(addr) if addr else None)
+        return f"{addr} ({name})" if name and addr else (addr or name or "gloo's default")
+
+    def hint(self, why: str, addr: str | None) -> None:
+        """One line per process when a build cannot connect: the usual cause is the interface."""
+        if "connect" not in why.lower() or _HINTED:
+            return
+        _HINTED.append(True)
+        log.warning("replica %d: the cross-replica communicator could not connect from %s: %s. "
+                    "If every build fails, the other replicas cannot reach this interface: set "
+                    "--gloo-ifname (or %s) to the one on their network", self.replica,
+                    self.where(addr), why, IFNAME_ENV)
 
 
 def iface_addr(name: str) -> str | None:

@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from recover.collectives import FaultTolerantComm, Member, ReplicaFault
+from recover.collectives import Identity, Member, ReplicaFault, connect
+from recover.settings import FaultTolerance, LaunchEnv
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,9 +40,11 @@ def main(argv: list[str] | None = None) -> int:
         out.write(json.dumps({"t": time.time(), "replica": args.replica, **rec}) + "\n")
         out.flush()
 
-    member = Member(host, int(port), args.replica, timeout_s=args.timeout_s)
-    member.join()
-    comm = FaultTolerantComm(member, timeout_s=args.timeout_s)
+    ft = FaultTolerance(stale_s=args.stale_s, reduce_timeout_s=args.timeout_s,
+                        join_timeout_s=args.timeout_s)
+    member = Member(host, int(port), args.replica, ft=ft,
+                    identity=Identity(token=LaunchEnv.from_env().token))
+    comm = connect(member, ft)
     log(event="joined", gen=member.generation(), members=member.members())
     x = torch.randn(256, 256)
     i = 0

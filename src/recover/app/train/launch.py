@@ -31,7 +31,7 @@ from recover.app.train import forkserver
 from recover.app.train.data import prepare_data
 from recover.app.train.forkserver import ForkServer, Process
 from recover.app.train.metrics import MetricsSink, truncate_metrics
-from recover.collectives import connect_store, keys, try_get
+from recover.collectives import CoordinatorConfig, connect_store, keys, try_get
 from recover.errors import CheckpointError, ConfigError, RecoverError
 
 EXIT_MEANING = {0: "finished", 1: "error", 2: "configuration error", 3: "fenced",
@@ -135,14 +135,13 @@ def _start_coordinator(cfg: RunConfig, out: Path, port: int = 0,
                        recover: bool = False) -> tuple[Process, int]:
     port_file = out / "coordinator.port"
     port_file.unlink(missing_ok=True)
-    proc = _start(server, "recover.collectives.coordinator:main",
-                  ["--replicas", str(cfg.layout.replicas), "--host", host, "--port", str(port),
-                   "--port-file",
-                   str(port_file), "--stale-s", str(cfg.ft.stale_s), "--join-timeout-s",
-                   str(cfg.ft.join_timeout_s), "--store-shards", str(cfg.ft.store_shards),
-                   "--log", str(out / "coordinator.jsonl"),
-                   "--token-file", str(out / "run.token"), "--fingerprint", fingerprint(cfg),
-                   *(["--recover", "--liveness-port", "0"] if recover else [])],
+    coord = CoordinatorConfig(
+        replicas=cfg.layout.replicas, host=host, port=port, port_file=str(port_file),
+        stale_s=cfg.ft.stale_s, join_timeout_s=cfg.ft.join_timeout_s,
+        store_shards=cfg.ft.store_shards, log_path=str(out / "coordinator.jsonl"),
+        token_file=str(out / "run.token"), fingerprint=fingerprint(cfg), recover=recover,
+        liveness_port=0 if recover else None)
+    proc = _start(server, "recover.collectives.coordinator:main", coord.to_argv(),
                   out / "logs" / "coordinator.log")
     deadline = time.monotonic() + 60
     while not port_file.exists():

@@ -1,0 +1,433 @@
+"""The coordinator's membership state machine: generations, evidence, joins, resume and exits.
+
+It holds no socket: the transport (`recover.collectives.coordinator`) hands it what each accepted
+liveness connection said, as calls, and it answers through a `Wire` (send to one connection, or to
+every one) and the store; so each decision can be driven and checked without a network.
+
+Invariants:
+- It is the only writer of generations. Generation g+1's members are generation g's members minus
+  every replica with evidence of loss (its connection closed without a goodbye, it went silent for
+  stale_s, one of its ranks reported it lost, or other members name it and the evidence convicts
+  it: `admission.convicted`), plus a replica admitted after its state transfer; it is written once
+  (compare-and-set) and then pushed to every connection, and never changed.
+- Only an accepted hello (valid ids, the run's token, the run's config fingerprint, not a
+  duplicate: `admission.refusal`) makes a connection a `Peer`, and a peer speaks only for its own
+  replica.
+- A member is evicted on others' naming only when `admission.convicted` convicts it (its main
+  thread stalled, or it reaches nobody); a naming its reporter withdraws (`arrived`) stands no
+  more; naming that neither convicts nor is withdrawn rebuilds the same members after 2 x stale_s.
+- A joiner becomes a member only in a new generation published after every one of its ranks
+  reported a verified state from a donor (`ready`); a join given up publishes a generation too, so
+  whoever paused a step for it goes on.
+- A restarted coordinator (`recover`) publishes its first generation only from what the
+  re-registered replicas hold (`admission.resume_plan`): the run resumes at the highest step a
+  replica holds whole, numbered after every generation any rank knew; every other replica is
+  healed by a state transfer before it is a member again.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from recover.collectives import keys
+from recover.collectives.admission import Hello, Join, Registration, convicted, refusal, resume_plan
+from recover.collectives.coordconfig import CoordinatorConfig
+
+DEBOUNCE_S = 0.02  # collect simultaneous failures into one generation
+
+
+class Wire(Protocol):
+    """How the membership talks to its connections (the transport's sockets, or a test's list)."""
+
+    def send(self, conn: int, msg: str) -> None: ...
+
+    def send_all(self, msg: str) -> None:
+        """To every connection, accepted or not."""
+
+
+@dataclass
+class Peer:
+    """An accepted liveness connection: whose it is, and what it said of itself."""
+
+    replica: int
+    rank: int
+    nranks: int
+    pid: int
+    said_bye: bool = False
+    stalled: bool = False  # its last heartbeat: the main thread is stalled in the step protocol
+
+
+class Membership:
+    """The membership of one run as the coordinator decides it (see the module docstring).
+
+    `store`: the coordinator's store client (set, compare_set, add); `log`: one event record.
+    Connections are named by the transport's ids (`conn`)."""
+
+    def __init__(self, config: CoordinatorConfig, store: Any, wire: Wire,
+                 log: Callable[[dict], None] = lambda rec: None,
+                 started: float | None = None) -> None:
+        self.expected, self.stale_s = config.replicas, config.stale_s
+        self.join_timeout_s, self.recover = config.join_timeout_s, config.recover
+        # A member must show the run's token (when set) and the fingerprint of the run's
+        # trajectory-defining config (when set; else the first member's sets it): docs/DESIGN.md,
+        # "Checkpoints, rejoin and trust".
+        self.token, self.fingerprint = config.token, config.fingerprint
+        self.store, self.wire, self.log = store, wire, log
+        self.started = time.monotonic() if started is None else started
+        self.peers: dict[int, Peer] = {}  # conn -> its accepted hello
+        self.generation = -1
+        self.members: list[int] = []
+        self.replicas: dict[int, Registration] = {}
+        self.joins: dict[int, Join] = {}  # replica -> its admission in progress
+        self.epochs = 0
+        self.lost: dict[int, str] = {}  # replica -> reason, not yet published
+        self.pending_since: float | None = None
+        self.accusations: dict[int, set[int]] = {}  # accused -> accusers, this generation
+        self.accused_since: float | None = None
+        self.exits: dict[int, str] = {}  # replica -> how it ended, as seen from here
+        self.all_left = False
+        # recover: the replicas that kept running re-register with the steps they applied; the
+        # first generation resumes the run (`_resume`), numbered after every generation they knew.
+        self.resume: dict[int, dict[int, int]] = {}  # replica -> rank -> steps applied
+        self.newest_seen = -1  # the newest generation any re-registering rank knew
+        self.join_at: dict[int, int] = {}  # replica -> the step it asked to join at, if any
+        self.last_hello = 0.0
+        self.floor = 0  # this coordinator's first generation (older ones are not in its store)
+        self.gen_count = 0  # the store's GEN_COUNT
+        self.published: int | None = None  # the last generation this coordinator published
+
+    # -- what a connection says ------------------------------------------------------------------
+    def hello(self, conn: int, h: Hello) -> bool:
+        """An accepted hello makes `conn` a peer (True); a refused one is answered (False: the
+        transport drops the connection)."""
+        known = self.replicas.get(h.replica) or self.joins.get(h.replica)
+        why = refusal(h, self.expected, self.token, self.fingerprint,
+                      any(p.replica == h.replica and p.rank == h.rank
+                          for p in self.peers.values()),
+                      known.nranks if known is not None and h.replica in self.members else None)
+        if why is not None:
+            self.wire.send(conn, f"refused {why}\n")
+            self.log({"event": "refused", "replica": h.replica, "rank": h.rank, "pid": h.pid,
+                      "why": why})
+            return False
+        replica, rank, nranks = h.replica, h.rank, h.nranks
+        if self.fingerprint in (None, "-") and h.fingerprint != "-":
+            self.fingerprint = h.fingerprint  # the first member's config defines the run
+        self.peers[conn] = Peer(replica, rank, nranks, h.pid)
+        self.log({"event": "hello", "replica": replica, "rank": rank, "pid": h.pid})
+        if self.generation < 0 and self.recover:
+            # Answered once the resume point is decided: welcome, or heal by state transfer.
+            self.replicas.setdefault(replica, Registration(nranks)).ranks.add(rank)
+            self.resume.setdefault(replica, {})[rank] = h.applied
+            self.join_at[replica] = max(self.join_at.get(replica, 0), h.join_at)
+            self.newest_seen = max(self.newest_seen, h.generation)
+            self.last_hello = time.monotonic()
+            return True
+        if self.generation < 0 or replica in self.members:
+            self.replicas.setdefault(replica, Registration(nranks)).ranks.add(rank)
+            self.wire.send(conn, f"welcome {self.floor}\n")
+            return True
+        # Mid-run: admission at a step boundary, after a live state transfer (docs/DESIGN.md,
+        # "Checkpoints, rejoin and trust").
+        join = self.joins.setdefault(replica, Join(nranks))
+        join.ranks.add(rank)
+        join.at = max(join.at, h.join_at)
+        self._set_exit(replica, "joining")
+        if len(join.ranks) == join.nranks and join.epoch < 0:
+            self._announce_join(replica, join)
+        elif join.epoch >= 0:
+            self.wire.send(conn, f"joining {join.epoch} {self.generation} {self.floor}\n")
+        return True
+
+    def heartbeat(self, conn: int, stalled: bool) -> None:
+        """`hb [<seconds stalled>]`: whether its main thread is stalled in the step protocol."""
+        peer = self.peers[conn]
+        was, peer.stalled = peer.stalled, stalled
+        if stalled and not was and self.accusations:
+            self._judge()  # a named member's main thread stalls: the evidence may convict
+
+    def failed(self, conn: int, generation: int, suspects: list[int]) -> None:
+        """`fail <generation> [suspects]`: a reduce failed there; rebuild, or weigh whom it
+        names."""
+        replica = self.peers[conn].replica
+        if generation == self.generation and replica in self.members:
+            self._evidence(replica, suspects)
+
+    def arrived(self, conn: int, generation: int) -> None:
+        """`arrived <generation>`: whom this rank named caught up; its naming is withdrawn."""
+        if generation == self.generation:
+            self._withdraw(self.peers[conn].replica)
+
+    def reported_lost(self, conn: int, reason: str) -> None:
+        """`lost <reason>`: one of this replica's ranks died."""
+        self._mark_lost(self.peers[conn].replica, "reported lost: " + reason[:200])
+
+    def bye(self, conn: int) -> None:
+        self.peers[conn].said_bye = True
+
+    def ready(self, conn: int, epoch: int) -> None:
+        """`ready <epoch>`: a joiner's rank holds its verified state."""
+        peer = self.peers[conn]
+        join = self.joins.get(peer.replica)
+        if join is None or join.epoch != epoch:
+            return
+        join.ready.add(peer.rank)
+        if len(join.ready) == join.nranks:
+            replica = peer.replica
+            del self.joins[replica]
+            self.replicas[replica] = Registration(join.nranks, set(join.ranks))
+            self._set_exit(replica, "running")
+            self._publish(sorted({*self.members} - set(self.lost) | {replica}),
+                          f"replica {replica} admitted (join {epoch})")
+            self._end_join(epoch)
+
+    def donor_gone(self, conn: int, epoch: int) -> None:
+        """`joinfail <epoch>`: a joiner's donor went away; try another."""
+        self._join_failed(self.peers[conn].replica, epoch, "its donor went away")
+
+    def closed(self, conn: int) -> None:
+        """The connection closed (the transport has dropped it)."""
+        peer = self.peers.pop(conn, None)
+        if peer is None:
+            return
+        join = self.joins.get(peer.replica)
+        if join is not None and peer.replica not in self.members:
+            join.ranks.discard(peer.rank)
+            if join.epoch >= 0:  # whoever paused a step for it goes on (a new generation)
+                self._join_failed(peer.replica, join.epoch, "the joiner went away")
+            if self._gone(peer.replica):
+                self.joins.pop(peer.replica, None)
+                self._set_exit(peer.replica, f"lost while joining (pid {peer.pid})")
+            return
+        if peer.said_bye:
+            # A clean exit is not a fault, but the others must stop counting on it: the next
+            # generation leaves it out (at the end of training nobody is waiting any more).
+            if peer.replica in self.members and self._gone(peer.replica):
+                self._set_exit(peer.replica, "left cleanly")
+                self._mark_lost(peer.replica, "left cleanly")
+            return
+        why = f"connection closed (pid {peer.pid} rank {peer.rank})"
+        if peer.replica in self.members and peer.replica not in self.lost:
+            self._set_exit(peer.replica, f"lost: {why}")
+        self._mark_lost(peer.replica, why)
+
+    def silent(self, conn: int, seconds: float) -> None:
+        """The transport heard nothing on `conn` for `seconds` > stale_s."""
+        peer = self.peers.get(conn)
+        if peer is not None and peer.replica in self.members and peer.replica not in self.lost:
+            self._mark_lost(peer.replica, f"silent for {seconds:.2f}s (rank {peer.rank})")
+
+    # -- what time decides -----------------------------------------------------------------------
+    def check_timeouts(self, now: float) -> None:
+        """Naming that convicted nobody for 2 x stale_s rebuilds; a join without state in time
+        is given up."""
+        if self.accused_since and now - self.accused_since > 2 * self.stale_s:
+            self.accused_since = None
+            self._mark_lost(None, "failed reduces named no member conclusively")
+        for replica, join in list(self.joins.items()):
+            if join.epoch >= 0 and now - join.since > self.join_timeout_s:
+                self._join_failed(replica, join.epoch, f"no state within {self.join_timeout_s}s")
+
+    def publish_due(self, now: float) -> bool:
+        """Evidence waited DEBOUNCE_S (simultaneous failures make one generation)."""
+        return self.pending_since is not None and now - self.pending_since >= DEBOUNCE_S
+
+    def publish_next(self) -> None:
+        members = [m for m in self.members if m not in self.lost]
+        reason = "; ".join(f"replica {r}: {why}" for r, why in sorted(self.lost.items()))
+        self._publish(members, reason or "rebuild after a failed reduce")
+
+    def everyone_left(self) -> bool:
+        """True once (and logged), when no member is left and no member's connection is open.
+        A dropped member cut off by a partition keeps its connection open (no FIN arrives) until
+        the link returns: only members' connections count here."""
+        member_conns = any(p.replica in self.members for p in self.peers.values())
+        if self.members or member_conns or self.all_left:
+            return False
+        self.all_left = True
+        self.log({"event": "all-left"})
+        return True
+
+    def first_generation(self, now: float) -> bool:
+        """Publish the first generation once every replica joined (or the join timeout passed
+        with some); True if it did, so silence is judged from now on."""
+        if self.recover:
+            return self._resume_run(now)
+        complete = sorted(r for r, rep in self.replicas.items() if len(rep.ranks) >= rep.nranks)
+        timed_out = now - self.started > self.join_timeout_s
+        if len(complete) >= self.expected or (timed_out and complete):
+            self._publish(complete, "initial membership")
+            self.exits.update({r: "running" for r in complete})
+            self._write_exits()
+            return True
+        if timed_out:
+            self.store.set(keys.COORD_ERROR, f"no replica joined within {self.join_timeout_s}s")
+            self.log({"event": "join-timeout"})
+            self.generation = 0
+            self.members = []
+        return False
+
+    # -- evidence --------------------------------------------------------------------------------
+    def _gone(self, replica: int) -> bool:
+        return not any(p.replica == replica for p in self.peers.values())
+
+    def _mark_lost(self, replica: int | None, reason: str) -> None:
+        if replica is not None:
+            if self.generation < 0:
+                self.replicas.pop(replica, None)  # died before the first generation
+                self._set_exit(replica, f"lost before the start: {reason}")
+                self.log({"event": "lost-before-start", "replica": replica, "reason": reason})
+                return
+            if replica not in self.members or replica in self.lost:
+                return
+            self.lost[replica] = reason
+            # Dropped while its connection is still open (silent: hung or cut off), it must
+            # fence itself; otherwise the caller already said how it ended.
+            if not self._gone(replica):
+                self._set_exit(replica, f"fenced: {reason}", keep=True)
+        self.log({"event": "evidence", "replica": replica, "reason": reason})
+        if self.pending_since is None:
+            self.pending_since = time.monotonic()
+
+    def _evidence(self, reporter: int, suspects: list[int]) -> None:
+        """A failed reduce, or members missing at a barrier: rebuild, or evict whom the evidence
+        convicts (`admission.convicted`: a stalled member others name; a partitioned member that
+        names everyone while everyone names it)."""
+        for s_ in suspects:
+            if s_ != reporter and s_ in self.members:
+                self.accusations.setdefault(s_, set()).add(reporter)
+        if self._judge():
+            return
+        if suspects:
+            # Not conclusive (late members may be slow, not lost): a member that stalls is
+            # convicted as its heartbeat says so (`_judge`), one that arrives is withdrawn
+            # (`arrived`); after 2 x stale_s with neither, rebuild anyway.
+            self.accused_since = self.accused_since or time.monotonic()
+        else:
+            self._mark_lost(None, f"reduce failed at replica {reporter}")
+
+    def _judge(self) -> bool:
+        """Evict every member the standing evidence convicts; True if any."""
+        stalled = {p.replica for p in self.peers.values()
+                   if p.stalled and p.replica in self.members}
+        guilty = convicted(self.accusations, self.members, stalled)
+        for r in guilty:
+            how = "its main thread stalled" if r in stalled else "it reaches nobody"
+            self._mark_lost(r, f"unreachable, named by replica(s) "
+                               f"{sorted(self.accusations[r])} ({how})")
+        return bool(guilty)
+
+    def _withdraw(self, reporter: int) -> None:
+        """The members `reporter` named have arrived at its barrier: its accusations stand no
+        more (nothing is rebuilt for a member that was only late)."""
+        for accused in list(self.accusations):
+            self.accusations[accused].discard(reporter)
+            if not self.accusations[accused]:
+                del self.accusations[accused]
+        if not self.accusations:
+            self.accused_since = None
+
+    # -- joins -----------------------------------------------------------------------------------
+    def _announce_join(self, replica: int, join: Join) -> None:
+        self.epochs += 1
+        join.epoch, join.ready, join.since = self.epochs, set(), time.monotonic()
+        self.log({"event": "join", "replica": replica, "epoch": join.epoch})
+        for conn, p in list(self.peers.items()):
+            if p.replica == replica:
+                self.wire.send(conn, f"joining {join.epoch} {self.generation} {self.floor}\n")
+            elif p.replica in self.members:
+                self.wire.send(conn, f"join {replica} {join.epoch} {join.at}\n")
+
+    def _join_failed(self, replica: int, epoch: int, why: str) -> None:
+        join = self.joins.get(replica)
+        if join is None or join.epoch != epoch:
+            return
+        self.log({"event": "join-failed", "replica": replica, "epoch": epoch, "why": why})
+        # Whoever paused a step for this join goes on without it: a new generation.
+        self._publish([m for m in self.members if m not in self.lost],
+                      f"join of replica {replica} given up ({why})")
+        self._end_join(epoch)
+        join.epoch = -1
+        if len(join.ranks) == join.nranks:  # still connected: another donor, another boundary
+            self._announce_join(replica, join)
+
+    def _end_join(self, epoch: int) -> None:
+        for conn, p in list(self.peers.items()):
+            if p.replica in self.members:
+                self.wire.send(conn, f"joinend {epoch}\n")
+
+    # -- a restarted coordinator -----------------------------------------------------------------
+    def _resume_run(self, now: float) -> bool:
+        """Once every replica re-registered, or none for 2 x stale_s, resume at the highest step
+        a replica holds whole; heal the others by state transfer (`admission.resume_plan`).
+        Generations continue after the newest any rank knew, so nothing of the dead
+        coordinator's generations can be mistaken for this one's."""
+        complete = sorted(r for r, rep in self.replicas.items() if len(rep.ranks) >= rep.nranks)
+        quiet = now - self.last_hello > 2 * self.stale_s
+        timed_out = now - self.started > self.join_timeout_s
+        if not (len(complete) >= self.expected or (complete and quiet) or timed_out):
+            return False
+        plan = resume_plan({r: self.resume[r] for r in complete})
+        if plan is None:
+            why = (f"restarted coordinator: no replica holds a whole step to resume from "
+                   f"(re-registered: {self.resume})")
+            self.store.set(keys.COORD_ERROR, why)
+            self.log({"event": "resume-failed", "why": why})
+            self.generation, self.members = 0, []
+            return False
+        step, members, heal = plan
+        self.floor = max(self.newest_seen + 1, 0)
+        self.generation = self.floor - 1  # _publish makes floor
+        for conn, p in list(self.peers.items()):
+            if p.replica in members:
+                self.wire.send(conn, f"welcome {self.floor}\n")
+        self._publish(members, f"coordinator restarted: resuming at step {step}; replicas "
+                               f"{heal} are healed by state transfer")
+        self.log({"event": "resumed", "step": step, "members": members, "heal": heal,
+                  "registered": {str(r): a for r, a in self.resume.items()}})
+        self.exits.update({r: "running" for r in members})
+        self._write_exits()
+        for r in sorted(self.resume):  # incomplete ones join when their last rank arrives
+            if r in members:
+                continue
+            rep = self.replicas.pop(r)
+            join = self.joins[r] = Join(rep.nranks, ranks=set(rep.ranks),
+                                        at=max(step, self.join_at.get(r, 0)))
+            self._set_exit(r, "joining")
+            if r in heal:
+                self._announce_join(r, join)
+        return True
+
+    # -- what is published -----------------------------------------------------------------------
+    def _publish(self, members: list[int], reason: str) -> None:
+        g = self.generation + 1
+        value = keys.encode_members(members)
+        stored = self.store.compare_set(keys.members_key(g), "", value)
+        if stored != value:  # only possible if two coordinators share a store: refuse loudly
+            raise RuntimeError(f"generation {g} already has members {stored!r}")
+        # Stored: push it now, as a change to the one published last (members know it: no store
+        # read for them), then write what nobody waits for (the reason; the fallback's count).
+        base = self.generation if self.published == self.generation else None
+        push = keys.gen_push(g, base, self.members, members)
+        self.generation, self.members, self.published = g, sorted(members), g
+        self.lost, self.pending_since, self.accusations, self.accused_since = {}, None, {}, None
+        self.log({"event": "generation", "gen": g, "members": self.members, "reason": reason})
+        self.wire.send_all(push)
+        self.store.set(keys.reason_key(g), reason)
+        self.store.add(keys.GEN_COUNT, g + 1 - self.gen_count)  # after a recover gap too
+        self.gen_count = g + 1
+
+    def _set_exit(self, replica: int, how: str, keep: bool = False) -> None:
+        """Record how a replica ended (first word: left / lost / fenced) for the launcher."""
+        if keep and self.exits.get(replica, "running") != "running":
+            return  # already ended one way; a later sign (its connection closing) changes nothing
+        self.exits[replica] = how
+        self._write_exits()
+
+    def _write_exits(self) -> None:
+        self.store.set(keys.COORD_EXITS,
+                       json.dumps({str(r): v for r, v in sorted(self.exits.items())}))

@@ -1,0 +1,133 @@
+"""`collectives.membership.Membership`'s decisions, driven by calls, with no socket: a dict store
+and a list of sent lines stand in for the coordinator's store and connections."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from recover.collectives import CoordinatorConfig, keys
+from recover.collectives.admission import Hello
+from recover.collectives.membership import DEBOUNCE_S, Membership
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class DictStore:
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def compare_set(self, key: str, expected: str, value: bytes) -> bytes:
+        if self.data.get(key, b"") == expected.encode():
+            self.data[key] = value
+        return self.data[key]
+
+    def add(self, key: str, n: int) -> int:
+        v = int(self.data.get(key, b"0")) + n
+        self.data[key] = str(v).encode()
+        return v
+
+
+class Lines:
+    def __init__(self) -> None:
+        self.sent: list[tuple[int | None, str]] = []  # (conn, line); None: to every connection
+
+    def send(self, conn: int, msg: str) -> None:
+        self.sent.append((conn, msg))
+
+    def send_all(self, msg: str) -> None:
+        self.sent.append((None, msg))
+
+    def to(self, conn: int) -> list[str]:
+        return [m for c, m in self.sent if c in (conn, None)]
+
+
+def started(replicas: int = 3, **config: object) -> tuple[Membership, DictStore, Lines]:
+    """A membership whose `replicas` replicas (conn r = replica r) said hello: generation 0."""
+    store, wire = DictStore(), Lines()
+    m = Membership(CoordinatorConfig(replicas=replicas, port=0, **config), store, wire,
+                   started=0.0)
+    for r in range(replicas):
+        assert m.hello(r, Hello(r, 0, 1, 100 + r))
+    assert m.first_generation(now=0.1)
+    return m, store, wire
+
+
+def members(store: DictStore, g: int) -> list[int]:
+    return keys.decode_members(store.data[keys.members_key(g)])
+
+
+def test_the_first_generation_waits_for_every_replica() -> None:
+    m = Membership(CoordinatorConfig(replicas=2, port=0), DictStore(), Lines(), started=0.0)
+    assert m.hello(0, Hello(0, 0, 1, 10))
+    assert not m.first_generation(now=1.0) and m.generation == -1
+    assert m.hello(1, Hello(1, 0, 1, 11))
+    assert m.first_generation(now=1.0) and m.generation == 0 and m.members == [0, 1]
+
+
+def test_a_wrong_token_is_refused_and_changes_nothing() -> None:
+    store, wire = DictStore(), Lines()
+    m = Membership(CoordinatorConfig(replicas=2, port=0, token="s3cret"), store, wire)
+    assert not m.hello(7, Hello(0, 0, 1, 10, token="other"))
+    assert wire.to(7)[0].startswith("refused wrong run token")
+    assert m.peers == {} and m.replicas == {}
+
+
+def test_a_closed_connection_is_evidence_published_after_the_debounce() -> None:
+    m, store, wire = started()
+    m.closed(1)
+    assert m.exits[1].startswith("lost: connection closed") and m.pending_since is not None
+    assert not m.publish_due(m.pending_since)
+    assert m.publish_due(m.pending_since + 1.5 * DEBOUNCE_S)
+    m.publish_next()
+    assert m.generation == 1 and members(store, 1) == [0, 2]
+    assert wire.sent[-1] == (None, keys.gen_push(1, 0, [0, 1, 2], [0, 2]))
+    assert json.loads(store.data[keys.COORD_EXITS])["1"].startswith("lost")
+
+
+def test_naming_alone_convicts_nobody_but_a_stalled_named_member_is_evicted() -> None:
+    m, _, _ = started()
+    m.failed(0, 0, [2])  # replica 0 could not reach replica 2 at its barrier
+    assert m.accusations == {2: {0}} and m.pending_since is None  # late is not lost
+    m.heartbeat(2, stalled=True)  # ...and replica 2's main thread says it is stalled
+    assert 2 in m.lost and m.pending_since is not None
+
+
+def test_a_withdrawn_naming_stands_no_more() -> None:
+    m, _, _ = started()
+    m.failed(0, 0, [2])
+    m.arrived(0, 0)
+    assert m.accusations == {} and m.accused_since is None
+
+
+def test_a_joiner_is_admitted_only_once_every_rank_is_ready() -> None:
+    m, store, wire = started(replicas=3)
+    m.closed(2)
+    m.publish_next()  # generation 1: [0, 1]
+    assert m.hello(12, Hello(2, 0, 2, 200, join_at=5))  # a two-rank replacement for replica 2
+    assert m.joins[2].epoch == -1  # not every rank is here yet
+    assert m.hello(13, Hello(2, 1, 2, 201, join_at=5))
+    epoch = m.joins[2].epoch
+    assert epoch == 1 and f"join 2 {epoch} 5\n" in wire.to(0)
+    m.ready(12, epoch)
+    assert m.generation == 1  # one rank's state is not the replica's
+    m.ready(13, epoch)
+    assert m.generation == 2 and members(store, 2) == [0, 1, 2] and m.exits[2] == "running"
+    assert f"joinend {epoch}\n" in wire.to(0)
+
+
+def test_a_restarted_coordinator_resumes_from_the_highest_whole_step() -> None:
+    store, wire = DictStore(), Lines()
+    m = Membership(CoordinatorConfig(replicas=2, port=0, recover=True), store, wire,
+                   started=0.0)
+    assert m.hello(0, Hello(0, 0, 1, 10, applied=7, generation=4))
+    assert m.hello(1, Hello(1, 0, 1, 11, applied=6, generation=4))
+    assert wire.sent == []  # answered once the resume point is decided
+    assert m.first_generation(now=0.1)
+    assert m.generation == 5 and members(store, 5) == [0]  # numbered after what ranks knew
+    assert "welcome 5\n" in wire.to(0)
+    assert m.joins[1].at == 7 and m.exits[1] == "joining"  # healed by a state transfer
