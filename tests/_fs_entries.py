@@ -1,4 +1,4 @@
-"""Entry points forked by tests/test_forkserver.py (`module:function(argv)`, argv[0] = an out path).
+"""Entry points that tests/test_procs.py forks through `recover.procs.Spawner` (argv[0]: a path).
 
 Each writes what it observed about its own process as JSON to argv[0], then behaves as asked.
 """
@@ -6,24 +6,29 @@ Each writes what it observed about its own process as JSON to argv[0], then beha
 from __future__ import annotations
 
 import json
+import multiprocessing.resource_tracker
 import os
 import signal
 import socket
 import sys
 import time
+from pathlib import Path
 
-from recover.app.train import forkserver
+from recover.procs import Spawner
 
 
 def _dump(path: str, **extra: object) -> None:
     handlers = {name: repr(signal.getsignal(getattr(signal, name)))
                 for name in ("SIGTERM", "SIGINT", "SIGCHLD", "SIGPIPE", "SIGUSR1")}
-    rec = {"pid": os.getpid(), "ppid": os.getppid(), "threads": forkserver.thread_count(),
+    rec = {"pid": os.getpid(), "ppid": os.getppid(),
+           "threads": len(os.listdir("/proc/self/task")),
+           "server_threads": len(os.listdir(f"/proc/{os.getppid()}/task")),
            "fds": sorted(int(f) for f in os.listdir("/proc/self/fd")),
+           "tracker_fd": multiprocessing.resource_tracker.getfd(),
            "stdin": os.readlink("/proc/self/fd/0"), "handlers": handlers,
            "mask": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
            "env": os.environ.get("FS_TEST", ""), "cwd": os.getcwd(), "argv": sys.argv,
-           "in_child": forkserver.IN_CHILD, "sid": os.getsid(0) == os.getpid(), **extra}
+           "sid": os.getsid(0) == os.getpid(), **extra}
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(rec, f)
@@ -55,14 +60,14 @@ def sleeper(argv: list[str]) -> int:
     return 0
 
 
-def nested(argv: list[str]) -> int:
-    """Start a fork server from inside a forked child; fork a probe through it; report both."""
-    server = forkserver.ForkServer().start()
-    try:
-        child = server.spawn("_fs_entries:probe", [argv[0] + ".inner", "0"], argv[0] + ".log")
-        code = child.wait(60)
-        _dump(argv[0], server_pid=server.pid, forked=server.forked,
-              inner_code=code)
-    finally:
-        server.close()
+def parent(argv: list[str]) -> int:
+    """A spawning process (as a launcher is): fork a sleeper through its own spawner, report the
+    sleeper's PID, then sleep until the test kills this process."""
+    spawner = Spawner(("_fs_entries",))
+    kid = spawner.start("_fs_entries:sleeper", [argv[0] + ".kid", argv[1]], argv[0] + ".log")
+    deadline = time.monotonic() + 60
+    while not Path(argv[0] + ".kid").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    _dump(argv[0], kid=kid.pid)
+    time.sleep(120)
     return 0

@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 # cap it at 1 s, for this process and every process the tests start.
 os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
-from _procs import close_session_server  # noqa: E402
-from _run import BASE, Run, recover_train  # noqa: E402
+from recover.testing.processes import close_session  # noqa: E402
+from recover.testing.runs import BASE, Run, recover_train  # noqa: E402
 
 WORDS = (
     "the of and to in is that it was for on are with as his they be at one have this from or had "
@@ -60,6 +60,7 @@ def ref4(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_fork_server() -> Iterator[None]:
-    """End the session's fork server (tests/_procs.py) by PID once the last test is done."""
+    """End what the session's spawner (recover.testing.processes) started, by PID, once the
+    last test is done."""
     yield
-    close_session_server()
+    close_session()

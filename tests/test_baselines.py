@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from _run import BASE, Run, bitwise_equal, max_rel, recover_train
 from recover.app.baselines.ckpt_restart import young_daly_k
 from recover.app.baselines.schedule import bench_schedule, remap
 from recover.app.config import preset
 from recover.app.faults import PHASES, validate_faults
 from recover.app.train.launch import launch
 from recover.errors import ConfigError
+from recover.testing.runs import BASE, Run, bitwise_equal, max_rel, recover_train
 
 
 def test_schedule_is_seeded_spread_and_kills_half() -> None:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from _run import Launch, max_rel
 from recover.app.train.metrics import read_metrics
 from recover.sim.calibrate import load_calibration, predict_wall_times
+from recover.testing.runs import Launch, max_rel
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _run import Run, max_rel, recover_train
 from recover.app.config import (
     DataConfig,
     ModelConfig,
@@ -31,6 +30,7 @@ from recover.app.train.data import microbatch
 from recover.app.train.model import GPT, build_model
 from recover.app.train.optim import build_optimizer, lr_at, set_lr
 from recover.errors import CheckpointError, ConfigError
+from recover.testing.runs import Run, max_rel, recover_train
 from recover.workload.ids import id_seed, step_ids
 
 MODEL = ModelConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import pytest
 
-from _procs import Proc, stop, stop_all
 from recover.collectives import connect_store, keys
 from recover.errors import ExitCode
+from recover.testing.processes import Proc, stop, stop_all
 
 N = 4  # replicas per scenario
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

@@ -17,10 +17,10 @@ import pytest
 import torch
 from rich.console import Console
 
-from _inproc import Harness
 from recover.app.train.metrics import MetricsSink
 from recover.collectives import keys, shards
 from recover.recovery.step import MAX_MICROBATCHES
+from recover.testing.inproc import Harness
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from _run import bitwise_equal, recover_train
 from recover.recovery.exact import ExactGrads
+from recover.testing.runs import bitwise_equal, recover_train
 
 
 class _Parts:

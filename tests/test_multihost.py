@@ -34,10 +34,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from _procs import Proc, stop_all
-from _run import max_rel
 from recover.collectives import FaultTolerantComm, GlooInterfaceError
 from recover.collectives.netif import is_loopback
+from recover.testing.processes import Proc, stop_all
+from recover.testing.runs import max_rel
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 SUBNET = "10.77.0"  # only ever assigned inside this test's own namespaces

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from _inproc import Fault, Harness
+from recover.testing.inproc import Fault, Harness
 
 pytestmark = pytest.mark.timeout(120)
 N = 8

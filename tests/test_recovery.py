@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from _run import BASE, Launch, Run, bitwise_equal, max_rel, recover_train, rel_l2
+from recover.testing.runs import BASE, Launch, Run, bitwise_equal, max_rel, recover_train, rel_l2
 
 pytestmark = pytest.mark.timeout(300)
 N = 8

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from _run import BASE, Run, bitwise_equal, max_rel, recover_train
+from recover.testing.runs import BASE, Run, bitwise_equal, max_rel, recover_train
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 N = 8

@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from _run import BASE, Run, bitwise_equal, max_rel, recover_train
 from recover.app.config import RunConfig
 from recover.app.runtoken import run_token
 from recover.app.train.checkpoint import latest_checkpoint, load_checkpoint
 from recover.app.train.model import build_model
 from recover.app.train.optim import build_optimizer
+from recover.testing.runs import BASE, Run, bitwise_equal, max_rel, recover_train
 
 N = 8
 DOC = Path(__file__).resolve().parents[2] / "docs" / "faults.md"
@@ -96,20 +96,17 @@ class Row:
     result: str = "not run"
 
 
-@dataclass
-class Matrix:
-    rows: dict[str, Row] = field(default_factory=dict)
-
-    def measure(self, run: Run) -> str:
-        """Recovery time as the runs report it: the largest `recovery_s` of a step, and the
-        longest wall gap between two commits (what a fault cost, including detection)."""
-        recs = run.metrics()
-        rec = max((r["recovery_s"] for r in recs), default=0.0)
-        gap = max(gaps(recs), default=0.0)
-        return f"recovery_s {rec:.2f}, worst commit gap {gap:.2f} s"
+def measure(run: Run) -> str:
+    """Recovery time as the runs report it: the largest `recovery_s` of a step, and the longest
+    wall gap between two commits (what a fault cost, including detection)."""
+    recs = run.metrics()
+    rec = max((r["recovery_s"] for r in recs), default=0.0)
+    gap = max(gaps(recs), default=0.0)
+    return f"recovery_s {rec:.2f}, worst commit gap {gap:.2f} s"
 
 
-_MATRIX = Matrix()
+# The session's rows of docs/faults.md, by test id (filled through the `record` fixture).
+_ROWS: dict[str, Row] = {}
 
 
 @pytest.fixture
@@ -117,7 +114,7 @@ def record(request: pytest.FixtureRequest) -> Iterator[Row]:
     """This test's row of docs/faults.md: the test fills `scenario`, `expected`, `measured`;
     the result comes from how the test ended."""
     row = Row(scenario=request.node.name, expected="")
-    _MATRIX.rows[request.node.nodeid] = row
+    _ROWS[request.node.nodeid] = row
     yield row
 
 
@@ -125,7 +122,7 @@ def record(request: pytest.FixtureRequest) -> Iterator[Row]:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
                               ) -> Iterator[None]:
     report = yield
-    row = _MATRIX.rows.get(item.nodeid)
+    row = _ROWS.get(item.nodeid)
     if row is not None and (report.when == "call" or report.failed):
         row.result = "pass" if report.passed else ("FAIL" if report.failed else "skipped")
     return report
@@ -135,7 +132,7 @@ NOT_COVERED: list[tuple[str, str]] = []
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    if os.environ.get("RECOVER_FAULTS_DOC") != "1" or not _MATRIX.rows:
+    if os.environ.get("RECOVER_FAULTS_DOC") != "1" or not _ROWS:
         return
     lines = [
         "# Fault matrix",
@@ -153,7 +150,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         "| scenario | expected | measured | result |",
         "|---|---|---|---|",
     ]
-    for row in _MATRIX.rows.values():
+    for row in _ROWS.values():
         lines.append(f"| {row.scenario} | {row.expected} | {row.measured} | {row.result} |")
     if NOT_COVERED:
         lines += ["", "## Not covered", ""]

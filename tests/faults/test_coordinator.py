@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from _run import Run
-from faults.conftest import _MATRIX, Row, check_run, faulty
+from faults.conftest import Row, check_run, faulty, measure
+from recover.testing.runs import Run
 
 pytestmark = pytest.mark.timeout(200)
 
@@ -35,7 +35,7 @@ def test_coordinator_killed_and_restarted(ref4: Run, corpus: Path, tmp_path: Pat
     resumed = [e for e in events if e["event"] == "resumed"]
     starts = [e["time"] for e in events if e["event"] == "start"]
     took = [r["time"] - s for r, s in zip(resumed, starts[1:], strict=False)]
-    record.measured = (_MATRIX.measure(run) + "; restart -> resumed "
+    record.measured = (measure(run) + "; restart -> resumed "
                        + ", ".join(f"{t:.2f} s" for t in took))
     check_run(run, ref4, [0, 1, 2, 3])
     assert len(starts) == 3, starts

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from _run import Run
-from faults.conftest import _MATRIX, Row, check_run, faulty, gaps
+from faults.conftest import Row, check_run, faulty, gaps, measure
+from recover.testing.runs import Run
 
 pytestmark = pytest.mark.timeout(200)
 STALE_S = 2.0  # the default --stale-s (recover.app.config.FtConfig)
@@ -32,7 +32,7 @@ def test_kill_in_each_phase_down_to_one(ref: Run, corpus: Path, tmp_path: Path,
     record.expected = "each loss recovered in-step; replica 0 ends alone with all 8 microbatches"
     run = faulty(tmp_path, corpus, "kill:replica=3,step=3,phase=forward,microbatch=1",
                  "kill:replica=2,step=6,phase=backward", "kill:replica=1,step=10,phase=reduce")
-    record.measured = _MATRIX.measure(run)
+    record.measured = measure(run)
     recs = check_run(run, ref, [0])
     assert [r["live_replicas"] for r in (recs[2], recs[3], recs[6])] == [4, 3, 2]
     # Killed mid-compute with equal quotas over [0, 1, 2]: exactly its ids (54, 55) recomputed.
@@ -50,7 +50,7 @@ def test_two_at_once_and_optimizer_phase(ref: Run, corpus: Path, tmp_path: Path,
     record.expected = "both losses handled in one recovery; the optimizer-phase loss too"
     run = faulty(tmp_path, corpus, "kill:replica=1,step=4,phase=commit",
                  "kill:replica=2,step=4,phase=commit", "kill:replica=3,step=9,phase=optimizer")
-    record.measured = _MATRIX.measure(run)
+    record.measured = measure(run)
     recs = check_run(run, ref, [0])
     # Killed after the reduce: step 4's gradient already holds their ids; step 5 runs without.
     assert recs[3]["live_replicas"] == 4 and recs[5]["live_replicas"] == 2
@@ -67,7 +67,7 @@ def test_crash_during_recovery(ref: Run, corpus: Path, tmp_path: Path, record: R
     run = faulty(tmp_path, corpus, "kill:replica=1,step=5,phase=forward",
                  "kill:replica=2,step=5,phase=backward,microbatch=2",
                  extra=("--store-shards", "3"))
-    record.measured = _MATRIX.measure(run)
+    record.measured = measure(run)
     recs = check_run(run, ref, [0, 3])
     ports = json.loads((run.out / "coordinator.jsonl").read_text().splitlines()[0])
     assert len(ports["shard_ports"]) == 3, ports
@@ -83,7 +83,7 @@ def test_hang_fenced(ref: Run, corpus: Path, tmp_path: Path, record: Row) -> Non
                        "by the others; survivors bitwise equal")
     run = faulty(tmp_path, corpus, "hang:replica=3,step=4,seconds=3,phase=backward",
                  "kill:replica=0,step=8,phase=optimizer")
-    record.measured = _MATRIX.measure(run)
+    record.measured = measure(run)
     recs = check_run(run, ref, [1, 2])  # step 8's line too: contiguous steps are checked
     assert "fenced" in run.log(3), run.log(3)[-2000:]
     assert recs[-1]["live_replicas"] == 2
@@ -95,7 +95,7 @@ def test_straggler_and_rejoin_during_fault(ref: Run, corpus: Path, tmp_path: Pat
     record.expected = "straggler stays a member; replica 2 rejoins, 4 live at the end"
     run = faulty(tmp_path, corpus, "slow:replica=1,factor=3", "kill:replica=2,step=4,"
                  "phase=backward", "restart:replica=2,step=7", static=False)
-    record.measured = _MATRIX.measure(run)
+    record.measured = measure(run)
     recs = check_run(run, ref, [0, 1, 2, 3])
     assert all(1 in r["members"] for r in recs), "a straggler must not be fenced"
     assert recs[4]["live_replicas"] == 3 and recs[-1]["live_replicas"] == 4
@@ -111,7 +111,7 @@ def test_deadlock_fenced_in_time(ref: Run, corpus: Path, tmp_path: Path, record:
     run = faulty(tmp_path, corpus, "deadlock:replica=1,step=10,phase=reduce")
     recs = check_run(run, ref, [0, 2, 3])
     took = recs[10]["time_s"] - recs[9]["time_s"]
-    record.measured = f"step 10 committed {took:.2f} s after step 9; " + _MATRIX.measure(run)
+    record.measured = f"step 10 committed {took:.2f} s after step 9; " + measure(run)
     assert took < 3 * STALE_S + 5, took
     assert "injecting deadlock" in run.log(1)
     exits = json.loads((run.out / "exit_codes.json").read_text())
@@ -124,7 +124,7 @@ def test_all_lost(ref: Run, corpus: Path, tmp_path: Path, record: Row) -> None:
     run = faulty(tmp_path, corpus, *(f"kill:replica={r},step=6,phase={p}" for r, p in
                                      enumerate(("forward", "backward", "reduce", "commit"))),
                  expect_rc=None)
-    record.measured = f"exit {run.returncode}; " + _MATRIX.measure(run)
+    record.measured = f"exit {run.returncode}; " + measure(run)
     check_run(run, ref, [], steps=6)
     assert "Traceback" not in run.stderr
     assert "lost" in run.stderr.lower() or "checkpoint" in run.stderr.lower(), run.stderr[-2000:]
@@ -137,7 +137,7 @@ def test_partition_evicted_on_evidence(ref: Run, corpus: Path, tmp_path: Path,
     record.expected = ("the others name it at their barrier; evicted on that evidence (never a "
                        "reporter); it is fenced (3); survivors commit")
     run = faulty(tmp_path, corpus, "partition:replica=1,step=5")
-    record.measured = _MATRIX.measure(run)
+    record.measured = measure(run)
     recs = check_run(run, ref, [0, 2, 3])
     assert recs[-1]["live_replicas"] == 3
     events = [json.loads(x) for x in (run.out / "coordinator.jsonl").read_text().splitlines()]

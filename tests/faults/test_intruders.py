@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from _procs import session_server
-from _run import Launch, Run
-from faults.conftest import _MATRIX, Row, check_run, fault_args
-from recover.app.train.forkserver import Process
+from faults.conftest import Row, check_run, fault_args, measure
+from recover.procs import Process
+from recover.testing.processes import session
+from recover.testing.runs import Launch, Run
 
 pytestmark = pytest.mark.timeout(240)
 SLOW = [f"slow:replica={r},factor=8" for r in range(4)]
@@ -41,19 +41,13 @@ def _started(out: Path, launch: Launch, steps: int = 2) -> dict:
 def _foreign_worker(run_dir: Path, port: int, log: Path, env: dict[str, str]) -> tuple[int, str]:
     """A real worker process aimed at this run's coordinator; (exit code, its stderr)."""
     argv = ["--run-dir", str(run_dir), "--replica", "1", "--coordinator", f"127.0.0.1:{port}"]
-    server = session_server()  # forked with torch imported: it arrives while the run trains
-    if server is not None:
-        p: Process = server.spawn("recover.app.train.worker:main", argv, log, env=env,
-                                  new_session=True)
-    else:
-        with open(log, "wb") as err:
-            p = subprocess.Popen([sys.executable, "-m", "recover.app.train.worker", *argv],
-                                 stdout=err, stderr=err, stdin=subprocess.DEVNULL, env=env,
-                                 start_new_session=True)
+    # Forked with torch imported: it arrives while the run trains.
+    p: Process = session().start("recover.app.train.worker:main", argv, log, env=env,
+                                 new_session=True)
     try:
         p.wait(90)
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, 9)  # by its own session id: only this worker
+        p.kill()  # by its PID
         p.wait(10)
         raise AssertionError("a foreign worker was not refused in time:\n"
                              f"{log.read_text()}") from None
@@ -98,7 +92,7 @@ def test_foreign_worker_and_fuzzed_input(ref4: Run, corpus: Path, tmp_path: Path
     finally:
         run = launch.finish(180)
     assert run.returncode == 0, run.stderr[-3000:]
-    record.measured = _MATRIX.measure(run)
+    record.measured = measure(run)
     assert rc_other != 0 and "refused" in err_other and "token" in err_other, err_other[-2000:]
     assert rc_token != 0 and "refused" in err_token and "token" in err_token, err_token[-2000:]
     recs = check_run(run, ref4, [0, 1, 2, 3])

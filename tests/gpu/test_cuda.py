@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from _procs import Proc, stop_all
-from _run import recover_train
+from recover.testing.processes import Proc, stop_all
+from recover.testing.runs import recover_train
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(),

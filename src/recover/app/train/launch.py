@@ -3,19 +3,20 @@
 Invariant: the launcher never kills a survivor because another replica died; it only reads the
 step records, and ends processes (by PID, through their handles) once the run is over or cannot go
 on. Every wait is bounded. User mistakes are caught here, before any process starts, as one-line
-RecoverErrors. Processes are forked by one fork server per launch (`recover.app.train.forkserver`:
-torch is imported once, not once per process; the server is ended by PID when the launch ends,
-whatever happened), or started as plain subprocesses where that is off (`RECOVER_FORKSERVER=0`).
+RecoverErrors. Processes are started by `recover.procs.Spawner` (forked by the standard library's
+fork server, which imports torch once for the whole launch, not once per process; plain
+subprocesses with `RECOVER_FORKSERVER=0`), and every one of them is ended by PID when the launch
+ends, whatever happened. What a user reads (the run's header, how replicas exited, a coordinator
+restart, what `--resume` chose) goes to the console the CLI passes in; the rest to logging.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,16 +28,18 @@ from rich.console import Console
 from recover.app.config import RunConfig, fingerprint, flatten
 from recover.app.faults import validate_faults
 from recover.app.runtoken import run_token
-from recover.app.train import forkserver
 from recover.app.train.data import prepare_data
-from recover.app.train.forkserver import ForkServer, Process
 from recover.app.train.metrics import MetricsSink, truncate_metrics
 from recover.collectives import CoordinatorConfig, connect_store, keys, try_get
-from recover.errors import CheckpointError, ConfigError, RecoverError
+from recover.errors import CheckpointError, ConfigError, ExitCode, RecoverError
+from recover.procs import Process, Spawner, stop_all, wait_exit
 
-EXIT_MEANING = {0: "finished", 1: "error", 2: "configuration error", 3: "fenced",
-                4: "below --min-replicas", 5: "coordinator lost",
-                6: "partitioned (heard nothing from the coordinator)", -9: "killed (SIGKILL)"}
+log = logging.getLogger(__name__)
+
+# What the launch's processes import, once, in the fork server: the replica's and the
+# coordinator's entry points, the training loop and the parallel layouts.
+PRELOAD = ("recover.app.train.worker", "recover.collectives.coordinator",
+           "recover.app.train.loop", "recover.parallel")
 
 
 @dataclass
@@ -60,15 +63,26 @@ class RunResult:
     exits: dict[int, str] = field(default_factory=dict)
 
 
-def prepare_run(cfg: RunConfig) -> tuple[RunConfig, int]:
-    """Validate, lay out DIR, prepare data, write config.json; return (cfg, first step)."""
+def exit_meaning(code: int) -> str | None:
+    """A process's exit code in words: its `ExitCode`, or the signal that ended it."""
+    with contextlib.suppress(ValueError):
+        return ExitCode(code).meaning
+    with contextlib.suppress(ValueError):
+        if code < 0:
+            return f"killed ({signal.Signals(-code).name})"
+    return None
+
+
+def prepare_run(cfg: RunConfig, console: Console | None = None) -> tuple[RunConfig, int]:
+    """Validate, lay out DIR, prepare data, write config.json; return (cfg, first step).
+    `console`: where `--resume` says what it chose (default: stderr)."""
     cfg.validate()
     validate_faults(cfg.ft.faults, cfg.layout.replicas, cfg.run.steps,
                     cfg.layout.ranks_per_replica())
     out = Path(cfg.run.out)
     start = 0
     if cfg.run.resume:
-        start = _resume_point(cfg, out)
+        start = _resume_point(cfg, out, console or Console(stderr=True))
     elif (out / "metrics.jsonl").exists() or (out / "ckpt").exists():
         raise ConfigError(f"{out} already holds a run; use --resume to continue it or choose "
                           "another --out")
@@ -84,7 +98,7 @@ def prepare_run(cfg: RunConfig) -> tuple[RunConfig, int]:
     return cfg, start
 
 
-def _resume_point(cfg: RunConfig, out: Path) -> int:
+def _resume_point(cfg: RunConfig, out: Path, console: Console) -> int:
     """The step `--resume` continues from: the newest checkpoint that verifies, if the settings
     and the layout match the saved run. Says which checkpoint and why newer ones were skipped."""
     from recover.app.train.checkpoint import check_layout
@@ -96,7 +110,7 @@ def _resume_point(cfg: RunConfig, out: Path) -> int:
     key = run_token(out, create=True)
     ckpt, skipped = find_latest(out / "ckpt", key)
     for line in skipped:
-        print(f"recover: --resume {line}", file=sys.stderr)
+        _say(console, f"recover: --resume {line}")
     if ckpt is None:
         raise CheckpointError(f"--resume: no checkpoint found in {out / 'ckpt'}"
                               + (" that verifies" if skipped else ""))
@@ -114,76 +128,14 @@ def _resume_point(cfg: RunConfig, out: Path) -> int:
     start = int(meta["step"])
     if start >= cfg.run.steps:
         raise ConfigError(f"--resume: the run in {out} already completed all {start} steps")
-    print(f"recover: --resume from {ckpt.name} (step {start})"
-          + (f", skipping {len(skipped)} newer that did not verify" if skipped else ""),
-          file=sys.stderr)
+    _say(console, f"recover: --resume from {ckpt.name} (step {start})"
+         + (f", skipping {len(skipped)} newer that did not verify" if skipped else ""))
     return start
 
 
-def _start(server: ForkServer | None, entry: str, argv: list[str], log: Path,
-           env: dict[str, str] | None = None) -> Process:
-    """Start one process of the run: forked by `server` if there is one, else a fresh Python."""
-    if server is not None:
-        return server.spawn(entry, argv, log, env=env)
-    with open(log, "ab") as f:  # the child holds its own copy of the descriptor
-        return subprocess.Popen([sys.executable, "-m", entry.partition(":")[0], *argv],
-                                stdout=f, stderr=subprocess.STDOUT, env=env)
-
-
-def _start_coordinator(cfg: RunConfig, out: Path, port: int = 0,
-                       server: ForkServer | None = None, host: str = "127.0.0.1",
-                       recover: bool = False) -> tuple[Process, int]:
-    port_file = out / "coordinator.port"
-    port_file.unlink(missing_ok=True)
-    coord = CoordinatorConfig(
-        replicas=cfg.layout.replicas, host=host, port=port, port_file=str(port_file),
-        stale_s=cfg.ft.stale_s, join_timeout_s=cfg.ft.join_timeout_s,
-        store_shards=cfg.ft.store_shards, log_path=str(out / "coordinator.jsonl"),
-        token_file=str(out / "run.token"), fingerprint=fingerprint(cfg), recover=recover,
-        liveness_port=0 if recover else None)
-    proc = _start(server, "recover.collectives.coordinator:main", coord.to_argv(),
-                  out / "logs" / "coordinator.log")
-    deadline = time.monotonic() + 60
-    while not port_file.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            _end([proc])
-            raise RecoverError(f"the coordinator did not start; see {out / 'logs'}/coordinator.log")
-        time.sleep(0.05)
-    return proc, int(port_file.read_text())
-
-
-def _end(procs: list[Process], grace_s: float = 5.0) -> None:
-    """Terminate processes by PID (through their handles): SIGCONT and SIGTERM, then SIGKILL
-    after a grace period."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGCONT)  # a stopped process handles SIGTERM only once resumed
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=10)
-
-
-def _exited(proc: Process, timeout_s: float) -> bool:
-    """Whether `proc` exits within `timeout_s` (a forked child's exit is reported by its fork
-    server a moment after the kernel closed its sockets)."""
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return False
-    return True
-
-
-def _all_gone(store: Any, workers: dict[int, Process], external: bool) -> bool:
-    """Every replica has exited (local children) or left the membership (external ones)."""
-    if not external:
-        return all(p.poll() is not None for p in workers.values())
-    return keys.newest_members(store) == []
+def _say(console: Console, line: str) -> None:
+    """One line of `recover train`'s own output, as written (no markup, no wrapping)."""
+    console.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
@@ -199,143 +151,197 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
     replica exit ends every replica by PID, as torchrun's agent does; see `RunResult.aborted`.
     """
     console = console or Console(stderr=True)
-    cfg, start = prepare_run(cfg)
-    truncate_metrics(Path(cfg.run.out) / "metrics.jsonl", start)
-    t_start = time.time()
-    # On disk too: `time_s` in metrics.jsonl is relative to it, and other logs (coordinator.jsonl)
-    # carry absolute clocks; bench/rejoin.py lines them up.
-    (Path(cfg.run.out) / "run_start").write_text(f"{t_start:.6f}\n")
-    # One fork server per launch: torch is imported once, not once per process. Not for external
-    # workers: the coordinator is then the only local process.
-    server = _fork_server(console, quiet) if not external_workers else None
+    # The fork server imports torch while the run is prepared. None for external workers: the
+    # coordinator is then the only local process.
+    spawner = Spawner(PRELOAD, fork=False if external_workers else None).warm()
     try:
+        cfg, start = prepare_run(cfg, console)
+        truncate_metrics(Path(cfg.run.out) / "metrics.jsonl", start)
+        t_start = time.time()
+        # On disk too: `time_s` in metrics.jsonl is relative to it, and other logs
+        # (coordinator.jsonl) carry absolute clocks; bench/rejoin.py lines them up.
+        (Path(cfg.run.out) / "run_start").write_text(f"{t_start:.6f}\n")
         host = host or ("0.0.0.0" if external_workers else "127.0.0.1")
-        return _launch(cfg, start, console, quiet, external_workers, port, abort_on_loss,
-                       t_start, server, host)
+        run = _Launch(cfg, start, t_start, spawner, host)
+        return run.run(console, quiet, external_workers, port, abort_on_loss)
     finally:
-        if server is not None:
-            server.close()
+        spawner.close()
 
 
-def _fork_server(console: Console, quiet: bool) -> ForkServer | None:
-    if not forkserver.enabled():
-        return None
-    try:
-        return ForkServer().start()
-    except OSError as e:  # cannot fork/exec here: plain processes work as well, only slower
-        if not quiet:
-            console.print(f"recover: no fork server ({e}); starting plain processes",
-                          highlight=False)
-        return None
+class _Launch:
+    """One launch's processes (the coordinator, every rank of every replica) and its run."""
 
+    def __init__(self, cfg: RunConfig, start: int, t_start: float, spawner: Spawner,
+                 host: str) -> None:
+        self.cfg, self.start, self.t_start = cfg, start, t_start
+        self.out = Path(cfg.run.out)
+        self.end = cfg.run.stop_at or cfg.run.steps
+        self.spawner, self.host = spawner, host
+        self.coord: Process | None = None
+        self.port = 0
+        self.workers: dict[int, Process] = {}  # rank 0 of each replica
+        self.procs: dict[tuple[int, int], Process] = {}  # every (replica, rank)
+        self.incarnations: dict[int, int] = {}
+        self.env = dict(os.environ, OMP_NUM_THREADS="1")
 
-def _launch(cfg: RunConfig, start: int, console: Console, quiet: bool, external_workers: bool,
-            port: int, abort_on_loss: bool, t_start: float,
-            server: ForkServer | None, host: str = "127.0.0.1") -> RunResult:
-    """`launch` once DIR is prepared: start the processes, supervise, end them."""
-    out = Path(cfg.run.out)
-    metrics = out / "metrics.jsonl"
-    coord, port = _start_coordinator(cfg, out, port, server, host)
-    workers: dict[int, Process] = {}  # rank 0 of each replica
-    procs: dict[tuple[int, int], Process] = {}  # every (replica, rank)
-    try:
-        store = connect_store("127.0.0.1", port, 30.0)
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        incarnations: dict[int, int] = {}
+    def start_coordinator(self, port: int, recover: bool = False) -> Process:
+        """Start the coordinator (again, with `recover`: at the same address) and wait for its
+        port."""
+        cfg, out = self.cfg, self.out
+        port_file = out / "coordinator.port"
+        port_file.unlink(missing_ok=True)
+        coord = CoordinatorConfig(
+            replicas=cfg.layout.replicas, host=self.host, port=port, port_file=str(port_file),
+            stale_s=cfg.ft.stale_s, join_timeout_s=cfg.ft.join_timeout_s,
+            store_shards=cfg.ft.store_shards, log_path=str(out / "coordinator.jsonl"),
+            token_file=str(out / "run.token"), fingerprint=fingerprint(cfg), recover=recover,
+            liveness_port=0 if recover else None)
+        proc = self.coord = self.spawner.start("recover.collectives.coordinator:main",
+                                               coord.to_argv(), out / "logs" / "coordinator.log")
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                stop_all([proc])
+                raise RecoverError(f"the coordinator did not start; see {out / 'logs'}/"
+                                   "coordinator.log")
+            time.sleep(0.05)
+        self.port = int(port_file.read_text())
+        log.debug("coordinator (pid %d) on port %d", proc.pid, self.port)
+        return proc
 
-        def start_replica(r: int, join_at: int = 0) -> None:
-            """All ranks of replica r; again after a `restart` fault (a new incarnation, which
-            joins the running job at a step boundary >= join_at: recover.parallel.rejoin)."""
-            inc = incarnations[r] = incarnations.get(r, -1) + 1
-            for k in range(cfg.layout.ranks_per_replica()):  # multi-rank: a process per rank
-                name = f"replica{r}.log" if k == 0 else f"replica{r}.rank{k}.log"
-                procs[(r, k)] = _start(
-                    server, "recover.app.train.worker:main",
-                    ["--run-dir", str(out), "--replica", str(r), "--rank", str(k),
-                     "--coordinator", f"127.0.0.1:{port}"], out / "logs" / name,
-                    {**env, "RECOVER_INCARNATION": str(inc), "RECOVER_JOIN_AT": str(join_at)})
-            workers[r] = procs[(r, 0)]
+    def start_replica(self, r: int, join_at: int = 0) -> None:
+        """All ranks of replica r; again after a `restart` fault (a new incarnation, which joins
+        the running job at a step boundary >= join_at: recover.parallel.rejoin)."""
+        inc = self.incarnations[r] = self.incarnations.get(r, -1) + 1
+        for k in range(self.cfg.layout.ranks_per_replica()):  # multi-rank: a process per rank
+            name = f"replica{r}.log" if k == 0 else f"replica{r}.rank{k}.log"
+            self.procs[(r, k)] = self.spawner.start(
+                "recover.app.train.worker:main",
+                ["--run-dir", str(self.out), "--replica", str(r), "--rank", str(k),
+                 "--coordinator", f"127.0.0.1:{self.port}"], self.out / "logs" / name,
+                env={**self.env, "RECOVER_INCARNATION": str(inc),
+                     "RECOVER_JOIN_AT": str(join_at)})
+            log.debug("replica %d rank %d (incarnation %d): pid %d", r, k, inc,
+                      self.procs[(r, k)].pid)
+        self.workers[r] = self.procs[(r, 0)]
 
-        for r in range(0 if external_workers else cfg.layout.replicas):
-            start_replica(r)
-        restarts = {f.replica: f.step for f in validate_faults(cfg.ft.faults, cfg.layout.replicas,
-                                                               cfg.run.steps)
+    def run(self, console: Console, quiet: bool, external: bool, port: int,
+            abort_on_loss: bool) -> RunResult:
+        """Start the processes, supervise them to the end, end them; what happened."""
+        cfg = self.cfg
+        coord = self.start_coordinator(port)
+        try:
+            store = connect_store("127.0.0.1", self.port, 30.0)
+            for r in range(0 if external else cfg.layout.replicas):
+                self.start_replica(r)
+            watch = _AbortWatch(self.workers) if abort_on_loss else None
+            tokens = cfg.data.microbatches * cfg.data.microbatch_size * cfg.model.block_size
+            sink = MetricsSink(store, self.out / "metrics.jsonl", self.start, self.end, tokens,
+                               self.t_start, console, quiet)
+            if not quiet:
+                _say(console, f"recover: {cfg.layout.replicas} replicas, "
+                              f"N={cfg.data.microbatches} microbatches x "
+                              f"{cfg.data.microbatch_size} x {cfg.model.block_size} tokens, "
+                              f"steps {self.start}..{self.end - 1}, out {self.out}")
+            message = self.supervise(sink, external, console, quiet)
+            if watch is not None:
+                watch.stop()
+            message, seen = self.wind_down(sink.store, external, message)
+        finally:
+            stop_all(list(self.procs.values()))
+            stop_all([p for p in (coord, self.coord) if p is not None])
+        return self.result(sink, message, seen, watch, console, quiet)
+
+    def supervise(self, sink: MetricsSink, external: bool, console: Console,
+                  quiet: bool) -> str:
+        """Write records until the last step or until the run cannot go on; restart a coordinator
+        that died (`--coordinator-restarts`) at its address. Returns why it stopped ("": done)."""
+        ft = self.cfg.ft
+        restarts = {f.replica: f.step for f in validate_faults(ft.faults, self.cfg.layout.replicas,
+                                                               self.cfg.run.steps)
                     if f.kind == "restart"}
-        watch = _AbortWatch(workers) if abort_on_loss else None
-        end = cfg.run.stop_at or cfg.run.steps
-        tokens = cfg.data.microbatches * cfg.data.microbatch_size * cfg.model.block_size
-        sink = MetricsSink(store, metrics, start, end, tokens, t_start, console, quiet)
-        if not quiet:
-            console.print(f"recover: {cfg.layout.replicas} replicas, N={cfg.data.microbatches} "
-                          f"microbatches x {cfg.data.microbatch_size} x {cfg.model.block_size} "
-                          "tokens, steps "
-                          f"{start}..{end - 1}, out {out}", highlight=False)
-        stall_limit = cfg.ft.join_timeout_s + cfg.ft.reduce_timeout_s + 60
-        coord_restarts = cfg.ft.coordinator_restarts if cfg.ft.coordinator_wait_s > 0 else 0
+        stall_limit = ft.join_timeout_s + ft.reduce_timeout_s + 60
+        coord_restarts = ft.coordinator_restarts if ft.coordinator_wait_s > 0 else 0
         while True:
             try:
-                message = _supervise(store, sink, end, procs, external_workers, stall_limit,
-                                     restarts, start_replica)
-                break
+                return _supervise(sink.store, sink, self.end, self.procs, external, stall_limit,
+                                  restarts, self.start_replica)
             except Exception as e:  # the store is gone: the coordinator process died
-                if not _exited(coord, 5.0):
+                assert self.coord is not None
+                if wait_exit(self.coord, 5.0) is None:
                     raise
-                why = (f"the coordinator died (exit code {coord.returncode}) at step "
+                why = (f"the coordinator died (exit code {self.coord.returncode}) at step "
                        f"{sink.next}: {str(e).splitlines()[0][:120]}")
                 if coord_restarts <= 0:
-                    message = f"{why}; replicas checkpoint and stop"
-                    break
+                    return f"{why}; replicas checkpoint and stop"
                 # Same address: the replicas, which kept their state, re-register with it and
-                # the run resumes from their last committed step (recover.collectives.coord_joins).
+                # the run resumes from their last committed step (recover.collectives.membership).
                 coord_restarts -= 1
                 if not quiet:
-                    console.print(f"recover: {why}; restarting it (--recover)", highlight=False)
-                coord, _ = _start_coordinator(cfg, out, port, server, host, recover=True)
-                store = sink.store = connect_store("127.0.0.1", port, 30.0)
-        if watch is not None:
-            watch.stop()
-        # Let survivors write the final checkpoint and leave; hung or fenced ones are ended.
-        hang_s = max([float(s.split("seconds=")[1].split(",")[0]) for s in cfg.ft.faults
+                    _say(console, f"recover: {why}; restarting it (--recover)")
+                self.start_coordinator(self.port, recover=True)
+                sink.store = connect_store("127.0.0.1", self.port, 30.0)
+
+    def wind_down(self, store: Any, external: bool, message: str) -> tuple[str, dict[int, str]]:
+        """Let survivors write the final checkpoint and leave (hung or fenced ones are ended
+        after); read why the run stopped and how the coordinator saw each replica leave."""
+        hang_s = max([float(s.split("seconds=")[1].split(",")[0]) for s in self.cfg.ft.faults
                       if "seconds=" in s] or [0.0])
-        _await_leaving(store, coord, procs, external_workers,
-                       (cfg.ft.join_timeout_s if external_workers else 30) + hang_s)
+        assert self.coord is not None
+        _await_leaving(store, self.coord, self.procs, external,
+                       (self.cfg.ft.join_timeout_s if external else 30) + hang_s)
         seen: dict[int, str] = {}
-        if coord.poll() is None:
+        if self.coord.poll() is None:
             stopped = try_get(store, keys.RUN_STOPPED)
             if stopped is not None:
                 message = stopped.decode()
             with contextlib.suppress(Exception):
                 raw = try_get(store, keys.COORD_EXITS)
                 seen = {int(r): how for r, how in json.loads(raw or b"{}").items()}
-    finally:
-        _end(list(procs.values()))
-        _end([coord])
-    codes = {r: p.returncode for r, p in workers.items()}
-    rank_codes = {f"{r}.{k}": p.returncode for (r, k), p in procs.items()}
-    if procs:  # who exited how: a fenced rank (3) left on its own, before the launcher's cleanup
-        (out / "exit_codes.json").write_text(json.dumps(rank_codes) + "\n")
-    exits = _describe_exits(cfg.layout.replicas, codes, seen)
-    (out / "replica_exits.json").write_text(json.dumps({str(r): e for r, e in exits.items()},
-                                                       indent=1) + "\n")
-    ok = sink.next >= end
-    if not ok and not message:
-        shown = codes if cfg.layout.ranks_per_replica() == 1 else rank_codes
-        how = (str({r: EXIT_MEANING.get(c, c) for r, c in shown.items()}) if shown else
-               "; ".join(f"{r}: {e}" for r, e in exits.items()))
-        message = f"training stopped at step {sink.next}: replica exits {how}; see {out / 'logs'}"
-    if not quiet and exits:
-        console.print("replica exits: " + "; ".join(f"{r}: {e}" for r, e in exits.items()),
-                      highlight=False)
-    aborted = watch.lost if watch is not None else []
-    if aborted:
-        message = (f"replica(s) {aborted} exited abnormally at step {sink.next}; the job was torn "
-                   "down (abort_on_loss)")
-    return RunResult(ok, out, sink.records, message, codes, time.time() - t_start, aborted,
-                     watch.t if watch is not None else 0.0, t_start, rank_codes, exits)
+        return message, seen
+
+    def result(self, sink: MetricsSink, message: str, seen: dict[int, str],
+               watch: _AbortWatch | None, console: Console, quiet: bool) -> RunResult:
+        """The run's outcome, with each process's exit code (also written to DIR)."""
+        out, cfg = self.out, self.cfg
+        codes = {r: p.returncode for r, p in self.workers.items()}
+        rank_codes = {f"{r}.{k}": p.returncode for (r, k), p in self.procs.items()}
+        if self.procs:  # who exited how: a fenced rank (3) left on its own, before the cleanup
+            (out / "exit_codes.json").write_text(json.dumps(rank_codes) + "\n")
+        exits = _describe_exits(cfg.layout.replicas, codes, seen)
+        (out / "replica_exits.json").write_text(json.dumps({str(r): e for r, e in exits.items()},
+                                                           indent=1) + "\n")
+        ok = sink.next >= self.end
+        if not ok and not message:
+            shown = codes if cfg.layout.ranks_per_replica() == 1 else rank_codes
+            how = (str({r: _meaning_or_code(c) for r, c in shown.items()}) if shown else
+                   "; ".join(f"{r}: {e}" for r, e in exits.items()))
+            message = (f"training stopped at step {sink.next}: replica exits {how}; see "
+                       f"{out / 'logs'}")
+        if not quiet and exits:
+            _say(console, "replica exits: " + "; ".join(f"{r}: {e}" for r, e in exits.items()))
+        aborted = watch.lost if watch is not None else []
+        if aborted:
+            message = (f"replica(s) {aborted} exited abnormally at step {sink.next}; the job was "
+                       "torn down (abort_on_loss)")
+        return RunResult(ok, out, sink.records, message, codes, time.time() - self.t_start,
+                         aborted, watch.t if watch is not None else 0.0, self.t_start,
+                         rank_codes, exits)
 
 
-def _await_leaving(store: Any, coord: subprocess.Popen, procs: dict[tuple[int, int],
-                   Process], external: bool, limit_s: float) -> None:
+def _meaning_or_code(code: int | None) -> str | int | None:
+    return code if code is None else (exit_meaning(code) or code)
+
+
+def _all_gone(store: Any, workers: dict[int, Process], external: bool) -> bool:
+    """Every replica has exited (local children) or left the membership (external ones)."""
+    if not external:
+        return all(p.poll() is not None for p in workers.values())
+    return keys.newest_members(store) == []
+
+
+def _await_leaving(store: Any, coord: Process, procs: dict[tuple[int, int], Process],
+                   external: bool, limit_s: float) -> None:
     """Wait (bounded) until every replica has left: local processes exit; external ones leave
     the membership. The coordinator must outlive them: a replica still finishing its last step
     (the leader's final checkpoint) needs the store, and would otherwise end as if it failed."""
@@ -364,7 +370,7 @@ def _describe_exits(replicas: int, codes: dict[int, int | None],
         if r in codes:
             c = codes[r]
             parts.append("still running (ended by the launcher)" if c is None else
-                         f"exit {c} ({EXIT_MEANING.get(c, 'error')})")
+                         f"exit {c} ({exit_meaning(c) or 'error'})")
         if r in seen:
             parts.append(f"coordinator: {seen[r]}")
         out[r] = ", ".join(parts) or "never joined"
@@ -387,7 +393,7 @@ class _AbortWatch:
             bad = [r for r, p in self.workers.items() if p.poll() not in (None, 0)]
             if bad:
                 self.t, self.lost = time.time(), bad
-                _end(list(self.workers.values()))
+                stop_all(list(self.workers.values()))
                 return
 
     def stop(self) -> None:

@@ -3,8 +3,9 @@
 The coordinator serves in a thread of the test process (its `serve(should_stop)` loop); every rank
 of every replica is a thread with its own `Member` (own store clients, own liveness socket), its own
 `FaultTolerantComm` (a real gloo group per generation, over loopback) and its own `StepEngine`
-over a small flat gradient. Per-id gradients are integer-valued, so every sum is exact in float32
-whatever the summation order: a survivor's reduced gradient must equal the expected sum exactly.
+over a small flat gradient. Per-id gradients are those of the integer-gradient oracle
+(`recover.testing.oracle`), so every sum is exact whatever the summation order: `check()` holds
+every gradient any rank returned to the oracle's expected sum, exactly.
 
 Faults are scripted at (replica, rank, step, phase, j):
 - `kill`: the rank "dies" there: its liveness socket is shut (the coordinator sees a crash, as the
@@ -34,16 +35,19 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from recover.collectives import Coordinator, FaultTolerantComm, Member, ReplicaFault, keys
+from recover.collectives import Coordinator, CoordinatorConfig, FaultTolerantComm, Member, keys
+from recover.collectives.comm import ReplicaFault
 from recover.collectives.keys import try_get
-from recover.recovery import StepEngine, StepResult
-from recover.workload import step_ids
+from recover.parallel.rank import connect_rank, new_member
+from recover.recovery import StepResult
+from recover.settings import FaultTolerance, Hooks, LaunchEnv, ReplicaConfig
+from recover.testing import oracle
 
 _GRAVE: list[object] = []  # everything a harness created; never freed (see the docstring)
 # Kept harnesses hold their sockets (~80 per harness: stores, liveness, gloo pairs): lift the
@@ -61,29 +65,6 @@ def _keeper(grave: list[object]) -> None:
 
 
 threading.Thread(target=_keeper, args=(_GRAVE,), name="inproc-graveyard", daemon=True).start()
-
-
-def id_grad(i: int, position: int, numel: int) -> torch.Tensor:
-    """Microbatch i's gradient at `position`: small integers, different per id and position."""
-    return (i + 1) * (torch.arange(numel) % 5 + 1).float() + 1000.0 * position
-
-
-def id_loss(i: int) -> float:
-    return float(i % 7)
-
-
-def expected_grad(step: int, n: int, position: int, numel: int) -> torch.Tensor:
-    total = sum((id_grad(i, position, numel).double() for i in step_ids(step, n)),
-                torch.zeros(numel, dtype=torch.float64))
-    return total
-
-
-def decision_key(step: int, g: int) -> str:
-    return keys.decision_key(step, g)
-
-
-def chain_key(step: int, k: int) -> str:
-    return keys.chain_key(step, k)
 
 
 @dataclass
@@ -104,11 +85,45 @@ class _Dead(threading.Event):
         _FOREVER.wait()
 
 
-class _StoreProxy:
-    """The member's store: refuses (blocks forever) once its rank is dead; reports writes."""
+class _Archive:
+    """What the ranks wrote to the step protocol's keys (`step/...`), per store ("main", or
+    "shard{k}"). The protocol deletes a step's keys two commits later (recovery/lifetime.py), so
+    the checks read the store, else this. A write-once key written again with another value (one
+    re-created after its deletion) is a conflict, which `check()` fails on."""
 
-    def __init__(self, real: Any, dead: _Dead, on_write: Callable[[str], None]) -> None:
+    def __init__(self) -> None:
+        self.values: dict[tuple[str, str], bytes] = {}
+        self.conflicts: list[tuple[str, str, bytes, bytes]] = []
+        self._lock = threading.Lock()
+
+    def note(self, where: str, name: str, args: tuple, out: Any) -> None:
+        key = str(args[0])
+        if not key.startswith("step/"):
+            return
+        with self._lock:
+            old = self.values.get((where, key))
+            if name == "add":  # a counter: its highest value
+                self.values[(where, key)] = str(max(int(out), int(old or 0))).encode()
+                return
+            if name == "compare_set" and args[1] in ("", b""):  # written once (else a read)
+                value = bytes(out)
+            elif name == "set":  # a store shard's copy of a decision
+                value = args[1].encode() if isinstance(args[1], str) else bytes(args[1])
+            else:
+                return
+            if old is not None and old != value:
+                self.conflicts.append((where, key, old, value))
+            self.values[(where, key)] = value
+
+
+class _StoreProxy:
+    """The member's store: refuses (blocks forever) once its rank is dead; reports writes, and
+    archives those of step keys."""
+
+    def __init__(self, real: Any, dead: _Dead, on_write: Callable[[str], None],
+                 archive: _Archive, where: str) -> None:
         self._real, self._dead, self._on_write = real, dead, on_write
+        self._archive, self._where = archive, where
 
     def clone(self) -> Any:  # for background threads and gloo: real clients
         return self._real.clone()
@@ -121,6 +136,7 @@ class _StoreProxy:
                 self._dead.block()
             out = method(*args, **kwargs)
             if name in ("set", "compare_set", "add") and args:
+                self._archive.note(self._where, name, args, out)
                 self._on_write(str(args[0]))
             return out
 
@@ -156,6 +172,7 @@ class Rank:
         self.done = threading.Event()
         self.member: Member | None = None
         self.grad = torch.zeros(0)
+        self.base = torch.zeros(0)  # this rank's oracle pattern
         self.thread = threading.Thread(target=self._main, name=f"rank-{replica}.{rank}",
                                        daemon=True)
 
@@ -213,24 +230,25 @@ class Rank:
     def _main(self) -> None:
         h = self.h
         try:
-            member = Member("127.0.0.1", h.port, self.replica, self.rank, h.positions,
-                            heartbeat_s=0.05, timeout_s=h.timeout_s, on_fenced=self._on_fenced)
+            member = new_member(h.config(self.replica), self.rank, h.positions,
+                                on_fenced=self._on_fenced)
             self.member = member
-            member.store = _StoreProxy(member.store, self.dead, self._on_write)
+            member.store = _StoreProxy(member.store, self.dead, self._on_write, h.archive,
+                                       "main")
             shard = member.connect_shard  # the shard's client dies with the rank too
 
             def connect_shard(index: int) -> Any:
                 client = shard(index)
-                return None if client is None else _StoreProxy(client, self.dead, self._on_write)
+                return None if client is None else _StoreProxy(
+                    client, self.dead, self._on_write, h.archive, f"shard{index}")
 
             member.connect_shard = connect_shard  # type: ignore[method-assign]
-            member.join()
-            comm = _Comm(member, position=self.rank, timeout_s=h.timeout_s)
-            comm.rank_state = self
             self.grad = grad = torch.zeros(h.numel, dtype=h.dtype)
-            engine = StepEngine(member, comm, grad, h.n, min_replicas=h.min_replicas,
-                                timeout_s=h.timeout_s, hook=self._hook,
-                                speed_aware=h.speed_aware, positions=h.positions)
+            self.base = oracle.pattern(h.numel, self.rank, h.dtype)
+            stack = connect_rank(member, grad, h.n, h.config(self.replica),
+                                 hooks=Hooks(at_phase=self._hook), comm_class=_Comm)
+            comm, engine = stack.comm, stack.engine
+            comm.rank_state = self  # type: ignore[attr-defined]
             _GRAVE.extend([member, comm, engine, grad])
             self.engine = engine
             for t in range(h.steps):
@@ -258,8 +276,8 @@ class Rank:
 
     def _compute(self, i: int, j: int) -> float:
         self.fire("compute", j)
-        self.grad += id_grad(i, self.rank, self.h.numel).to(self.h.dtype)
-        return id_loss(i)
+        oracle.add(self.grad, i, self.base)
+        return oracle.loss(i)
 
     def _hook(self, phase: str, step: int, j: int) -> None:
         if phase in ("reduce", "commit"):
@@ -268,29 +286,46 @@ class Rank:
             self.h.barrier.wait(self.h.timeout_s)
 
 
+@dataclass
+class Setup:
+    """One in-process scenario (the keyword arguments of `Harness`). `store_shards` None: the
+    class's `Harness.default_shards`."""
+
+    positions: int = 1  # ranks per replica
+    n: int = 8  # microbatches per step
+    steps: int = 3
+    faults: list[Fault] = field(default_factory=list)
+    stale_s: float = 3.0
+    timeout_s: float = 30.0
+    numel: int = 256
+    speed_aware: bool = False
+    min_replicas: int = 1
+    barrier_at_commit: bool = False
+    records: bool = False  # rank 0 writes step records, as the trainer does
+    dtype: torch.dtype = torch.float32
+    store_shards: int | None = None
+
+
 class Harness:
     """A coordinator and `replicas` x `positions` ranks as threads; `run()` then `check()`.
-    `store_shards` (default `Harness.default_shards`): the coordinator's store shards."""
+    Keyword arguments: the fields of `Setup`."""
 
     default_shards = 0
 
-    def __init__(self, tmp: Path, replicas: int, *, positions: int = 1, n: int = 8,
-                 steps: int = 3, faults: list[Fault] | None = None, stale_s: float = 3.0,
-                 timeout_s: float = 30.0, numel: int = 256, speed_aware: bool = False,
-                 min_replicas: int = 1, barrier_at_commit: bool = False,
-                 records: bool = False, dtype: torch.dtype = torch.float32,
-                 store_shards: int | None = None) -> None:
-        if store_shards is None:
-            store_shards = self.default_shards
-        self.records, self.dtype = records, dtype
-        self.replicas, self.positions, self.n, self.steps = replicas, positions, n, steps
-        self.faults = faults or []
-        self.timeout_s, self.numel = timeout_s, numel
-        self.speed_aware, self.min_replicas = speed_aware, min_replicas
+    def __init__(self, tmp: Path, replicas: int, **options: Any) -> None:
+        setup = Setup(**options)
+        store_shards = self.default_shards if setup.store_shards is None else setup.store_shards
+        self.records, self.dtype = setup.records, setup.dtype
+        self.replicas, self.positions = replicas, setup.positions
+        self.n, self.steps, self.faults = setup.n, setup.steps, setup.faults
+        self.timeout_s, self.numel = setup.timeout_s, setup.numel
+        self.speed_aware, self.min_replicas = setup.speed_aware, setup.min_replicas
+        positions, timeout_s, stale_s = setup.positions, setup.timeout_s, setup.stale_s
         self.log = tmp / "coordinator.jsonl"
-        self.coord = Coordinator(replicas, "127.0.0.1", 0, stale_s=stale_s,
-                                 join_timeout_s=timeout_s, log_path=str(self.log),
-                                 store_shards=store_shards)
+        self.archive = _Archive()  # what the ranks wrote to step keys (see `read`)
+        self.coord = Coordinator(CoordinatorConfig(
+            replicas=replicas, host="127.0.0.1", port=0, stale_s=stale_s,
+            join_timeout_s=timeout_s, log_path=str(self.log), store_shards=store_shards))
         self.port = self.coord.start()
         self._stop = threading.Event()
         self._serve = threading.Thread(target=self.coord.serve, args=(self._stop.is_set,),
@@ -298,8 +333,17 @@ class Harness:
         self.ranks = {(r, k): Rank(self, r, k) for r in range(replicas) for k in range(positions)}
         # Every rank waits here after its reduce, so all of them write outcomes and propose a
         # decision at the same moment (failure-free runs only: a dead rank would break it).
-        self.barrier = threading.Barrier(len(self.ranks)) if barrier_at_commit else None
+        self.barrier = threading.Barrier(len(self.ranks)) if setup.barrier_at_commit else None
         _GRAVE.append(self)
+
+    def config(self, replica: int) -> ReplicaConfig:
+        """Replica `replica`'s settings: this harness's coordinator and tolerances, nothing from
+        the environment."""
+        ft = FaultTolerance(heartbeat_s=0.05, join_timeout_s=self.timeout_s,
+                            reduce_timeout_s=self.timeout_s, min_replicas=self.min_replicas,
+                            speed_aware=self.speed_aware)
+        return ReplicaConfig(coordinator=f"127.0.0.1:{self.port}", replica=replica, ft=ft,
+                             launch=LaunchEnv())
 
     def run(self, timeout_s: float = 90.0) -> Harness:
         self._serve.start()
@@ -329,6 +373,14 @@ class Harness:
     def store(self) -> Any:
         return self.coord.client
 
+    def read(self, key: str, shard: int | None = None) -> bytes | None:
+        """A step key's value in the main store (or in store shard `shard`), else the value the
+        ranks wrote there before the protocol deleted it (recovery/lifetime.py)."""
+        store = self.store() if shard is None else self.coord.shards[shard]
+        value = try_get(store, key)
+        where = "main" if shard is None else f"shard{shard}"
+        return value if value is not None else self.archive.values.get((where, key))
+
     def generations(self) -> dict[int, list[int]]:
         return {e["gen"]: e["members"] for e in self.events("generation")}
 
@@ -341,42 +393,44 @@ class Harness:
         first = next((res.chain for rank in self.ranks.values()
                       for t, (res, _) in rank.results.items() if t == step), None)
         assert first is not None, f"no rank committed step {step}"
-        stored = try_get(self.store(), chain_key(step, 0))
+        stored = self.read(keys.chain_key(step, 0))
         assert stored is None or json.loads(stored) == first[0], (stored, first)
         for k, entry in enumerate(first[1:], 1):
-            assert json.loads(try_get(self.store(), chain_key(step, k)) or b"null") == entry
+            assert json.loads(self.read(keys.chain_key(step, k)) or b"null") == entry
         return first
 
     def decision(self, step: int, g: int) -> bytes | None:
-        return try_get(self.store(), decision_key(step, g))
+        return self.read(keys.decision_key(step, g))
 
     def check(self, survivors: list[int]) -> dict[int, StepResult]:
         """Every result any rank returned is exact; the survivors finished every step; each step
         committed in exactly one generation, the one every rank that returned it reports."""
         assert self.survivors() == survivors, (self.survivors(), self.diagnostics())
+        assert not self.archive.conflicts, self.archive.conflicts  # no key re-created
         gens = sorted(self.generations())
         first: dict[int, StepResult] = {}
         for rank in self.ranks.values():
             if rank.replica in survivors:
                 assert sorted(rank.results) == list(range(self.steps)), rank.name
             for t, (res, grad) in rank.results.items():
-                want = expected_grad(t, self.n, rank.rank, self.numel).to(grad.dtype)
+                base = oracle.pattern(self.numel, rank.rank)
+                want = oracle.expected(t, self.n, base).to(grad.dtype)
                 assert torch.equal(grad, want), (
                     f"rank {rank.name} step {t}: reduced gradient is off by "
                     f"{float((grad - want).abs().max())} (quotas {res.quotas})")
                 assert res.microbatches == self.n and sum(res.quotas.values()) == self.n, res
-                assert res.loss == sum(id_loss(i) for i in step_ids(t, self.n)) / self.n, res
+                assert res.loss == oracle.expected_loss(t, self.n), res
                 assert res.step == t and rank.replica in res.members
                 ref = first.setdefault(t, res)
                 assert (res.generation, res.quotas, res.members) == \
                     (ref.generation, ref.quotas, ref.members), (rank.name, res, ref)
         for t, ref in first.items():
-            decided = {g: try_get(self.store(), decision_key(t, g)) for g in gens}
+            decided = {g: self.read(keys.decision_key(t, g)) for g in gens}
             commits = [g for g, v in decided.items() if v in keys.COMMITS]
             assert commits == [ref.generation], (t, decided)
-            for k, shard in enumerate(self.coord.shards):  # only copies of the main decision
+            for k in range(len(self.coord.shards)):  # only copies of the main decision
                 for g in gens:
-                    copy = try_get(shard, decision_key(t, g))
+                    copy = self.read(keys.decision_key(t, g), shard=k)
                     assert copy is None or copy == decided[g], (t, g, k, copy, decided[g])
         return first
 

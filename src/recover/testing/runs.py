@@ -1,0 +1,132 @@
+"""`recover train` as a real process tree, and what it wrote: the run helpers of tests and benches.
+
+Invariant: a `Launch` starts one `recover train` (or `recover bench`) launcher in its own session,
+forked by the session's spawner (`recover.testing.processes`: torch already imported) or, with
+`fresh=True` or `RECOVER_FORKSERVER=0`, as a fresh `python -m recover`; its stdout and stderr go to
+files next to the run directory (`<out>.launcher.out`, `.err`). Whatever happens, the launcher is
+ended by its PID and so is every process it had started (found in /proc before the launcher is
+ended: its descendants); every wait is bounded. `fresh_dir` gives a bench its own empty folder.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from recover import procs
+from recover.procs import Process
+from recover.testing.processes import session
+
+# The common small config of the multi-process tests: fast on 2 cores, enough steps to see drift.
+BASE = ["--preset", "debug", "--steps", "14", "--eval-every", "0", "--warmup-steps", "3"]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Every complete JSON line of `path` (metrics.jsonl, coordinator.jsonl)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def fresh_dir(path: Path) -> Path:
+    """An empty folder at `path`: the logs a run appends to and the port files it takes as found
+    would otherwise feed an earlier run's generations, steps and dead ports into this one."""
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    return path
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    out: Path
+
+    def metrics(self) -> list[dict]:
+        return read_jsonl(self.out / "metrics.jsonl")
+
+    def losses(self) -> list[float]:
+        return [r["loss"] for r in self.metrics()]
+
+    def final(self, replica: int) -> dict[str, torch.Tensor]:
+        return torch.load(self.out / "final" / f"replica{replica}.pt", weights_only=True)
+
+    def finals(self) -> dict[int, dict[str, torch.Tensor]]:
+        return {int(p.stem.removeprefix("replica")): torch.load(p, weights_only=True)
+                for p in sorted((self.out / "final").glob("replica*.pt"))}
+
+    def log(self, replica: int) -> str:
+        return (self.out / "logs" / f"replica{replica}.log").read_text(errors="replace")
+
+
+class Launch:
+    """A started `recover train` (`command="bench"`: `recover bench`); `finish()` waits for it."""
+
+    def __init__(self, out: Path, *args: str, data: Path | None = None, fresh: bool = False,
+                 env: Mapping[str, str] | None = None, command: str = "train") -> None:
+        argv = [command, "--out", str(out), *args]
+        if data is not None:
+            argv += ["--data", str(data)]
+        self.out, self.argv = out, argv
+        self.stdout_path = out.parent / f"{out.name}.launcher.out"
+        self.stderr_path = out.parent / f"{out.name}.launcher.err"
+        if fresh:
+            self.proc: Process = procs.start([sys.executable, "-m", "recover", *argv],
+                                             self.stdout_path, self.stderr_path, env=env)
+        else:
+            self.proc = session().start("recover.app.cli:main", argv, self.stdout_path,
+                                        self.stderr_path, env=env, new_session=True)
+        self.pid = self.proc.pid
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def end(self, grace_s: float = 10.0) -> None:
+        """End the launcher by PID (SIGINT: its own cleanup ends its processes), then every
+        descendant it left."""
+        kids = procs.descendants(self.pid)
+        procs.stop(self.proc, grace_s, sig=signal.SIGINT)
+        procs.kill_pids(kids)
+
+    def finish(self, timeout: float = 240) -> Run:
+        """Wait (bounded) for the launcher to exit; what it wrote. On timeout it is ended and
+        the test fails."""
+        if procs.wait_exit(self.proc, timeout) is None:
+            self.end(grace_s=0.0)
+            raise AssertionError(f"recover {self.argv[0]} timed out after {timeout}s:\n"
+                                 f"{self.stderr()[-3000:]}")
+        assert self.proc.returncode is not None
+        return Run(self.proc.returncode, self.stdout_path.read_text(errors="replace"),
+                   self.stderr(), self.out)
+
+
+def recover_train(out: Path, *args: str, data: Path | None = None, timeout: float = 240,
+                  fresh: bool = False, env: Mapping[str, str] | None = None) -> Run:
+    """Run `recover train` to the end (see `Launch`)."""
+    return Launch(out, *args, data=data, fresh=fresh, env=env).finish(timeout)
+
+
+def rel_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a)
+    den = sum(float(b[k].double().pow(2).sum()) for k in b)
+    return (num / den) ** 0.5
+
+
+def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def max_rel(xs: list[float], ys: list[float]) -> float:
+    assert len(xs) == len(ys), (len(xs), len(ys))
+    return max(abs(x - y) / abs(y) for x, y in zip(xs, ys, strict=True))
