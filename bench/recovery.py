@@ -14,10 +14,11 @@ Breakdown per trial (all wall clocks of one machine, time.time()):
             cumulative `comm.stats` the selftest logs in each reduce event);
   reduce  = the rest: the first allreduce of --numel floats among the survivors.
 `raised` is kill -> the last ReplicaFault logged by a survivor (survivors between reductions
-raise none). Fresh processes every trial, forked by recover's fork server
-(`recover.app.train.forkserver`, as `recover train` starts its processes), which imported torch once
-(saves ~3 CPU-s per process). Last line: `recovery_median_s=<x>`.
+raise none). Fresh processes every trial, forked by the standard library's fork server
+(`recover.procs.Spawner`, as `recover train` starts its processes), which imported torch once
+(saves ~2 CPU-s per process). Last line: `recovery_median_s=<x>`.
 
+    python bench/recovery.py --smoke     # 1 trial, R=3, 100k floats: a few seconds (CI)
     python bench/recovery.py --quick     # 5 trials, < 2 min
     python bench/recovery.py             # 10 trials
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import signal
@@ -34,9 +36,14 @@ import time
 from pathlib import Path
 
 from _common import cores, fresh_dir, median, out_dir, say, table
-from recover.app.config import RunConfig
-from recover.app.train.forkserver import ForkServer, Process
+from recover.procs import Process, Spawner
 from recover.procs import stop_all as end
+from recover.settings import FaultTolerance
+
+log = logging.getLogger("bench.recovery")
+# --smoke: the smallest trial that still kills a reducing replica among survivors that reduce
+# together (R=3), on a tensor small enough that the kill, not the reduce, is what takes time.
+SMOKE = {"trials": 1, "replicas": 3, "numel": 100_000, "window": 0.2}
 
 
 def events(path: Path) -> list[dict]:
@@ -63,20 +70,20 @@ class FalseAlarm(RuntimeError):
     """The coordinator changed the membership before any kill (no replica had died)."""
 
 
-def trial(k: int, d: Path, a, rng: random.Random, server: ForkServer) -> dict:
+def trial(k: int, d: Path, a, rng: random.Random, server: Spawner) -> dict:
     fresh_dir(d)
     procs: list[Process] = []
     logs = [d / f"replica{r}.jsonl" for r in range(a.replicas)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     try:
-        procs.append(server.spawn("recover.collectives.coordinator:main", [
+        procs.append(server.start("recover.collectives.coordinator:main", [
             "--replicas", str(a.replicas), "--port", "0", "--port-file", str(d / "port"),
             "--stale-s", str(a.stale_s), "--join-timeout-s", "120", "--log",
             str(d / "coordinator.jsonl")], d / "coordinator.log", env=env))
         wait_for(lambda: (d / "port").exists(), 60, "the coordinator's port file")
         port = int((d / "port").read_text())
         for r in range(a.replicas):
-            procs.append(server.spawn("recover.collectives.selftest:main", [
+            procs.append(server.start("recover.collectives.selftest:main", [
                 "--coordinator", f"127.0.0.1:{port}", "--replica", str(r), "--numel",
                 str(a.numel), "--iters", str(10**9), "--compute-s", str(a.compute_s),
                 "--stale-s", str(a.stale_s), "--timeout-s", str(a.timeout_s), "--log",
@@ -143,23 +150,38 @@ def trial(k: int, d: Path, a, rng: random.Random, server: ForkServer) -> dict:
     return res
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="5 trials (< 2 min)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="1 trial, R=3, 100k floats (a few seconds; CI runs it)")
     ap.add_argument("--out", help="folder for logs (default: a new temp dir)")
     ap.add_argument("--trials", type=int, help="default 10 (5 with --quick)")
-    ap.add_argument("--replicas", type=int, default=4)
-    ap.add_argument("--numel", type=int, default=10_000_000, help="floats reduced per iteration")
+    ap.add_argument("--replicas", type=int, help="R (default 4; 3 with --smoke)")
+    ap.add_argument("--numel", type=int, help="floats reduced per iteration (default 10M; 100k "
+                    "with --smoke)")
     ap.add_argument("--compute-s", type=float, default=0.0, help="busy compute between reduces")
     ap.add_argument("--warm", type=int, default=2, help="reduces each replica completes first")
-    ap.add_argument("--window", type=float, default=1.0, help="kill at uniform(0, window) s after")
-    ap.add_argument("--stale-s", type=float, default=RunConfig().stale_s,
+    ap.add_argument("--window", type=float, help="kill at uniform(0, window) s after (default "
+                    "1.0; 0.2 with --smoke)")
+    ap.add_argument("--stale-s", type=float, default=FaultTolerance().stale_s,
                     help="heartbeat silence = lost (default: recover's own default)")
     ap.add_argument("--timeout-s", type=float, default=30.0, help="reduce timeout (backstop)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--retries", type=int, default=3, help="extra trials for false alarms")
     a = ap.parse_args()
-    trials = a.trials or (5 if a.quick else 10)
+    full = {"trials": 5 if a.quick else 10, "replicas": 4, "numel": 10_000_000, "window": 1.0}
+    for key, value in (SMOKE if a.smoke else full).items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    return a
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    a = parse_args()
+    trials = a.trials
     root = out_dir(a.out, "recovery")
     rng = random.Random(a.seed)
     say(f"recovery: {trials} trial(s), R={a.replicas} fresh selftest processes + a coordinator "
@@ -172,8 +194,7 @@ def main() -> int:
         f"in the new generation; other load on the machine is not controlled")
     rows, res, alarms = [], [], []
     t0 = time.monotonic()
-    server = ForkServer(("recover.collectives.selftest", "recover.collectives.coordinator"))
-    server.start()
+    server = Spawner(("recover.collectives.selftest", "recover.collectives.coordinator"))
     try:
         k = 0
         while len(res) < trials and k < trials + a.retries:
@@ -182,17 +203,17 @@ def main() -> int:
                 r = trial(k - 1, root / f"trial{k - 1}", a, rng, server)
             except FalseAlarm as e:
                 alarms.append(str(e))
-                say(f"  trial {k - 1}: FALSE ALARM, trial discarded: {e}")
+                log.warning("trial %d: FALSE ALARM, trial discarded: %s", k - 1, e)
                 continue
             res.append(r)
             ms = {key: f"{r[key] * 1e3:.0f}" for key in
                   ("total", "detect", "agree", "rebuild", "reduce", "raised")}
             rows.append((k - 1, r["victim"], ms["total"], ms["detect"], ms["agree"], ms["rebuild"],
                          ms["reduce"], f"{ms['raised']} ({r['n_raised']})"))
-            say(f"  trial {k - 1}: killed replica {r['victim']}, recovered in {r['total']:.3f}s "
-                f"({r['reason'][:70]})")
+            log.info("trial %d: killed replica %d, recovered in %.3fs (%s)", k - 1, r["victim"],
+                     r["total"], r["reason"][:70])
     finally:
-        server.close()  # EOF: the fork server ends any child left and exits; then by PID
+        server.close()  # every process it started that still runs, by PID
     say("")
     table(rows, ("trial", "victim", "total ms", "detect", "agree", "rebuild", "reduce",
                  "raised (n)"))
