@@ -99,6 +99,7 @@ def main() -> int:
         shard_model(model, mesh)
     from recover import Replica
     from recover.parallel.grads import local_tensor
+    from recover.settings import FaultTolerance, Hooks, Numerics, ReplicaConfig
 
     params = list(model.parameters())
     grad_bytes = sum(local_tensor(p).numel() * p.element_size() for p in params)
@@ -127,8 +128,10 @@ def main() -> int:
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True)
     prof.start()
     with record_function("bench.setup"):
-        rep = Replica(model, n, mesh=mesh, coordinator=a.coordinator, replica=a.replica,
-                      timeout_s=a.timeout_s, hook=hook, exact=a.exact, speed_aware=False)
+        config = ReplicaConfig(coordinator=a.coordinator, replica=a.replica,
+                               ft=FaultTolerance(reduce_timeout_s=a.timeout_s, speed_aware=False),
+                               numerics=Numerics(exact=a.exact))
+        rep = Replica(model, n, mesh=mesh, config=config, hooks=Hooks(at_phase=hook))
     steps, hwm_ok = [], True
     want = n * (n + 1) / 2
     for t in range(a.steps):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # (phase, step, microbatch index): called at each point of the step protocol where a fault may
 # be injected ("forward", "backward", "reduce", "commit", "donate", "receive", ...).
@@ -62,26 +62,74 @@ class Hooks:
             self.at_phase(phase, step, j)
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
 @dataclass(frozen=True)
 class LaunchEnv:
     """What a launcher tells a worker through its environment (read once, by `from_env`)."""
 
     coordinator: str | None = None  # RECOVER_COORDINATOR, "host:port"
     replica: int | None = None  # RECOVER_REPLICA
+    rank: int = 0  # RANK: this process's rank within its replica (torchrun's variable)
     token: str | None = None  # RECOVER_RUN_TOKEN
     join_at: int = 0  # RECOVER_JOIN_AT: a replacement is not admitted before this step
     # RECOVER_INCARNATION (recover train's restarts) or TORCHELASTIC_RESTART_COUNT (torchrun's):
     # a restarted replica builds its own process group afresh under a new prefix.
     incarnation: str = "0"
+    log_level: str = "info"  # RECOVER_LOG_LEVEL: one of LOG_LEVELS (`recover --log-level`)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> LaunchEnv:
         env = os.environ if env is None else env
-        replica = env.get("RECOVER_REPLICA", "")
-        join_at = env.get("RECOVER_JOIN_AT", "0")
+        level = env.get("RECOVER_LOG_LEVEL", "").lower()
         return cls(coordinator=env.get("RECOVER_COORDINATOR") or None,
-                   replica=int(replica) if replica.isdigit() else None,
+                   replica=_int(env.get("RECOVER_REPLICA", "")),
+                   rank=_int(env.get("RANK", "")) or 0,
                    token=env.get("RECOVER_RUN_TOKEN") or None,
-                   join_at=int(join_at) if join_at.isdigit() else 0,
+                   join_at=_int(env.get("RECOVER_JOIN_AT", "")) or 0,
                    incarnation=(env.get("RECOVER_INCARNATION")
-                                or env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+                                or env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                   log_level=level if level in LOG_LEVELS else "info")
+
+
+def _int(text: str) -> int | None:
+    """A non-negative integer variable; None when unset or not a number."""
+    return int(text) if text.isdigit() else None
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """Where a replica's ranks join, who they say they are, and the settings they run with.
+
+    `coordinator` ("host:port"), `replica` and `token` default to the launcher's environment
+    (`launch`, itself `LaunchEnv.from_env()` when None); `resolved()` fills them in once, so
+    every rank of a process reads the environment through the same object.
+    """
+
+    coordinator: str | None = None
+    replica: int | None = None
+    token: str | None = None  # the run's secret, shown at join (None: "-", any is accepted)
+    fingerprint: str = "-"  # of the trajectory-defining config: another run's is refused
+    ft: FaultTolerance = field(default_factory=FaultTolerance)
+    numerics: Numerics = field(default_factory=Numerics)
+    launch: LaunchEnv | None = None
+
+    def resolved(self) -> ReplicaConfig:
+        """This config with every default taken from the launch environment; ValueError when the
+        coordinator or the replica id is still unknown."""
+        env = self.launch if self.launch is not None else LaunchEnv.from_env()
+        out = replace(self, coordinator=self.coordinator or env.coordinator,
+                      replica=env.replica if self.replica is None else self.replica,
+                      token=self.token or env.token, launch=env)
+        if not out.coordinator or out.replica is None:
+            raise ValueError("recover: set RECOVER_COORDINATOR=host:port and RECOVER_REPLICA=i "
+                             "(or pass ReplicaConfig(coordinator=..., replica=...))")
+        return out
+
+    def host_port(self) -> tuple[str, int]:
+        """The coordinator's (host, port); the config must be `resolved()`."""
+        if not self.coordinator:
+            raise ValueError("recover: no coordinator address (ReplicaConfig.resolved() first)")
+        host, port = self.coordinator.rsplit(":", 1)
+        return host, int(port)

@@ -19,8 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from recover import __version__
+from recover.app import logs
 from recover.app.config import RunConfig, flag_of, preset
-from recover.errors import RecoverError
+from recover.errors import ExitCode, RecoverError
+from recover.settings import LOG_LEVELS
+
+LOG_HELP = "log level of this process and of every process it starts (default: info)"
 
 
 def config_fields() -> list[tuple[str, dataclasses.Field, Any]]:
@@ -70,6 +74,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default=None,
                    help="address the coordinator's store and liveness listener bind (default: "
                         "127.0.0.1, or every interface with --external-workers)")
+    # SUPPRESS: given here, it overrides the top-level option; absent, the top-level one stays.
+    p.add_argument("--log-level", choices=LOG_LEVELS, default=argparse.SUPPRESS, help=LOG_HELP)
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -159,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The top-level parser (coordinator, simulate and bench parse their own arguments)."""
     ap = argparse.ArgumentParser(prog="recover", description=__doc__.splitlines()[0])
     ap.add_argument("--version", action="version", version=f"recover {__version__}")
+    ap.add_argument("--log-level", choices=LOG_LEVELS, default="info", help=LOG_HELP)
     sub = ap.add_subparsers(dest="cmd", required=True)
     _train_parser(sub)
     sub.add_parser("coordinator", help="run the control plane for a multi-node job")
@@ -167,19 +174,27 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _leading_log_level(argv: list[str]) -> tuple[str | None, list[str]]:
+    """`--log-level L` (or `--log-level=L`) given before the command: (L, the rest)."""
+    if argv and argv[0].startswith("--log-level="):
+        return argv[0].split("=", 1)[1], argv[1:]
+    if len(argv) >= 2 and argv[0] == "--log-level":
+        return argv[1], argv[2:]
+    return None, argv
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "coordinator":
-        return cmd_coordinator(argv[1:])
-    if argv and argv[0] == "simulate":
-        from recover.sim.cli import run_cli
-
-        return run_cli(argv[1:])
-    if argv and argv[0] == "bench":
-        from recover.app.baselines.bench import run_cli as bench_cli
-
-        return bench_cli(argv[1:])
+    level, rest = _leading_log_level(argv)
+    if level is not None and level not in LOG_LEVELS:
+        print(f"recover: error: --log-level {level!r}: choose from {', '.join(LOG_LEVELS)}",
+              file=sys.stderr)
+        return ExitCode.USAGE
+    logs.setup(level or "info", export=True)  # worker processes inherit the level
+    if rest and rest[0] in ("coordinator", "simulate", "bench"):
+        return _run_tool(rest[0], rest[1:])
     args = build_parser().parse_args(argv)
+    logs.setup(args.log_level, export=True)  # `recover train --log-level L` may override
     # SIGTERM ends a run like Ctrl-C: the launcher's cleanup ends its children by PID.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
@@ -187,11 +202,24 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args)
     except RecoverError as e:
         print(f"recover {args.cmd}: error: {e}", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     except KeyboardInterrupt:
         print("recover: interrupted", file=sys.stderr)
         return 130
-    return 0
+    return ExitCode.OK
+
+
+def _run_tool(cmd: str, argv: list[str]) -> int:
+    """The commands that parse their own arguments: coordinator, simulate, bench."""
+    if cmd == "coordinator":
+        return cmd_coordinator(argv)
+    if cmd == "simulate":
+        from recover.sim.cli import run_cli
+
+        return run_cli(argv)
+    from recover.app.baselines.bench import run_cli as bench_cli
+
+    return bench_cli(argv)
 
 
 if __name__ == "__main__":

@@ -16,10 +16,13 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from recover.errors import ConfigError
 from recover.parallel.mesh import LAYOUTS
+from recover.settings import FaultTolerance, Numerics, ReplicaConfig
+
+T = TypeVar("T")
 
 POLICIES = ("recover", "shrink-batch")  # reactions to a lost replica (see `ft.policy`)
 DTYPES = ("fp32", "bf16", "fp16")  # autocast / reduce dtypes (see `compute`)
@@ -175,6 +178,11 @@ class FaultToleranceConfig:
               "--coordinator-wait-s and --coordinator-restarts must be >= 0")
         _need(0 <= self.store_shards <= 256, "--store-shards must be in [0, 256]")
 
+    def to_library(self) -> FaultTolerance:
+        """The library's `FaultTolerance`: every one of its settings, taken from this config's
+        field of the same name (the app's own fields, policy, faults, ..., stay here)."""
+        return _library(FaultTolerance, self)
+
 
 @dataclass
 class LayoutConfig:
@@ -221,6 +229,10 @@ class ComputeConfig:
               "--backend nccl needs --device cuda")
         _need(not (self.exact and self.reduce_dtype),
               "--exact reduces int64 fixed point: drop --reduce-dtype")
+
+    def to_library(self) -> Numerics:
+        """The library's `Numerics` (backend, reduce dtype, exact mode) from this config."""
+        return _library(Numerics, self)
 
 
 @dataclass
@@ -359,6 +371,20 @@ class RunConfig:
         _need(b % lay.stages == 0,
               f"--microbatch-size ({b}) must be divisible by --stages ({lay.stages}): each "
               "microbatch is split into that many pipeline chunks")
+
+
+def _library(cls: type[T], sub: Any) -> T:
+    """A library settings object built from the app config's fields of the same names."""
+    return cls(**{f.name: getattr(sub, f.name) for f in dataclasses.fields(cls)
+                  if hasattr(sub, f.name)})
+
+
+def replica_config(cfg: RunConfig, coordinator: str, replica: int, token: str) -> ReplicaConfig:
+    """The one translation of a run's config into what `recover.Replica` takes: where and who,
+    the fault-tolerance settings and the numerics."""
+    return ReplicaConfig(coordinator=coordinator, replica=replica, token=token,
+                         fingerprint=fingerprint(cfg), ft=cfg.ft.to_library(),
+                         numerics=cfg.compute.to_library())
 
 
 def fingerprint(cfg: RunConfig) -> str:

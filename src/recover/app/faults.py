@@ -28,17 +28,20 @@ starts receiving its state for admission at step S: the step of its `restart` fa
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from recover.errors import ConfigError
+from recover.settings import Hooks
+
+log = logging.getLogger(__name__)
 
 PHASES = ("forward", "backward", "reduce", "commit", "optimizer", "donate", "receive")
 KINDS = ("kill", "hang", "slow", "deadlock", "partition", "restart", "coordinator")
@@ -129,14 +132,22 @@ def validate_faults(specs: list[str], replicas: int, steps: int, nranks: int = 1
 
 class FaultInjector:
     """The faults of one rank of one replica; `at(phase, step, j)` is called at each protocol
-    point."""
+    point. `hooks()` is the one object through which they reach the library; the loop tells the
+    injector which step it is in (`step`), for the faults that last from a step on."""
 
     def __init__(self, faults: list[Fault], replica: int, rank: int = 0, nranks: int = 1) -> None:
         self.all = list(faults)  # every replica's (a restart is scheduled run-wide)
         self.faults = [f for f in faults if f.replica == replica and f.target_rank(nranks) == rank]
         self.fired: set[int] = set()
+        self.step = 0  # the step the loop is in
         # The coordinator's pid, for a `coordinator` fault (the loop points it at the store).
         self.coordinator_pid: Callable[[], int] = lambda: 0
+
+    def hooks(self) -> Hooks:
+        """The library's `Hooks`: faults at protocol points, a partition from its step on, and
+        every `restart` fault's (replica, step), so no plan counts a replica before it rejoins."""
+        return Hooks(at_phase=self.at, link_down=lambda: self.partitioned(self.step),
+                     scheduled_joins={f.replica: f.step for f in self.all if f.kind == "restart"})
 
     def partitioned(self, step: int) -> bool:
         """Whether this rank's cross-replica traffic is cut at `step` (a `partition` fault)."""
@@ -154,7 +165,7 @@ class FaultInjector:
             if phase in ("forward", "backward") and f.microbatch != j:
                 continue
             self.fired.add(idx)
-            print(f"recover: injecting {f} (pid {os.getpid()})", file=sys.stderr, flush=True)
+            log.warning(f"injecting {f} (pid {os.getpid()})")
             if phase == "reduce":
                 time.sleep(random.uniform(0.0, 0.003))  # land inside the collective, not before
             if f.kind == "kill":

@@ -12,6 +12,8 @@ layouts on CPU").
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -23,11 +25,11 @@ def shard_mesh(shards: int) -> DeviceMesh:
     return init_device_mesh("cpu", (shards,), mesh_dim_names=("shard",))
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """FSDP2 over the shard group: one parameter group per transformer block, plus the root."""
-    blocks = getattr(model, "blocks", None)
-    for block in blocks if blocks is not None else []:
-        fully_shard(block, mesh=mesh)
+def shard_model(model: nn.Module, mesh: DeviceMesh, units: Iterable[nn.Module] = ()) -> nn.Module:
+    """FSDP2 over the shard group: one parameter group per unit (e.g. each transformer block),
+    plus the root for the rest."""
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 

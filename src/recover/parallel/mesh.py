@@ -11,13 +11,13 @@ rank's position: with ("pp", "tp"), rank = pp * tp_size + tp.
 from __future__ import annotations
 
 import datetime
-import os
 
 import torch.distributed as dist
 from torch.distributed import PrefixStore
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from recover.collectives import connect_store
+from recover.settings import LaunchEnv
 
 # The replica layouts recover knows how to reduce (one definition; the app offers these choices).
 LAYOUTS = ("plain", "hsdp", "tp", "pp", "tp,pp")
@@ -40,11 +40,13 @@ def replica_mesh(layout: str, shards: int = 1, tp: int = 1, stages: int = 1) -> 
 
 
 def init_replica_group(host: str, port: int, replica: int, rank: int, nranks: int,
-                       timeout_s: float = 60.0) -> None:
-    """The replica's default process group, on the coordinator's store (prefix per replica)."""
-    # A restarted replica builds its group afresh: its earlier incarnation's keys are stale.
-    # RECOVER_INCARNATION (recover train's restarts), TORCHELASTIC_RESTART_COUNT (torchrun's).
-    inc = os.environ.get("RECOVER_INCARNATION") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+                       timeout_s: float = 60.0, incarnation: str | None = None) -> None:
+    """The replica's default process group, on the coordinator's store (prefix per replica).
+
+    `incarnation` (default: the launcher's, `LaunchEnv.incarnation`): a restarted replica builds
+    its group afresh under a new prefix, since its earlier incarnation's keys are stale.
+    """
+    inc = LaunchEnv.from_env().incarnation if incarnation is None else incarnation
     store = connect_store(host, port, timeout_s)
     dist.init_process_group("gloo", store=PrefixStore(f"replica{replica}.{inc}/pg", store),
                             rank=rank,

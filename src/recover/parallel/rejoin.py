@@ -12,10 +12,10 @@ the step engine when step t's plan says "join".
 from __future__ import annotations
 
 import json
+import logging
 import socket
-import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from torch import nn
 
 from recover.collectives import CoordinatorGone, Member, keys
 from recover.parallel import transfer
+from recover.settings import Hooks
 
 CONNECT_S = 30.0  # a joiner is waiting when the join is announced: it connects at once
 
@@ -48,16 +49,12 @@ class StepState:
             self.exact.set_maxima(sd["exact_max"].tolist())
 
 
-def _log(msg: str) -> None:
-    print(f"recover: {msg}", file=sys.stderr, flush=True)
-
-
-Hook = Callable[[str, int, int], None]
+log = logging.getLogger(__name__)
 
 
 def serve(member: Member, rank: int, step: int, join: dict, module: nn.Module,
           optimizer: torch.optim.Optimizer | None, extra: Mapping[str, Any],
-          exact: Any | None, hook: Hook | None = None) -> None:
+          exact: Any | None, hooks: Hooks | None = None) -> None:
     """Donor rank: stream this rank's state (after `step` optimizer steps) to the joiner's rank
     `rank`. Any failure is logged and given up: the coordinator then gives the join up too."""
     epoch = int(join["epoch"])
@@ -73,18 +70,18 @@ def serve(member: Member, rank: int, step: int, join: dict, module: nn.Module,
             st = StepState(exact)
             st.step = step
             state = transfer.TrainingState(module, optimizer, {**extra, "_recover": st})
-            if hook is not None:
-                hook("donate", step, 0)  # fault injection: the donor dies mid-transfer
+            if hooks is not None:
+                hooks.phase("donate", step)  # fault injection: the donor dies mid-transfer
             sent = transfer.send(conn, state.tensors, state.meta)
-        _log(f"donated {sent / 1e6:.1f} MB of state at step {step} to replica "
+        log.info(f"donated {sent / 1e6:.1f} MB of state at step {step} to replica "
              f"{join['replica']} rank {rank} in {time.monotonic() - t0:.2f}s")
     except (OSError, transfer.TransferError) as e:
-        _log(f"donation to replica {join['replica']} (join {epoch}) failed: {e}")
+        log.warning(f"donation to replica {join['replica']} (join {epoch}) failed: {e}")
 
 
 def receive(member: Member, rank: int, module: nn.Module,
             optimizer: torch.optim.Optimizer | None, extra: Mapping[str, Any],
-            exact: Any | None, timeout_s: float, hook: Hook | None = None,
+            exact: Any | None, timeout_s: float, hooks: Hooks | None = None,
             join_at: int = 0) -> tuple[int, float, int]:
     """Joiner rank: get the state from a donor (another one if a donor dies), tell the
     coordinator, wait for the admission. Returns (step to continue from, transfer s, bytes)."""
@@ -102,12 +99,12 @@ def receive(member: Member, rank: int, module: nn.Module,
         try:
             with transfer.connect(addr.decode(), CONNECT_S) as sock:
                 sock.settimeout(CONNECT_S)
-                if hook is not None:
-                    hook("receive", join_at, 0)  # fault injection: the joiner dies mid-transfer
+                if hooks is not None:  # fault injection: the joiner dies mid-transfer
+                    hooks.phase("receive", join_at)
                 meta, got = transfer.receive(sock, state.tensors, state.meta)
         except (OSError, transfer.TransferError) as e:
-            _log(f"state transfer from {addr.decode()} (join {epoch}) failed: {e}; asking for "
-                 "another donor")
+            log.warning(f"state transfer from {addr.decode()} (join {epoch}) failed: {e}; "
+                        "asking for another donor")
             member.report_join_failed(epoch)
             _wait_epoch(member, epoch, deadline)
             continue

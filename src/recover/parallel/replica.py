@@ -16,14 +16,15 @@ recover the step.
 from __future__ import annotations
 
 import atexit
+import logging
 import math
 import os
 import socket
-import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -31,13 +32,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from recover.collectives import CoordinatorGone, CoordinatorLost, FaultTolerantComm, Member
+from recover.collectives import CoordinatorGone, CoordinatorLost, Member
 from recover.parallel import rejoin
 from recover.parallel.grads import ShardedGrads, is_dtensor, local_tensor
 from recover.parallel.plain import FlatGrads
-from recover.recovery import ExactGrads, GradAccess, StepEngine, StepResult, StepStrategy
+from recover.parallel.rank import connect_rank, new_member
+from recover.recovery import ExactGrads, GradAccess, StepResult, StepStrategy
+from recover.settings import Hooks, ReplicaConfig
 
-Hook = Callable[[str, int, int], None]
+log = logging.getLogger(__name__)
 
 
 def _coord(mesh: DeviceMesh | None, dim: str) -> tuple[int, int]:
@@ -52,26 +55,22 @@ class Replica:
 
     `module` holds this rank's parameters (the FSDP2/TP model, or this rank's pipeline stage).
     `tied`: parameters shared between the first and last pipeline stage (e.g. a tied embedding);
-    their reduced gradients are summed across the two stages. `coordinator` ("host:port") and
-    `replica` default to the env `RECOVER_COORDINATOR` and `RECOVER_REPLICA`.
+    their reduced gradients are summed across the two stages. A joiner mid-run receives, besides
+    the module, `optimizer` and `state` (objects with state_dict()/load_state_dict()).
+    `config`: where to join and the protocol's settings (default: `ReplicaConfig()`, whose
+    coordinator and replica come from the env `RECOVER_COORDINATOR` and `RECOVER_REPLICA`).
+    `hooks`: fault injection (tests, `recover train --fault`). `strategy`: the reaction to a lost
+    replica (default: in-step recovery).
     """
 
     def __init__(self, module: nn.Module, microbatches: int, *, mesh: DeviceMesh | None = None,
-                 tied: Sequence[nn.Parameter] = (), coordinator: str | None = None,
-                 replica: int | None = None, min_replicas: int = 1, timeout_s: float = 60.0,
-                 join_timeout_s: float = 120.0, heartbeat_s: float = 0.1,
-                 hook: Hook | None = None, speed_aware: bool = True,
-                 strategy: StepStrategy | None = None, exact: bool = False,
-                 reduce_dtype: torch.dtype | None = None, backend: str = "gloo",
-                 optimizer: torch.optim.Optimizer | None = None,
-                 state: Mapping[str, Any] | None = None, token: str | None = None,
-                 fingerprint: str = "-", scheduled_joins: Mapping[int, int] | None = None,
-                 link_down: Callable[[], bool] | None = None,
-                 coordinator_wait_s: float = 0.0) -> None:
+                 tied: Sequence[nn.Parameter] = (), optimizer: torch.optim.Optimizer | None = None,
+                 state: Mapping[str, Any] | None = None, config: ReplicaConfig | None = None,
+                 hooks: Hooks | None = None, strategy: StepStrategy | None = None) -> None:
         self.module, self.mesh, self.n = module, mesh, microbatches
-        # What a replica that joins mid-run receives from a donor, besides the module: the
-        # optimizer and any user state (objects with state_dict()/load_state_dict()).
         self.optimizer, self.user_state = optimizer, dict(state or {})
+        self.config = (config or ReplicaConfig()).resolved()
+        self.hooks, self.strategy = hooks or Hooks(), strategy
         self._left = False
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.rank = dist.get_rank() if mesh is not None else 0
@@ -96,20 +95,12 @@ class Replica:
         layout: FlatGrads | ShardedGrads = (FlatGrads(module) if self.plain
                                             else ShardedGrads(self.params))
         self.exact: ExactGrads | None = None
-        if exact:
+        if self.config.numerics.exact:
             _check_exact(mesh)
             self.exact = ExactGrads(layout, microbatches)
         self.grads: GradAccess = self.exact or layout
-        host, port, replica = _where(coordinator, replica)
-        # Everything a (re)connection to a coordinator needs: see `reconnect`.
-        self._conf = dict(host=host, port=port, replica=replica, heartbeat_s=heartbeat_s,
-                          join_timeout_s=join_timeout_s, token=token, fingerprint=fingerprint,
-                          timeout_s=timeout_s, backend=backend, link_down=link_down,
-                          min_replicas=min_replicas, hook=hook, speed_aware=speed_aware,
-                          strategy=strategy, reduce_dtype=None if exact else reduce_dtype,
-                          scheduled_joins=dict(scheduled_joins or {}))
         # > 0: the caller calls `reconnect` when the coordinator dies (see Member.restart_wait_s)
-        self.restart_wait_s = coordinator_wait_s
+        self.restart_wait_s = self.config.ft.coordinator_wait_s
         self._connect()
         atexit.register(self.leave)  # a clean exit says goodbye even without an explicit leave()
 
@@ -117,33 +108,29 @@ class Replica:
                  join_timeout_s: float | None = None) -> None:
         """Join the coordinator (a new Member, communicator and step engine); if it makes this
         replica a joiner, receive a running replica's state first (`start_step`, `joined`)."""
-        c = self._conf
-        timeout = c["join_timeout_s"] if join_timeout_s is None else join_timeout_s
-        member = Member(c["host"], c["port"], c["replica"], self.rank, self.nranks,
-                        heartbeat_s=c["heartbeat_s"], timeout_s=timeout, token=c["token"],
-                        fingerprint=c["fingerprint"], applied=applied,
-                        last_generation=last_generation, restart_wait_s=self.restart_wait_s)
-        try:
-            member.join()
+        cfg = self.config
+        if join_timeout_s is not None:
+            cfg = replace(cfg, ft=replace(cfg.ft, join_timeout_s=join_timeout_s))
+        self.start_step, self.transfer_s, self.joined = 0, 0.0, False
+
+        def receive(member: Member) -> None:
             # A replica started after the run began (a replacement, a torchrun restart, one
             # healed after a coordinator restart) receives a running replica's state and
             # continues from that step (`start_step`).
-            start, took, joined = 0, 0.0, member.joining
-            if joined:
-                join_at = os.environ.get("RECOVER_JOIN_AT", "0")
-                start, took, _ = rejoin.receive(
+            self.joined = member.joining
+            if self.joined:
+                assert cfg.launch is not None  # resolved() sets it
+                self.start_step, self.transfer_s, _ = rejoin.receive(
                     member, self.rank, self.module, self.optimizer, self.user_state, self.exact,
-                    timeout, c["hook"], int(join_at) if join_at.isdigit() else 0)
-        except BaseException:
-            member.shutdown()  # its threads must not outlive a failed join
-            raise
-        comm = FaultTolerantComm(member, position=self.rank, timeout_s=c["timeout_s"],
-                                 backend=c["backend"], device=self.grads.device)
-        comm.link_down = c["link_down"]  # fault injection only (a `partition` fault)
-        engine = StepEngine(member, comm, self.grads, self.n, min_replicas=c["min_replicas"],
-                            timeout_s=c["timeout_s"], hook=c["hook"],
-                            speed_aware=c["speed_aware"], positions=self.nranks,
-                            strategy=c["strategy"], reduce_dtype=c["reduce_dtype"])
+                    cfg.ft.join_timeout_s, self.hooks, cfg.launch.join_at)
+
+        member = new_member(cfg, self.rank, self.nranks, applied=applied,
+                            last_generation=last_generation)
+        # With its ranks' microbatch times agreed (`_agree`), every rank sees the same speeds,
+        # so the engine may imply a plan instead of reading it from the store.
+        stack = connect_rank(member, self.grads, self.n, cfg, hooks=self.hooks,
+                             strategy=self.strategy, on_joined=receive, shared_speeds=True)
+        engine = stack.engine
         old = getattr(self, "engine", None)
         if old is not None:  # what this replica learned of speeds survives a reconnection
             engine.speeds = old.speeds
@@ -151,14 +138,8 @@ class Replica:
             # multi-rank replica agree on theirs after each step (`_agree`), and a coordinator
             # that died between their commits may have left them apart.
             engine.mb_time = old.mb_time if self.nranks == 1 else None
-        # With its ranks' microbatch times agreed, every rank sees the same speeds, so the
-        # engine may imply a plan instead of reading it from the store (recovery/step.py).
-        engine.shared_speeds = True
         engine.on_join = self._donate
-        # Fault injection only (a `restart` fault): the plan of step S waits for replica R.
-        engine.scheduled_joins = c["scheduled_joins"]
-        self.member, self.comm, self.engine = member, comm, engine
-        self.start_step, self.transfer_s, self.joined = start, took, joined
+        self.member, self.comm, self.engine = stack.member, stack.comm, engine
 
     def reconnect(self, applied: int, wait_s: float) -> bool:
         """The coordinator died: keep this replica's state and join its restarted successor at
@@ -167,11 +148,12 @@ class Replica:
         and `start_step` say so). False if none came back in time (the caller checkpoints and
         stops); raises `CoordinatorLost` if the new coordinator refused this replica."""
         last_gen = self.member.generation()  # kept on failure: it knows the last leader
+        self.engine.close()
         self.member.shutdown()
         self.comm.close()
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
-            if not _accepts(self._conf["host"], self._conf["port"]):
+            if not _accepts(*self.config.host_port()):
                 time.sleep(0.05)  # a plain probe: the store client's own retries back off
                 continue
             try:
@@ -244,7 +226,7 @@ class Replica:
             bound = self.member.stuck_s
             self.member.disarm()  # a big state takes its time; serve() has its own timeouts
             rejoin.serve(self.member, self.rank, step, join, self.module, self.optimizer,
-                         self.user_state, self.exact, self.engine.hook)
+                         self.user_state, self.exact, self.hooks)
             self.member.arm(bound)
 
     def replica_sum(self, value: float) -> float:
@@ -280,6 +262,7 @@ class Replica:
         run at interpreter exit."""
         if not self._left:
             self._left = True
+            self.engine.close()  # after the deletions already queued
             self.member.leave()
 
     @property
@@ -314,9 +297,8 @@ class Replica:
         try:
             yield
         except Exception:
-            print(f"[replica {self.member.replica} rank {self.rank}] intra-replica failure; "
-                  "reporting the replica lost:\n" + traceback.format_exc(limit=3),
-                  file=sys.stderr, flush=True)
+            log.error(f"replica {self.member.replica} rank {self.rank}: intra-replica failure; "
+                      "reporting the replica lost:\n" + traceback.format_exc(limit=3))
             self.member.report_lost(f"rank {self.rank} (pid {os.getpid()}) failed")
             g = self.member.generation()
             deadline = time.monotonic() + wait_s
@@ -388,13 +370,3 @@ def _accepts(host: str, port: int) -> bool:
     except OSError:
         return False
 
-
-def _where(coordinator: str | None, replica: int | None) -> tuple[str, int, int]:
-    coordinator = coordinator or os.environ.get("RECOVER_COORDINATOR")
-    if replica is None and "RECOVER_REPLICA" in os.environ:
-        replica = int(os.environ["RECOVER_REPLICA"])
-    if not coordinator or replica is None:
-        raise ValueError("recover: set RECOVER_COORDINATOR=host:port and RECOVER_REPLICA=i (or "
-                         "pass coordinator= and replica=)")
-    host, port = coordinator.rsplit(":", 1)
-    return host, int(port), replica

@@ -13,7 +13,7 @@ the checkpoint (same shards / tp / stages), or refuses.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,8 @@ from recover.app.runtoken import run_token
 from recover.app.train.ckpt_files import find_latest
 from recover.app.train.layout import RankModel
 from recover.errors import CheckpointError
+
+log = logging.getLogger(__name__)
 
 
 def layout_of(cfg: RunConfig) -> dict[str, Any]:
@@ -38,8 +40,8 @@ class RankCheckpoints:
     multi-rank replica this builds a process group: a collective over the replica's ranks)."""
 
     def __init__(self, run_dir: Path, cfg: RunConfig, rm: RankModel,
-                 optimizer: torch.optim.Optimizer, log: Callable[[str], None]) -> None:
-        self.root, self.cfg, self.rm, self.opt, self.log = run_dir / "ckpt", cfg, rm, optimizer, log
+                 optimizer: torch.optim.Optimizer) -> None:
+        self.root, self.cfg, self.rm, self.opt = run_dir / "ckpt", cfg, rm, optimizer
         self.key = run_token(run_dir)
         self.layout = layout_of(cfg)
         self.group: dist.ProcessGroup | None = None
@@ -55,14 +57,14 @@ class RankCheckpoints:
         """Load the newest checkpoint that verifies; return its step (optimizer steps applied)."""
         path, skipped = find_latest(self.root, self.key)
         for line in skipped:
-            self.log(f"resume: {line}")
+            log.warning(f"resume: {line}")
         if path is None:
             raise CheckpointError(f"--resume: no checkpoint in {self.root} verifies")
         from recover.app.train.checkpoint import load_checkpoint  # DCP: ~1.5 s of CPU to import
 
         meta = load_checkpoint(path, self.rm.module, self.opt, key=self.key, group=self.group,
                                scope=self.scope, layout=self.layout)
-        self.log(f"resumed from {path.name} at step {meta['step']}")
+        log.info(f"resumed from {path.name} at step {meta['step']}")
         return int(meta["step"])
 
     def save(self, step: int, leader: bool, extra: dict[str, Any]) -> bool:
@@ -85,6 +87,6 @@ class RankCheckpoints:
         try:
             return self.save(step, leader, extra)
         except Exception as e:
-            self.log(f"no checkpoint at step {step}: {type(e).__name__}: "
-                     f"{' '.join(str(e).split())[:200]}")
+            log.error(f"no checkpoint at step {step}: {type(e).__name__}: "
+                      f"{' '.join(str(e).split())[:200]}")
             return False

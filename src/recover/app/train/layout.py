@@ -3,8 +3,9 @@
 Invariant: whatever the layout, `forward_backward(x, y)` adds this rank's share of
 grad(mean loss of microbatch (x, y)) / N to its parameters' gradients and returns this rank's view
 of that loss (`recover.parallel.Replica` weighs the views into the microbatch loss), and
-`evaluate(x, y)` does the forward only. The model never sees `torch.distributed`: the layout
-helpers of `recover.parallel` wrap it, and only the ranks of one replica share its default group.
+`evaluate(x, y)` does the forward only. The model never sees `torch.distributed`: its parallelize
+plans (`recover.app.train.parallelize`, on `recover.parallel`'s model-agnostic pieces) wrap it, and
+only the ranks of one replica share its default group.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 
 from recover.app.config import RunConfig
 from recover.app.train.model import build_model
+from recover.settings import LaunchEnv
 
 
 @dataclass
@@ -60,22 +62,22 @@ def build(cfg: RunConfig, host: str, port: int, replica: int, rank: int) -> Rank
     n, amp = cfg.data.microbatches, autocast(cfg, device)
     if cfg.layout.name == "plain":
         return _dense(model, n, None, lambda t: t.to(device), amp)
-    from recover.parallel import init_replica_group, replica_mesh  # DTensor/FSDP2: seconds
-    from recover.parallel.hsdp import local_rows, shard_model
-    from recover.parallel.pp import Pipeline
-    from recover.parallel.tp import parallelize
+    from recover.app.train import parallelize as plan  # DTensor/FSDP2: seconds to import
+    from recover.parallel import init_replica_group, replica_mesh
+    from recover.parallel.hsdp import local_rows
 
     lay = cfg.layout
-    init_replica_group(host, port, replica, rank, lay.ranks_per_replica(), cfg.ft.reduce_timeout_s)
+    init_replica_group(host, port, replica, rank, lay.ranks_per_replica(), cfg.ft.reduce_timeout_s,
+                       LaunchEnv.from_env().incarnation)
     mesh = replica_mesh(lay.name, lay.shards, lay.tp, lay.stages)
     parts = cfg.layout.name.split(",")
     if "tp" in parts:
-        parallelize(model, mesh)
+        plan.tensor_parallel(model, mesh)
     if cfg.layout.name == "hsdp":
-        shard_model(model, mesh)
+        plan.fully_shard_gpt(model, mesh)
     if "pp" not in parts:
         return _dense(model, n, mesh, lambda t: local_rows(t, mesh), amp)
-    pipe = Pipeline(model, mesh, n)
+    pipe = plan.gpt_pipeline(model, mesh, n)
 
     def fb_pipe(x: Tensor, y: Tensor, before_backward: Callable[[], None]) -> float:
         pipe.module.on_backward = before_backward  # fires when the backward reaches this stage

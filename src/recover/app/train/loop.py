@@ -5,12 +5,15 @@ steps 0..t, never on how many replicas computed them or which ones died: each mi
 and dropout come from its id, the gradient is the sum of per-microbatch gradients / N, and the
 optimizer runs only after the step's commit decision (`recover.Replica.step`). A checkpoint is
 labelled with the number of optimizer steps it holds, whatever path saves it.
+
+Read `run` first: it builds a `Trainer` (model, optimizer, checkpoints, faults), joins, trains to
+the end, and turns each way a run can stop into its exit code. `Trainer.train` is the loop.
 """
 
 from __future__ import annotations
 
 import json
-import sys
+import logging
 import time
 from collections import deque
 from pathlib import Path
@@ -18,7 +21,7 @@ from pathlib import Path
 import torch
 from torch.distributed import DistError
 
-from recover.app.config import RunConfig, fingerprint
+from recover.app.config import RunConfig, replica_config
 from recover.app.faults import FaultInjector, validate_faults
 from recover.app.runtoken import run_token
 from recover.app.train import layout
@@ -27,172 +30,252 @@ from recover.app.train.data import eval_batches, load_data, microbatch
 from recover.app.train.metrics import StepTimer, step_record
 from recover.app.train.optim import build_optimizer, lr_at, set_lr
 from recover.collectives import CoordinatorGone, CoordinatorLost, GlooInterfaceError, keys
+from recover.errors import ExitCode
 from recover.parallel import Replica
-from recover.recovery import BelowMinReplicas, StepStrategy
+from recover.recovery import BelowMinReplicas, StepResult, StepStrategy
 from recover.workload import id_seed
 
-EXIT_OK, EXIT_USAGE, EXIT_BELOW_MIN, EXIT_COORDINATOR_LOST = 0, 2, 4, 5
+log = logging.getLogger(__name__)
 RECORDS_KEPT = 256  # offered again to a restarted coordinator (the launcher may not have read them)
+PROGRESS_LINES = 100  # a run logs about this many per-step progress lines (and every recovery)
 
 
 def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
+    """Train this rank of `replica` to the run's end; the process's exit code."""
     torch.set_num_threads(1)  # measured: 2 threads x 4 processes on 2 cores is 10x slower
     cfg = RunConfig.load(run_dir / "config.json")
     nranks = cfg.layout.ranks_per_replica()
-
-    def log(msg: str) -> None:
-        who = f"replica {replica}" + (f" rank {rank}" if nranks > 1 else "")
-        print(f"[{who}] {msg}", file=sys.stderr, flush=True)
-
     if not 0 <= rank < nranks:
-        log(f"rank {rank} is not in [0, {nranks}) for --layout {cfg.layout.name}")
-        return EXIT_USAGE
-    corpus = load_data(run_dir / "data")
-    m, ft, seed = cfg.model, cfg.ft, cfg.run.seed
-    n, b = cfg.data.microbatches, cfg.data.microbatch_size
-    rm = layout.build(cfg, host, port, replica, rank)
-    opt = build_optimizer(rm.module, cfg)
-    # Before Replica: both build groups of the replica's ranks, in the same order on every rank.
-    ckpts = RankCheckpoints(run_dir, cfg, rm, opt, log)
-    applied = 0  # optimizer steps in the parameters: the only label a checkpoint may carry
-    if cfg.run.resume:
-        applied = ckpts.resume()
-    faults = FaultInjector(validate_faults(ft.faults, cfg.layout.replicas, cfg.run.steps, nranks),
-                           replica, rank, nranks)
-    rep: Replica | None = None
-    wait_until = time.monotonic() + ft.coordinator_wait_s
-    while rep is None:
+        log.error(f"rank {rank} is not in [0, {nranks}) for --layout {cfg.layout.name}")
+        return ExitCode.USAGE
+    trainer = Trainer(run_dir, cfg, replica, rank, f"{host}:{port}")
+    if not trainer.join():
+        return ExitCode.USAGE
+    end = cfg.run.stop_at or cfg.run.steps
+    while True:  # once, unless the coordinator dies and a restarted one takes over
         try:
-            rep = Replica(rm.module, n, mesh=rm.mesh, tied=rm.tied, coordinator=f"{host}:{port}",
-                          replica=replica, min_replicas=ft.min_replicas,
-                          timeout_s=ft.reduce_timeout_s, join_timeout_s=ft.join_timeout_s,
-                          heartbeat_s=ft.heartbeat_s, hook=faults.at, speed_aware=ft.speed_aware,
-                          strategy=_strategy(cfg), exact=cfg.compute.exact,
-                          backend=cfg.compute.backend, optimizer=opt,
-                          reduce_dtype=layout.DTYPES.get(cfg.compute.reduce_dtype),
-                          token=run_token(run_dir).decode(), fingerprint=fingerprint(cfg),
-                          scheduled_joins={f.replica: f.step for f in faults.all
-                                           if f.kind == "restart"},
-                          link_down=lambda: faults.partitioned(step),
-                          coordinator_wait_s=ft.coordinator_wait_s)
-        except CoordinatorGone as e:
-            # A replacement whose coordinator died while it was being admitted tries again
-            # with the restarted one (bounded like every replica's wait for it).
-            if time.monotonic() < wait_until:
-                time.sleep(0.2)
-                continue
-            log(f"cannot join: {e}")
-            return EXIT_USAGE
-        except (CoordinatorLost, TimeoutError) as e:  # refused (another run), or no coordinator
-            log(f"cannot join: {e}")
-            return EXIT_USAGE
-    faults.coordinator_pid = lambda: int(keys.try_get(rep.member.store, keys.COORD_PID) or 0)
-    if rep.joined:  # a replacement: it continues from the donor's step, on the trajectory
-        applied = rep.start_step
-        log(f"joined the running job at step {applied} ({rep.transfer_s:.2f}s state transfer)")
-    evals = eval_batches(corpus.val, m.block_size, b, seed, cfg.data.eval_microbatches)
-    timer = StepTimer()
-    step = applied
+            trainer.train(end)
+            break
+        except BelowMinReplicas as e:
+            return trainer.stop_below_min(e)
+        except GlooInterfaceError as e:  # a configuration error, not a fault: one line
+            log.error(f"stopping: {e}")
+            return ExitCode.USAGE  # without leave(): the coordinator records the replica as lost
+        except (CoordinatorLost, DistError) as e:  # the store went away with the coordinator
+            if not trainer.rejoin_coordinator(e, end):
+                return trainer.stop_coordinator_lost(e, end)
+    trainer.finish()
+    return ExitCode.OK
 
-    def compute(mb_id: int, j: int) -> float:
+
+class Trainer:
+    """One rank's training state: model, optimizer, data, checkpoints, faults and its Replica.
+
+    `applied` is the number of optimizer steps the parameters hold: the only label a checkpoint
+    may carry, and the step the loop goes on from after a rejoin.
+    """
+
+    def __init__(self, run_dir: Path, cfg: RunConfig, replica: int, rank: int,
+                 coordinator: str) -> None:
+        self.run_dir, self.cfg, self.replica, self.rank = run_dir, cfg, replica, rank
+        self.coordinator = coordinator
+        self.nranks = cfg.layout.ranks_per_replica()
+        self.corpus = load_data(run_dir / "data")
+        host, port = coordinator.rsplit(":", 1)
+        self.rm = layout.build(cfg, host, int(port), replica, rank)
+        self.opt = build_optimizer(self.rm.module, cfg)
+        # Before Replica: both build groups of the replica's ranks, in the same order on every rank.
+        self.ckpts = RankCheckpoints(run_dir, cfg, self.rm, self.opt)
+        self.applied = self.ckpts.resume() if cfg.run.resume else 0
+        self.faults = FaultInjector(validate_faults(cfg.ft.faults, cfg.layout.replicas,
+                                                    cfg.run.steps, self.nranks),
+                                    replica, rank, self.nranks)
+        m, d = cfg.model, cfg.data
+        self.evals = eval_batches(self.corpus.val, m.block_size, d.microbatch_size, cfg.run.seed,
+                                  d.eval_microbatches)
+        self.timer = StepTimer()
+        # The records this rank offered last: a restarted coordinator's store has none of them.
+        self.recent: deque[tuple[int, str]] = deque(maxlen=RECORDS_KEPT)
+        self.log_every = max(1, cfg.run.steps // PROGRESS_LINES)
+        self.refused: str | None = None  # why a restarted coordinator refused this replica
+        self.rep: Replica
+
+    # -- joining ---------------------------------------------------------------------------------
+    def join(self) -> bool:
+        """Join the run as this replica's rank (a replacement receives a donor's state); False
+        (logged) if the coordinator refused it or never answered."""
+        ft = self.cfg.ft
+        config = replica_config(self.cfg, self.coordinator, self.replica,
+                                run_token(self.run_dir).decode())
+        wait_until = time.monotonic() + ft.coordinator_wait_s
+        while True:
+            try:
+                self.rep = Replica(self.rm.module, self.cfg.data.microbatches, mesh=self.rm.mesh,
+                                   tied=self.rm.tied, optimizer=self.opt, config=config,
+                                   hooks=self.faults.hooks(), strategy=_strategy(self.cfg))
+                break
+            except CoordinatorGone as e:
+                # A replacement whose coordinator died while it was being admitted tries again
+                # with the restarted one (bounded like every replica's wait for it).
+                if time.monotonic() < wait_until:
+                    time.sleep(0.2)
+                    continue
+                log.error(f"cannot join: {e}")
+                return False
+            except (CoordinatorLost, TimeoutError) as e:  # refused (another run), or none
+                log.error(f"cannot join: {e}")
+                return False
+        store = self.rep.member.store
+        self.faults.coordinator_pid = lambda: int(keys.try_get(store, keys.COORD_PID) or 0)
+        if self.rep.joined:  # a replacement: it continues from the donor's step, on the trajectory
+            self.applied = self.rep.start_step
+            log.info(f"joined the running job at step {self.applied} "
+                     f"({self.rep.transfer_s:.2f}s state transfer)")
+        else:
+            log.info(f"joined as replica {self.replica} rank {self.rank} of "
+                     f"{self.cfg.layout.replicas} at step {self.applied}")
+        return True
+
+    # -- the loop --------------------------------------------------------------------------------
+    def train(self, end: int) -> None:
+        """Steps `applied` .. end-1: compute, reduce and commit (`Replica.step`), then the
+        optimizer, the step's record, evaluation and checkpoints."""
+        cfg, rep = self.cfg, self.rep
+        for step in range(self.applied, end):
+            self.timer.start()
+            self.faults.step = step
+            lr = lr_at(step, cfg)
+            set_lr(self.opt, lr)
+            self.rm.module.train()
+            res = rep.step(step, self.compute)  # COMPUTE -> REDUCE -> agreed COMMIT
+            self.faults.at("optimizer", step, 0)
+            grad_norm = rep.clip_grad_norm_(cfg.optim.grad_clip)
+            self.opt.step()
+            self.applied = step + 1
+            rec = step_record(res, lr, grad_norm, self.timer)
+            last = step == end - 1
+            if (cfg.data.eval_every and (step + 1) % cfg.data.eval_every == 0) or last:
+                with rep.guard():  # a multi-rank evaluation is an intra-replica collective
+                    rec["val_loss"] = rep.replica_sum(layout.evaluate(self.rm, self.evals)
+                                                      * rep.loss_weight)
+            self.publish(step, rec)
+            self.progress(res, rec, last)
+            if (cfg.run.ckpt_every and self.applied % cfg.run.ckpt_every == 0) or last:
+                with rep.guard():  # every rank: the leader replica's ranks save together
+                    self.ckpts.save(self.applied, rep.is_leader, self.extra(self.applied))
+
+    def compute(self, mb_id: int, j: int) -> float:
         """This rank's part of microbatch `mb_id`: gradients += its share of grad(loss)/N."""
-        with timer.microbatch(faults.slow_factor(step)):
-            x, y = microbatch(corpus.train, m.block_size, b, seed, mb_id)
+        m, d, seed, step = self.cfg.model, self.cfg.data, self.cfg.run.seed, self.faults.step
+        with self.timer.microbatch(self.faults.slow_factor(step)):
+            x, y = microbatch(self.corpus.train, m.block_size, d.microbatch_size, seed, mb_id)
             with torch.random.fork_rng(devices=[], enabled=m.dropout > 0):
                 if m.dropout > 0:  # dropout is the id's own (manual_seed costs ~0.25 ms a call)
                     torch.manual_seed(id_seed(seed, mb_id, stream=1))
-                faults.at("forward", step, j)
-                return rm.forward_backward(x, y, lambda: faults.at("backward", step, j))
+                self.faults.at("forward", step, j)
+                return self.rm.forward_backward(x, y, lambda: self.faults.at("backward", step, j))
 
-    def extra(at: int) -> dict:
+    def publish(self, step: int, rec: dict) -> None:
+        """Offer the step's record to the launcher (through the store), from rank 0.
+
+        Every survivor offers the record, on this thread, before its next step; any one that
+        lands will do (they agree on everything but their own clocks). A `set` is sent without
+        waiting for a reply (a compare-and-set waited ~2 ms a step for the store's thread on a
+        loaded host), and it reaches the server before this replica's next request on the same
+        client: before it counts its next step, so before the sink can have read step + 2 and
+        deleted this key. Only the leader, from a background thread, was tried: a leader killed
+        before its offer left, with every other replica killed in the next step, lost a line
+        (CHANGELOG.md, 0.3.1).
+        """
+        if self.rank == 0:
+            self.recent.append((step, json.dumps(rec)))
+            self.rep.member.store.set(keys.record_key(step), self.recent[-1][1])
+
+    def progress(self, res: StepResult, rec: dict, last: bool) -> None:
+        """An INFO line per committed step (every `log_every` for long runs), one per recovery."""
+        if res.recovered or res.attempts > 1:
+            log.info(f"step {res.step}: recovered {len(res.recovered)} microbatch(es) in "
+                     f"{res.recovery_s:.3f}s over {res.attempts} attempt(s); generation "
+                     f"{res.generation}, live replicas {res.members}")
+        if last or res.step % self.log_every == 0 or res.recovered or res.attempts > 1:
+            val = f", val loss {rec['val_loss']:.4f}" if "val_loss" in rec else ""
+            log.info(f"step {res.step}: loss {res.loss:.4f}{val}, {res.microbatches} "
+                     f"microbatches, {rec['step_time_s']:.3f}s, live replicas "
+                     f"{len(res.members)}")
+
+    def extra(self, at: int) -> dict:
+        """A checkpoint's metadata, labelled `at`; refuses a label the state does not hold."""
         # The label is what the state holds: AdamW counts the steps it applied (none: no state);
         # a save after an error must never relabel the state (a resume would repeat a step).
-        held = {int(st["step"]) for st in opt.state.values() if "step" in st} or {0}
-        if held != {at} or at != applied:
+        held = {int(st["step"]) for st in self.opt.state.values() if "step" in st} or {0}
+        if held != {at} or at != self.applied:
             raise RuntimeError(f"refusing to label a checkpoint step {at}: the optimizer state "
-                               f"holds {sorted(held)} applied steps (applied={applied})")
-        return {"next_microbatch_id": at * n, "trajectory": cfg.trajectory_key()}
+                               f"holds {sorted(held)} applied steps (applied={self.applied})")
+        return {"next_microbatch_id": at * self.cfg.data.microbatches,
+                "trajectory": self.cfg.trajectory_key()}
 
-    end = cfg.run.stop_at or cfg.run.steps
-    # The records this rank offered last: a restarted coordinator's store has none of them.
-    recent: deque[tuple[int, str]] = deque(maxlen=RECORDS_KEPT)
-    while True:  # once, unless the coordinator dies and a restarted one takes over
+    # -- the ways a run stops --------------------------------------------------------------------
+    def stop_below_min(self, e: BelowMinReplicas) -> int:
+        """Too few replicas are left: checkpoint the committed steps (the leader) and stop."""
+        log.error(f"stopping: {e}")
+        # committed steps only: the failed step was never applied
+        rep = self.rep
+        saved = self.ckpts.save_on_exit(self.applied, rep.is_leader, self.extra(self.applied))
+        if rep.is_leader:
+            what = "checkpoint" if saved else "no checkpoint"
+            rep.member.store.set(keys.RUN_STOPPED, f"{e}; {what} at step {self.applied}")
+        rep.leave()
+        return ExitCode.BELOW_MIN
+
+    def rejoin_coordinator(self, e: Exception, end: int) -> bool:
+        """The coordinator is unreachable: keep this state and join a restarted one (within
+        --coordinator-wait-s). True if the loop goes on (from `applied`)."""
+        wait_s, self.refused = self.cfg.ft.coordinator_wait_s, None
+        if self.applied >= end or wait_s <= 0:
+            return False
+        log.warning(f"the coordinator is unreachable ({_first_line(e)}); keeping the state of "
+                    f"step {self.applied} and waiting up to {wait_s:g}s for it to restart")
         try:
-            for step in range(applied, end):
-                timer.start()
-                lr = lr_at(step, cfg)
-                set_lr(opt, lr)
-                rm.module.train()
-                res = rep.step(step, compute)  # COMPUTE -> REDUCE -> agreed COMMIT
-                faults.at("optimizer", step, 0)
-                grad_norm = rep.clip_grad_norm_(cfg.optim.grad_clip)
-                opt.step()
-                applied = step + 1
-                rec = step_record(res, lr, grad_norm, timer)
-                last = step == end - 1
-                if (cfg.data.eval_every and (step + 1) % cfg.data.eval_every == 0) or last:
-                    with rep.guard():  # a multi-rank evaluation is an intra-replica collective
-                        rec["val_loss"] = rep.replica_sum(layout.evaluate(rm, evals)
-                                                          * rep.loss_weight)
-                # Every survivor offers the record, on this thread, before its next step; any one
-                # that lands will do (they agree on everything but their own clocks). A `set` is
-                # sent without waiting for a reply (a compare-and-set waited ~2 ms a step for the
-                # store's thread on a loaded host), and it reaches the server before this
-                # replica's next request on the same client: before it counts its next step, so
-                # before the sink can have read step + 2 and deleted this key. Only the leader,
-                # from a background thread, was tried: a leader killed before its offer left, with
-                # every other replica killed in the next step, lost a line (CHANGELOG.md, 0.3.1).
-                if rank == 0:
-                    recent.append((step, json.dumps(rec)))
-                    rep.member.store.set(keys.record_key(step), recent[-1][1])
-                if (cfg.run.ckpt_every and applied % cfg.run.ckpt_every == 0) or last:
-                    with rep.guard():  # every rank: the leader replica's ranks save together
-                        ckpts.save(applied, rep.is_leader, extra(applied))
-            break
-        except BelowMinReplicas as e:
-            log(f"stopping: {e}")
-            # committed steps only: the failed step was never applied
-            saved = ckpts.save_on_exit(applied, rep.is_leader, extra(applied))
-            if rep.is_leader:
-                what = "checkpoint" if saved else "no checkpoint"
-                rep.member.store.set(keys.RUN_STOPPED, f"{e}; {what} at step {applied}")
-            rep.leave()
-            return EXIT_BELOW_MIN
-        except GlooInterfaceError as e:  # a configuration error, not a fault: one line
-            log(f"stopping: {e}")
-            return EXIT_USAGE  # without leave(): the coordinator records the replica as lost
-        except (CoordinatorLost, DistError) as e:  # the store went away with the coordinator
-            why = str(e).splitlines()[0]
-            if applied < end and ft.coordinator_wait_s > 0:
-                log(f"the coordinator is unreachable ({why}); keeping the state of step "
-                    f"{applied} and waiting up to {ft.coordinator_wait_s:g}s for it to restart")
-                try:
-                    back = rep.reconnect(applied, ft.coordinator_wait_s)
-                except CoordinatorLost as refused:
-                    back, why = False, str(refused)
-                if back:
-                    if rep.joined:  # healed: its state is now that of a replica at start_step
-                        log(f"the restarted coordinator resumed the run at step "
-                            f"{rep.start_step}: this replica was at {applied} and received "
-                            f"that state ({rep.transfer_s:.2f}s transfer)")
-                        applied = rep.start_step
-                    else:
-                        log(f"the restarted coordinator resumed the run at step {applied}")
-                    if rank == 0:  # records the new store never saw (the launcher needs them)
-                        for s, r in recent:
-                            if s < applied:
-                                rep.member.store.compare_set(keys.record_key(s), "", r)
-                    continue
-                why = f"no coordinator came back within {ft.coordinator_wait_s:g}s ({why})"
-            log(f"stopping: the coordinator is unreachable ({why})")
-            if ckpts.save_on_exit(applied, rep.is_leader, extra(applied)):  # the last leader
-                log(f"saved a checkpoint at step {applied}")
-            # Every step applied: the coordinator leaving now is the end of the run.
-            return EXIT_OK if applied == end else EXIT_COORDINATOR_LOST
-    if cfg.run.dump_final:
-        _dump_final(run_dir, rm.module, replica, rank, nranks)
-    rep.leave()
-    return EXIT_OK
+            if not self.rep.reconnect(self.applied, wait_s):
+                return False
+        except CoordinatorLost as refused:
+            self.refused = str(refused)
+            return False
+        if self.rep.joined:  # healed: its state is now that of a replica at start_step
+            log.info(f"the restarted coordinator resumed the run at step {self.rep.start_step}: "
+                     f"this replica was at {self.applied} and received that state "
+                     f"({self.rep.transfer_s:.2f}s transfer)")
+            self.applied = self.rep.start_step
+        else:
+            log.info(f"the restarted coordinator resumed the run at step {self.applied}")
+        if self.rank == 0:  # records the new store never saw (the launcher needs them)
+            for s, r in self.recent:
+                if s < self.applied:
+                    self.rep.member.store.compare_set(keys.record_key(s), "", r)
+        return True
+
+    def stop_coordinator_lost(self, e: Exception, end: int) -> int:
+        """No coordinator to go on with: the last leader checkpoints, and every rank stops."""
+        why = self.refused or _first_line(e)
+        wait_s = self.cfg.ft.coordinator_wait_s
+        if self.applied < end and wait_s > 0:  # it waited (rejoin_coordinator) in vain
+            why = f"no coordinator came back within {wait_s:g}s ({why})"
+        log.error(f"stopping: the coordinator is unreachable ({why})")
+        if self.ckpts.save_on_exit(self.applied, self.rep.is_leader, self.extra(self.applied)):
+            log.info(f"saved a checkpoint at step {self.applied}")  # the last leader
+        # Every step applied: the coordinator leaving now is the end of the run.
+        return ExitCode.OK if self.applied == end else ExitCode.COORDINATOR_LOST
+
+    def finish(self) -> None:
+        """Every step trained: dump the final parameters (if asked) and leave cleanly."""
+        if self.cfg.run.dump_final:
+            _dump_final(self.run_dir, self.rm.module, self.replica, self.rank, self.nranks)
+        log.info(f"done: {self.applied} steps applied")
+        self.rep.leave()
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def _strategy(cfg: RunConfig) -> StepStrategy | None:

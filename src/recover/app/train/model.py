@@ -5,8 +5,9 @@ parameters for the same seed and neither reads nor advances the global RNG, so b
 anywhere (a replica joining late, a reference run) never shifts anyone's random draws. The forward
 pass itself uses only the global RNG (through `nn.Dropout` and SDPA's dropout); the trainer makes it
 deterministic by seeding that RNG per microbatch id. This module never imports the distributed
-package: parallel layouts (FSDP2, TP, PP) wrap it from outside, relying on the stable submodule
-names below (`blocks`, `attn.c_attn`, `attn.c_proj`, `mlp.c_fc`, `mlp.c_proj`).
+package: its parallelize plans (FSDP2, TP, PP: `recover.app.train.parallelize`) wrap it from
+outside, relying on the stable submodule names below (`blocks`, `attn.c_attn`, `attn.c_proj`,
+`mlp.c_fc`, `mlp.c_proj`, `wte`, `lm_head`).
 """
 
 from __future__ import annotations

@@ -10,18 +10,27 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import logging
 import os
 import signal
 import sys
 from pathlib import Path
 
+from recover.app import logs
+from recover.errors import ExitCode
+from recover.settings import LaunchEnv
+
+log = logging.getLogger(__name__)
+
 
 def main(argv: list[str] | None = None) -> int:
+    env = LaunchEnv.from_env()
+    logs.setup(env.log_level)
     ap = argparse.ArgumentParser(prog="python -m recover.app.train.worker")
     ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--replica", type=int, default=int(os.environ.get("RECOVER_REPLICA", -1)))
-    ap.add_argument("--coordinator", default=os.environ.get("RECOVER_COORDINATOR"))
-    ap.add_argument("--rank", type=int, default=int(os.environ.get("RANK", 0)),
+    ap.add_argument("--replica", type=int, default=-1 if env.replica is None else env.replica)
+    ap.add_argument("--coordinator", default=env.coordinator)
+    ap.add_argument("--rank", type=int, default=env.rank,
                     help="rank within a multi-rank replica (torchrun: RANK, one torchrun per "
                          "replica)")
     ap.add_argument("--gloo-ifname", default=None, metavar="IF",
@@ -31,9 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.gloo_ifname:
         os.environ["GLOO_SOCKET_IFNAME"] = args.gloo_ifname
     if args.replica < 0 or not args.coordinator:
-        print("recover worker: need --replica/RECOVER_REPLICA and --coordinator/"
-              "RECOVER_COORDINATOR", file=sys.stderr)
-        return 2
+        log.error("recover worker: need --replica/RECOVER_REPLICA and --coordinator/"
+                  "RECOVER_COORDINATOR")
+        return ExitCode.USAGE
     from recover.app.train.loop import run  # after argument checks: importing torch takes seconds
 
     # `kill -USR1 <pid>` prints every thread's stack into the replica's log (a stuck rank).
