@@ -125,8 +125,10 @@ class Trainer:
             except (CoordinatorLost, TimeoutError) as e:  # refused (another run), or none
                 log.error(f"cannot join: {e}")
                 return False
-        store = self.rep.member.store
-        self.faults.coordinator_pid = lambda: int(keys.try_get(store, keys.COORD_PID) or 0)
+        # Read through the current member: after a coordinator restart `reconnect` makes a new
+        # one, and the old member's store client is dead.
+        self.faults.coordinator_pid = lambda: int(
+            keys.try_get(self.rep.member.store, keys.COORD_PID) or 0)
         if self.rep.joined:  # a replacement: it continues from the donor's step, on the trajectory
             self.applied = self.rep.start_step
             log.info(f"joined the running job at step {self.applied} "
