@@ -1,23 +1,23 @@
-"""Shared helpers of the benchmarks: `recover train` runs, CPU clocks, statistics, tables.
+"""Shared helpers of the benchmarks: `recover train` runs with their CPU clocks, statistics, tables.
 
 Every wait here is bounded; every process a benchmark starts is ended in a `finally` by its PID
-(and, for `recover train`, the launcher's own children by theirs), with the library's
-`recover.procs` (the one implementation of ending processes that tests and launcher share).
+(and, for `recover train`, the launcher's own children by theirs): `recover train` runs through
+the test harness's `recover.testing.runs.Launch`, the one way tests and benches run it.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import signal
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from recover.procs import descendants, kill_pids, start, stop
+from recover.procs import descendants
+from recover.testing.runs import Launch, fresh_dir
+
+__all__ = ["BENCH_DIR", "Sampler", "cores", "cpu_seconds", "field", "fresh_dir", "loadavg",
+           "median", "out_dir", "peak_rss", "periods", "recover_train", "say", "table"]
 
 BENCH_DIR = Path(__file__).resolve().parent
 
@@ -36,16 +36,6 @@ def cores() -> int:
 def out_dir(arg: str | None, name: str) -> Path:
     path = Path(arg) if arg else Path(tempfile.mkdtemp(prefix=f"recover-bench-{name}-"))
     path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def fresh_dir(path: Path) -> Path:
-    """An empty folder at `path`, a bench's own (under its --out): the logs a bench reads are
-    appended to and port files are taken as they are found, so a folder reused from an earlier
-    run would feed that run's generations, steps and dead ports into this one's figures."""
-    if path.exists():
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
     return path
 
 
@@ -73,6 +63,19 @@ def peak_rss(pid: int) -> int:
     return 0
 
 
+def process_kind(pid: int) -> str:
+    """What a process of a `recover train` run is, by the log its stdout goes to (forked
+    processes share their fork server's command line): "worker", "coordinator", "other"; "" if
+    it is gone."""
+    try:
+        out = os.readlink(f"/proc/{pid}/fd/1")
+    except OSError:
+        return ""
+    name = Path(out).name
+    return ("worker" if name.startswith("replica") else
+            "coordinator" if name == "coordinator.log" else "other")
+
+
 class Sampler:
     """Samples, every `every_s`, how many steps a run has committed and each process's CPU clock.
 
@@ -93,12 +96,9 @@ class Sampler:
             self._scan = now
             for pid in descendants(self.root):
                 if pid not in self.kinds:
-                    try:
-                        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-                    except OSError:
-                        continue
-                    self.kinds[pid] = ("worker" if b"recover.app.train.worker" in cmd else
-                                       "coordinator" if b"coordinator" in cmd else "other")
+                    kind = process_kind(pid)  # "other" may be a fork not yet redirected: later
+                    if kind in ("worker", "coordinator"):
+                        self.kinds[pid] = kind
         try:
             with open(self.metrics, "rb") as f:
                 f.seek(self._offset)
@@ -130,34 +130,29 @@ class Sampler:
 
 def recover_train(out: Path, preset: str, extra: list[str], timeout_s: float
                   ) -> tuple[list[dict], Sampler]:
-    """Run `recover train` (a real coordinator + replica processes): its step records, CPU."""
-    cmd = [sys.executable, "-m", "recover.app.cli", "train", "--preset", preset, "--out", str(out),
-           *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    """Run `recover train` (a fresh launcher: a real coordinator + replica processes) in a fresh
+    folder: its step records, and the CPU clocks of its processes."""
     fresh_dir(out)  # `recover train` refuses a folder that holds a run (a reused --out)
-    log = out.parent / f"{out.name}.log"
-    log.unlink(missing_ok=True)
-    proc = start(cmd, log, env=env)
-    sampler = Sampler(proc.pid, out / "metrics.jsonl")
-    kids: list[int] = []
+    run = Launch(out, "--preset", preset, *extra, fresh=True,
+                 env=dict(os.environ, OMP_NUM_THREADS="1"))
+    sampler = Sampler(run.pid, out / "metrics.jsonl")
     try:
         deadline = time.monotonic() + timeout_s
-        while proc.poll() is None:
+        while run.running():
             if time.monotonic() > deadline:
-                say(f"  ! recover train exceeded {timeout_s:.0f}s; ending it (log {log})")
+                say(f"  ! recover train exceeded {timeout_s:.0f}s; ending it "
+                    f"(log {run.stderr_path})")
                 break
             sampler.sample()
             time.sleep(sampler.every_s)
     finally:
-        if proc.poll() is None:
-            kids = descendants(proc.pid)
-            stop(proc, grace_s=10.0, sig=signal.SIGINT)  # SIGINT: its finally ends workers
-        kill_pids(kids)
-    if proc.returncode != 0:
-        tail = log.read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"recover train exited {proc.returncode}: {' '.join(cmd)}\n{tail}")
-    with open(out / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f if line.strip()], sampler
+        if run.running():
+            run.end()  # SIGINT: its own cleanup ends its processes; then its descendants
+    result = run.finish(timeout=30)
+    if result.returncode != 0:
+        raise RuntimeError(f"recover train exited {result.returncode}: {' '.join(run.argv)}\n"
+                           f"{result.stderr[-2000:]}")
+    return result.metrics(), sampler
 
 
 def loadavg() -> float:

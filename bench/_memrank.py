@@ -4,9 +4,10 @@ Invariant: the only tensors this process allocates while its profile runs are th
 gradient (the layout's flat buffer, `plain.flat_grad_buffer`, or, under hsdp, the shard gradients
 that `compute` creates, as FSDP2's backward would), this file's checks, and what recover itself
 allocates. There is no forward pass, so no activation: every other byte on the training thread
-is recover's ("protocol"). Each element of every gradient is (id mod N) + 1 per microbatch, so
-the reduced step gradient is exactly N(N+1)/2 everywhere, whoever computed which id; every step
-is checked against that. Faults hit a replica's last rank right after it issued its reduce:
+is recover's ("protocol"). Each microbatch id adds the integer-gradient oracle's weight to every
+element of every gradient (`recover.testing.oracle`, in place: no allocation), so the reduced
+step gradient is exactly `oracle.expected(step, N)` everywhere, whoever computed which id; every
+step is checked against that. Faults hit a replica's last rank right after it issued its reduce:
 `--kill STEP:REPLICA` SIGKILLs it (a crash mid-reduce: its sockets close), `--hang STEP:REPLICA`
 SIGSTOPs it (a hang: its sockets stay open, so the survivors' operation stays in flight until
 they abandon it when the coordinator declares the replica lost).
@@ -19,10 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -31,6 +32,10 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from _alloc import Window, ledger, window
+from recover.procs import exit_after
+from recover.testing import oracle
+
+log = logging.getLogger("bench.memrank")
 
 # The model's own gradient, allocated by recover on the layout's behalf (plain: every .grad is a
 # view of one flat buffer) or by this file's compute (hsdp): never counted as recover's extra.
@@ -38,8 +43,8 @@ MODEL_SITES = ("flat_grad_buffer",)
 
 
 def owner_of(site: str) -> str:
-    if site.startswith("bench/_memrank.py"):
-        return "model"  # the compute's gradients and this file's checks
+    if site.startswith(("bench/_memrank.py", "recover/testing/")):
+        return "model"  # the compute's gradients (the oracle's) and this file's checks
     if any(f" {fn}" in site for fn in MODEL_SITES):
         return "model"
     return "protocol" if site.startswith("recover/") else "other"
@@ -86,6 +91,8 @@ def main() -> int:
     ap.add_argument("--timeout-s", type=float, default=60.0)
     ap.add_argument("--result", required=True)
     a = ap.parse_args()
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     n, host, port = a.microbatches, *a.coordinator.rsplit(":", 1)
     mesh = None
@@ -112,18 +119,17 @@ def main() -> int:
 
     def hook(phase: str, step: int, j: int) -> None:
         if phase == "reduce" and step in faults:
-            print(f"replica {a.replica} rank {a.rank}: {faults[step].name} mid-reduce of step "
-                  f"{step}", file=sys.stderr, flush=True)
+            log.warning("replica %d rank %d: %s mid-reduce of step %d", a.replica, a.rank,
+                        faults[step].name, step)
             os.kill(os.getpid(), faults.pop(step))
 
     def compute(mb_id: int, j: int) -> float:
-        v = float(mb_id % n + 1)
         with torch.no_grad():
             for p in params:
                 if p.grad is None:  # hsdp: the layout frees its gradients between steps
                     p.grad = torch.zeros_like(p)
-                local_tensor(p.grad).add_(v)
-        return v
+                oracle.add(local_tensor(p.grad), mb_id)
+        return oracle.loss(mb_id)
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True)
     prof.start()
@@ -133,8 +139,8 @@ def main() -> int:
                                numerics=Numerics(exact=a.exact))
         rep = Replica(model, n, mesh=mesh, config=config, hooks=Hooks(at_phase=hook))
     steps, hwm_ok = [], True
-    want = n * (n + 1) / 2
     for t in range(a.steps):
+        want = oracle.expected(t, n)
         rss0 = rss_kb("VmRSS")
         hwm_ok = reset_hwm() and hwm_ok
         t0 = time.monotonic()
@@ -145,8 +151,8 @@ def main() -> int:
         lo = min(float(local_tensor(p.grad).min()) for p in params)
         hi = max(float(local_tensor(p.grad).max()) for p in params)
         if not lo == hi == want or res.microbatches != n:
-            print(f"step {t}: gradient in [{lo}, {hi}], {res.microbatches} microbatches; "
-                  f"expected {want} everywhere and {n}", file=sys.stderr, flush=True)
+            log.error("step %d: gradient in [%s, %s], %d microbatches; expected %s everywhere "
+                      "and %d", t, lo, hi, res.microbatches, want, n)
             return 1
         steps.append({"step": t, "attempts": res.attempts, "generation": res.generation,
                       "members": res.members, "recovered": res.recovered, "wall_s": wall,
@@ -172,8 +178,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # No interpreter teardown of gloo groups a dead peer left (docs/MEASUREMENTS.md, "gloo on CPU").
-    os._exit(code)
+    exit_after(main)

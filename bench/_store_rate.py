@@ -2,7 +2,8 @@
 
 Invariant: the figure is the server process's CPU time (every thread, /proc) over a run in which
 its only work is the requests counted, divided by their number; the clients are separate
-processes, forked, ended by PID in a `finally`, and every wait is bounded.
+processes, forked (`recover.testing.scale.Children`), ended by PID in a `finally`, and every wait
+is bounded.
 
 Why: failure-free, every rank sends the one store server its step's requests (the count and the
 decision wait) at about the same moment, so the server handles them one after another. Its cost
@@ -18,8 +19,8 @@ import os
 import time
 from pathlib import Path
 
-from _common import fresh_dir
-from _scale_procs import Children, cpu_s, fork_call, wait_for
+from _common import cpu_seconds, fresh_dir
+from recover.testing.scale import Children, wait_for
 
 
 def _serve(port_file: Path) -> int:
@@ -53,21 +54,21 @@ def request_cpu_s(d: Path, clients: int = 8, pairs: int = 1500) -> float:
     kids = Children()
     port_file, done = d / "store.port", d / "client.done"
     try:
-        kids.pid["server"] = fork_call(_serve, port_file, d / "store.log")
+        kids.call("server", _serve, port_file, d / "store.log")
         wait_for(port_file.exists, 60, "the store server's port")
         port = int(port_file.read_text())
         for c in range(clients):
-            kids.pid[c] = fork_call(_client, (port, c, pairs, done), d / f"client{c}.log")
+            kids.call(c, _client, (port, c, pairs, done), d / f"client{c}.log")
         import torch.distributed as dist
 
         ctl = dist.TCPStore("127.0.0.1", port, is_master=False,
                             timeout=datetime.timedelta(seconds=60))
         ctl.wait([f"ready/{c}" for c in range(clients)])
-        c0 = cpu_s(kids.pid["server"])
+        c0 = cpu_seconds(kids.pid["server"])
         ctl.set("go", "1")
         wait_for(lambda: all(done.with_suffix(f".{c}").exists() for c in range(clients)), 120,
                  "the store clients")
-        c1 = cpu_s(kids.pid["server"])
+        c1 = cpu_seconds(kids.pid["server"])
     finally:
         kids.stop(list(kids.pid))
     for c in range(clients):

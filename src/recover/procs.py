@@ -52,7 +52,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -205,10 +205,10 @@ def forkserver_available() -> bool:
 
 @dataclass(frozen=True)
 class Request:
-    """One process to fork: `entry(argv)` with these files, environment and directory."""
+    """One process to fork: `entry(arg)` with these files, environment and directory."""
 
     entry: str  # "module:function" (function defaults to main)
-    argv: tuple[str, ...]
+    arg: Any  # an entry point's argv (a list of str), or what `Spawner.call` passes
     stdout: str
     stderr: str
     env: dict[str, str]
@@ -284,7 +284,7 @@ class Spawner:
         """Start `entry` ("module:function") with `argv`, output appended to `stdout` (and
         `stderr`, default: the same file). Raises RuntimeError if the entry cannot be resolved."""
         if self.warm().fork:
-            proc: Process = self._fork(Request(entry, tuple(argv), str(stdout),
+            proc: Process = self._fork(Request(entry, list(argv), str(stdout),
                                                str(stderr or stdout),
                                                dict(os.environ if env is None else env),
                                                str(cwd or os.getcwd()), new_session))
@@ -292,6 +292,19 @@ class Spawner:
             proc = start([sys.executable, "-m", entry.partition(":")[0], *argv],
                          Path(stdout), None if stderr is None else Path(stderr),
                          env=env, cwd=cwd, new_session=new_session)
+        self.children.append(proc)
+        return proc
+
+    def call(self, func: Callable[[Any], Any], arg: Any, stdout: str | Path,
+             stderr: str | Path | None = None, *, env: Mapping[str, str] | None = None) -> Process:
+        """Fork a process that runs `func(arg)` (a module-level function; `arg` is pickled), its
+        output appended to `stdout` (and `stderr`). Forked only: RuntimeError without a fork
+        server."""
+        if not self.warm().fork:
+            raise RuntimeError("Spawner.call needs a fork server (Linux, RECOVER_FORKSERVER != 0)")
+        proc = self._fork(Request(f"{func.__module__}:{func.__qualname__}", arg, str(stdout),
+                                  str(stderr or stdout), dict(os.environ if env is None else env),
+                                  os.getcwd()))
         self.children.append(proc)
         return proc
 
@@ -335,7 +348,7 @@ class Spawner:
         finally:
             ours.close()
             theirs.close()
-        handle = Forked(proc, pidfd, [req.entry, *req.argv])
+        handle = Forked(proc, pidfd, [req.entry])
         if error:
             handle.wait(KILL_WAIT_S)
             raise RuntimeError(f"could not start {req.entry}: {error}")
@@ -377,44 +390,57 @@ def _read_ack(sock: socket.socket) -> tuple[int, str]:
 
 
 # -- in the forked child ---------------------------------------------------------------------------
-def run_request(req: Request, ack: socket.socket) -> None:
+def run_request(req: Request, ack: socket.socket) -> NoReturn:
     """Become the requested process (runs in the fork server's child); never returns."""
+    exit_after(lambda: _become(req, ack))
+
+
+def exit_after(main: Callable[[], object]) -> NoReturn:
+    """Run `main()`, then end this process with the status `sys.exit(main())` would give (an
+    exception: its traceback, status 1), stdout and stderr flushed, without interpreter teardown:
+    destroying a gloo group that a dead peer left mid-operation can block or abort the process
+    (docs/MEASUREMENTS.md, "gloo on CPU"), and an aborted NCCL communicator must not be destroyed
+    at all."""
     code = 1
     try:
-        server = os.getppid()
-        if req.new_session:
-            os.setsid()
-        with contextlib.suppress(Exception):
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != server:  # the server died before prctl took effect
-            os._exit(1)
-        _reset_signals()
-        _redirect(req.stdout, req.stderr)
-        os.environ.clear()
-        os.environ.update(req.env)
-        os.chdir(req.cwd)
-        try:
-            func = _resolve(req.entry)
-        except Exception as e:
-            ack.sendall(b"E" + f"{type(e).__name__}: {e}".encode())
-            raise
-        pidfd = os.pidfd_open(os.getpid())
-        socket.send_fds(ack, [b"K"], [pidfd])
-        os.close(pidfd)
-        ack.close()
-        _close_inherited()
-        sys.argv = [req.entry, *req.argv]
-        code = _exit_code(func(list(req.argv)))
+        code = _exit_code(main())
     except SystemExit as e:
         code = _exit_code(e.code)
     except BaseException:
         traceback.print_exc()
-        code = 1
     finally:
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
+
+
+def _become(req: Request, ack: socket.socket) -> object:
+    """Set this forked child up as `req` asks, tell the spawner (its pidfd), run the entry."""
+    server = os.getppid()
+    if req.new_session:
+        os.setsid()
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != server:  # the server died before prctl took effect
+        return 1
+    _reset_signals()
+    _redirect(req.stdout, req.stderr)
+    os.environ.clear()
+    os.environ.update(req.env)
+    os.chdir(req.cwd)
+    try:
+        func = _resolve(req.entry)
+    except Exception as e:
+        ack.sendall(b"E" + f"{type(e).__name__}: {e}".encode())
+        raise
+    pidfd = os.pidfd_open(os.getpid())
+    socket.send_fds(ack, [b"K"], [pidfd])
+    os.close(pidfd)
+    ack.close()
+    _close_inherited()
+    sys.argv = [req.entry, *req.arg] if isinstance(req.arg, list) else [req.entry]
+    return func(req.arg)
 
 
 def _reset_signals() -> None:

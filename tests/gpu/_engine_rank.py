@@ -1,10 +1,11 @@
 """One replica process of `test_cuda.py`: `StepEngine` steps on a flat gradient on --device.
 
-Invariant: every microbatch id i adds (i mod N) + 1 to every element of the replica's gradient,
-so a committed step's reduced gradient is exactly N(N+1)/2 everywhere (in fp32 and in bf16: the
-integers involved are exact in both), whoever computed which id. The process records, per step,
-the reduced gradient's min/max, its device and dtype, the verified microbatch count and the
-recovery facts, as JSON in --result; replica --kill's process SIGKILLs itself right after
+Invariant: every microbatch id i adds the integer-gradient oracle's weight(i) to every element
+of the replica's gradient (`recover.testing.oracle`), so a committed step's reduced gradient is
+exactly `oracle.expected(step, N)` everywhere (in fp32 and in bf16: for the 4 steps of 8 ids run
+here every sum stays below 256, exact in both), whoever computed which id. The process records,
+per step, the reduced gradient's min/max, its device and dtype, the verified microbatch count
+and the recovery facts, as JSON in --result; replica --kill's process SIGKILLs itself right after
 issuing its reduce of step --kill-step (a crash mid-reduce).
 
     python tests/gpu/_engine_rank.py --coordinator H:P --replica r --device cuda --result f.json
@@ -16,14 +17,14 @@ import argparse
 import json
 import os
 import signal
-import sys
 from pathlib import Path
 
 import torch
 
-from recover.collectives import Member, connect
-from recover.recovery import StepEngine
-from recover.settings import FaultTolerance
+from recover.parallel.rank import connect_rank, new_member
+from recover.procs import exit_after
+from recover.settings import FaultTolerance, Hooks, LaunchEnv, ReplicaConfig
+from recover.testing import oracle
 
 
 def main() -> int:
@@ -42,21 +43,22 @@ def main() -> int:
     torch.set_num_threads(1)
     n = a.microbatches
     device = torch.device(a.device, 0) if a.device == "cuda" else torch.device(a.device)
-    host, port = a.coordinator.rsplit(":", 1)
-    member = Member(host, int(port), a.replica, ft=FaultTolerance(join_timeout_s=60.0))
-    # gloo, on device tensors
-    comm = connect(member, FaultTolerance(reduce_timeout_s=30.0), device=device)
     flat = torch.zeros(a.numel, dtype=getattr(torch, a.dtype), device=device)
+    config = ReplicaConfig(coordinator=a.coordinator, replica=a.replica, launch=LaunchEnv(),
+                           ft=FaultTolerance(join_timeout_s=60.0, reduce_timeout_s=30.0,
+                                             speed_aware=False))
 
     def hook(phase: str, step: int, j: int) -> None:
         if a.replica == a.kill and phase == "reduce" and step == a.kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def compute(mb_id: int, j: int) -> float:
-        flat.add_(mb_id % n + 1)
-        return float(mb_id % n + 1)
+        oracle.add(flat, mb_id)
+        return oracle.loss(mb_id)
 
-    engine = StepEngine(member, comm, flat, n, timeout_s=30.0, hook=hook, speed_aware=False)
+    # gloo, on device tensors
+    stack = connect_rank(new_member(config), flat, n, config, hooks=Hooks(at_phase=hook))
+    member, engine = stack.member, stack.engine
     steps = []
     for t in range(a.steps):
         flat.zero_()
@@ -72,9 +74,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # No teardown of a gloo group a dead peer left mid-operation (docs/MEASUREMENTS.md,
-    # "gloo on CPU").
-    os._exit(code)
+    exit_after(main)

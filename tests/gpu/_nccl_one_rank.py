@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 
 import torch
 
 from recover.collectives import Member, connect
+from recover.procs import exit_after
 from recover.settings import FaultTolerance, Numerics
 
 
@@ -73,7 +72,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # an aborted NCCL communicator must not be destroyed at interpreter exit
+    exit_after(main)  # an aborted NCCL communicator must not be destroyed at interpreter exit

@@ -78,6 +78,8 @@ class Launch:
         self.out, self.argv = out, argv
         self.stdout_path = out.parent / f"{out.name}.launcher.out"
         self.stderr_path = out.parent / f"{out.name}.launcher.err"
+        for path in (self.stdout_path, self.stderr_path):  # an earlier launch's, if any
+            path.unlink(missing_ok=True)
         if fresh:
             self.proc: Process = procs.start([sys.executable, "-m", "recover", *argv],
                                              self.stdout_path, self.stderr_path, env=env)
