@@ -18,8 +18,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import os
-import sys
 import time
 from pathlib import Path
 
@@ -31,6 +29,7 @@ from recover.app.config import RunConfig
 from recover.app.train.data import load_data, microbatch
 from recover.app.train.model import build_model
 from recover.app.train.optim import build_optimizer, lr_at, set_lr
+from recover.procs import exit_after
 from recover.workload import plan
 
 KEYS = ("end", "step_s", "accum_s", "last_s", "opt_s", "cpu", "cpu_accum", "cpu_last", "cpu_opt")
@@ -105,6 +104,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    os._exit(code)
+    exit_after(main)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import sys
 import time
@@ -32,7 +33,9 @@ import torch.distributed as dist
 
 from _common import BENCH_DIR, cpu_seconds
 from _ddp import DDPTrainer
-from recover.procs import start, stop, stop_all
+from recover.procs import exit_after, start, stop, stop_all
+
+log = logging.getLogger("bench.profile")
 
 STORE_OPS = {"get", "set", "check", "add", "compare_set", "wait", "multi_get", "multi_set",
              "delete_key"}
@@ -239,8 +242,7 @@ def worker_main() -> int:
     hooks = {"steps": bool(prof.steps), "store": prof.store_clients > 0}
     for name, took in hooks.items():
         if not took:  # the library changed under the profiler: say so, never report zeros
-            print(f"bench profile: the {name} hook did not take (see bench/_profile.py)",
-                  file=sys.stderr)
+            log.error("bench profile: the %s hook did not take (see bench/_profile.py)", name)
     d = run_dir / "prof"
     d.mkdir(exist_ok=True)
     ddp = ({**inter.trainer.rec, "first": inter.first}
@@ -251,7 +253,4 @@ def worker_main() -> int:
 
 
 if __name__ == "__main__":
-    code = worker_main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_after(worker_main)

@@ -11,7 +11,6 @@ collective or recovery code is involved: replica r computes ids r*N/R .. (r+1)*N
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from recover.app.config import RunConfig
 from recover.app.train.data import load_data, microbatch
 from recover.app.train.model import build_model
 from recover.app.train.optim import build_optimizer, lr_at, set_lr
+from recover.procs import exit_after
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,6 +65,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    main()
-    sys.stdout.flush()
-    os._exit(0)
+    exit_after(main)
