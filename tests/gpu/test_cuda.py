@@ -10,7 +10,7 @@
   failure-free reference (docs/DESIGN.md, "The invariant and its tolerances"); `--exact` on CUDA is
   bitwise its reference.
 
-Every process is started by tests/_procs.py and ended by its PID.
+Every process is started by recover.testing.processes and ended by its PID.
 """
 
 from __future__ import annotations

@@ -190,12 +190,11 @@ class _Launch:
         cfg, out = self.cfg, self.out
         port_file = out / "coordinator.port"
         port_file.unlink(missing_ok=True)
-        coord = CoordinatorConfig(
-            replicas=cfg.layout.replicas, host=self.host, port=port, port_file=str(port_file),
-            stale_s=cfg.ft.stale_s, join_timeout_s=cfg.ft.join_timeout_s,
-            store_shards=cfg.ft.store_shards, log_path=str(out / "coordinator.jsonl"),
-            token_file=str(out / "run.token"), fingerprint=fingerprint(cfg), recover=recover,
-            liveness_port=0 if recover else None)
+        coord = CoordinatorConfig.from_fault_tolerance(
+            cfg.ft.to_library(), cfg.layout.replicas, host=self.host, port=port,
+            port_file=str(port_file), store_shards=cfg.ft.store_shards,
+            log_path=str(out / "coordinator.jsonl"), token_file=str(out / "run.token"),
+            fingerprint=fingerprint(cfg), recover=recover, liveness_port=0 if recover else None)
         proc = self.coord = self.spawner.start("recover.collectives.coordinator:main",
                                                coord.to_argv(), out / "logs" / "coordinator.log")
         deadline = time.monotonic() + 60
