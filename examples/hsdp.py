@@ -15,6 +15,8 @@ other replica finishes the run with the same losses, recomputing the lost microb
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -25,6 +27,7 @@ from torch.distributed.fsdp import fully_shard
 from recover.parallel import Replica
 from recover.parallel.hsdp import local_rows
 
+log = logging.getLogger("example")
 N, B, STEPS = 8, 8, 30  # microbatches per step, sequences per microbatch, steps
 
 
@@ -36,6 +39,9 @@ def batch(mb_id: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def main() -> None:
+    # recover's own lines (joins, recoveries, fencing) come through the same handler.
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")  # this replica's ranks only (one torchrun per replica)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("shard",))
@@ -61,8 +67,8 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
         if dist.get_rank() == 0:
-            print(f"replica {rep.replica} step {step} loss {res.loss:.6f} "
-                  f"live replicas {res.members}", flush=True)
+            log.info(f"replica {rep.replica} step {step} loss {res.loss:.6f} "
+                     f"live replicas {res.members}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ carries the 1/(CHUNKS * N) instead. Only the last stage sees the loss; `Replica`
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -26,6 +28,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 from recover.parallel import Replica
 
+log = logging.getLogger("example")
 N, B, STEPS, CHUNKS = 8, 8, 30, 2
 
 
@@ -36,6 +39,9 @@ def batch(mb_id: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def main() -> None:
+    # recover's own lines (joins, recoveries, fencing) come through the same handler.
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")  # this replica's ranks only (one torchrun per replica)
     stages, me = dist.get_world_size(), dist.get_rank()
@@ -63,8 +69,8 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
         if me == 0:
-            print(f"replica {rep.replica} step {step} loss {res.loss:.6f} "
-                  f"live replicas {res.members}", flush=True)
+            log.info(f"replica {rep.replica} step {step} loss {res.loss:.6f} "
+                     f"live replicas {res.members}")
 
 
 if __name__ == "__main__":

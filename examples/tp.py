@@ -15,6 +15,8 @@ same-ranked TP shard of every other replica, and counts replicated parameters on
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -24,6 +26,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from recover.parallel import Replica
 
+log = logging.getLogger("example")
 N, B, STEPS = 8, 8, 30
 
 
@@ -44,6 +47,9 @@ class MLP(nn.Module):
 
 
 def main() -> None:
+    # recover's own lines (joins, recoveries, fencing) come through the same handler.
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")  # this replica's ranks only (one torchrun per replica)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
@@ -64,8 +70,8 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
         if dist.get_rank() == 0:
-            print(f"replica {rep.replica} step {step} loss {res.loss:.6f} "
-                  f"live replicas {res.members}", flush=True)
+            log.info(f"replica {rep.replica} step {step} loss {res.loss:.6f} "
+                     f"live replicas {res.members}")
 
 
 if __name__ == "__main__":
