@@ -235,6 +235,7 @@ class Forked:
                     if self._pidfd >= 0:
                         os.close(self._pidfd)
                         self._pidfd = -1
+                    self._proc.close()  # its status pipe: a long run forks thousands
             return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -243,7 +244,8 @@ class Forked:
             left = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
             if left <= 0:
                 raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-            multiprocessing.connection.wait([self._proc.sentinel], left)  # readable: exited
+            with contextlib.suppress(ValueError):  # closed by a poll in another thread
+                multiprocessing.connection.wait([self._proc.sentinel], left)  # readable: exited
         return self.returncode  # type: ignore[return-value]
 
     def send_signal(self, sig: int) -> None:
@@ -292,7 +294,7 @@ class Spawner:
             proc = start([sys.executable, "-m", entry.partition(":")[0], *argv],
                          Path(stdout), None if stderr is None else Path(stderr),
                          env=env, cwd=cwd, new_session=new_session)
-        self.children.append(proc)
+        self._keep(proc)
         return proc
 
     def call(self, func: Callable[[Any], Any], arg: Any, stdout: str | Path,
@@ -305,8 +307,13 @@ class Spawner:
         proc = self._fork(Request(f"{func.__module__}:{func.__qualname__}", arg, str(stdout),
                                   str(stderr or stdout), dict(os.environ if env is None else env),
                                   os.getcwd()))
-        self.children.append(proc)
+        self._keep(proc)
         return proc
+
+    def _keep(self, proc: Process) -> None:
+        """Remember `proc` (to end it on `close`), forgetting those that exited."""
+        self.children = [p for p in self.children if p.poll() is None]
+        self.children.append(proc)
 
     def warm(self) -> Spawner:
         """Start the fork server now: it imports `preload` while the caller goes on (the first
