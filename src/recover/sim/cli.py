@@ -126,10 +126,45 @@ def _run(argv: list[str]) -> int:
     flags = {k: v for k, v in a.items() if k in FLAGS}
     if a.get("scenario") == "scale":
         return run_scale_cli(a, flags)
+    scenario = a.get("scenario") == "paper"
+    base, spec, calib = _checked_inputs(a, flags, scenario)
+    seeds = spec.seeds if scenario else int(a.get("seeds", 1))
+
+    def build(seed: int, over: dict[str, Any] | None = None) -> SimParams:
+        over = dict(over or {})
+        every = over.pop("fault_every_min", spec.fault_every_min)
+        p = replace(base, **over)
+        if scenario:
+            return scenario_params(p, replace(spec, fault_every_min=every), seed)
+        return replace(p, seed=base.seed + seed)
+
+    gh = PAPER_GPU_HOURS
+    pr = pooled(lambda s: build(s), seeds, gh, POLICIES)
+    p0 = pr.first_params or base
+    _print_run(pr, p0, spec if scenario else None, seeds, calib)
+    if a.get("sensitivity"):
+        print()
+        every = spec.fault_every_min if scenario else None
+        for line in sensitivity_rows(build, seeds, gh, every):
+            print(line)
+        if scenario:
+            for line in paper_thresholds(build, seeds, gh, spec.fault_every_min, p0.restart_cost_s):
+                print(line)
+    out = a.get("out")
+    png = a.get("plot") or (str(Path(out) / "tokens_vs_gpu_hours.png") if out else None)
+    for line in write_outputs(pr.first, png, out, gh, pr.ratio, pr.extra_pct, p0):
+        print(line)
+    print(f"throughput_ratio={fmt(pr.ratio, 3).replace(',', '')}")
+    print(f"extra_tokens_pct_at_234_gpu_hours={fmt(pr.extra_pct, 1).replace(',', '')}")
+    return 0
+
+
+def _checked_inputs(a: dict[str, Any], flags: dict[str, Any],
+                    scenario: bool) -> tuple[SimParams, ScenarioSpec, dict[str, Any] | None]:
+    """The run's parameters, scenario and calibration from the parsed flags, checked."""
     for key in SCALE_ONLY:
         if a.get(key, False) is not False:  # store_true options are always present
             raise ConfigError(f"--{key.replace('_', '-')} needs --scenario scale")
-    scenario = a.get("scenario") == "paper"
     base = paper_base() if scenario else SimParams()
     calib = load_calibration(a["calibrate"]) if "calibrate" in a else None
     if calib is not None:
@@ -160,22 +195,16 @@ def _run(argv: list[str]) -> int:
         raise ConfigError("seeds must be within 1..1000")
     if scenario and spec.lost_gpus // base.gpus_per_replica >= base.replicas:
         raise ConfigError("lost-gpus must leave at least one replica")
-    seeds = spec.seeds if scenario else int(a.get("seeds", 1))
+    return base, spec, calib
 
-    def build(seed: int, over: dict[str, Any] | None = None) -> SimParams:
-        over = dict(over or {})
-        every = over.pop("fault_every_min", spec.fault_every_min)
-        p = replace(base, **over)
-        if scenario:
-            return scenario_params(p, replace(spec, fault_every_min=every), seed)
-        return replace(p, seed=base.seed + seed)
 
+def _print_run(pr: Any, p0: SimParams, spec: ScenarioSpec | None, seeds: int,
+               calib: dict[str, Any] | None) -> None:
+    """The run's header, assumptions, table and per-seed spread (CLI output)."""
     gh = PAPER_GPU_HOURS
-    pr = pooled(lambda s: build(s), seeds, gh, POLICIES)
-    res, p0 = pr.first, pr.first_params or base
-    sched = build_schedule(p0)
+    res, sched = pr.first, build_schedule(p0)
     print("recover simulate: recover vs ckpt-restart vs shrink-batch on one failure sequence")
-    if scenario:
+    if spec is not None:
         print(
             f"scenario: paper (ReCoVer, arXiv 2605.11215): {p0.gpus} GPUs, {spec.lost_gpus} "
             f"lost over the run, a loss every {fmt(spec.fault_every_min, 1)} min on average "
@@ -196,7 +225,7 @@ def _run(argv: list[str]) -> int:
     print()
     for line in table(res) + throughput_lines(res):
         print(line)
-    if calib is not None and not scenario:
+    if calib is not None and spec is None:
         print()
         print(f"{'validation':<13}{'predicted s':>13}{'measured s':>13}{'error':>9}")
         for name, pred, meas, err in validation_rows(calib):
@@ -208,18 +237,3 @@ def _run(argv: list[str]) -> int:
             print(
                 f"per-seed {what}: min {fmt(v[0])}, median {fmt(v[len(v) // 2])}, max {fmt(v[-1])}"
             )
-    if a.get("sensitivity"):
-        print()
-        every = spec.fault_every_min if scenario else None
-        for line in sensitivity_rows(build, seeds, gh, every):
-            print(line)
-        if scenario:
-            for line in paper_thresholds(build, seeds, gh, spec.fault_every_min, p0.restart_cost_s):
-                print(line)
-    out = a.get("out")
-    png = a.get("plot") or (str(Path(out) / "tokens_vs_gpu_hours.png") if out else None)
-    for line in write_outputs(res, png, out, gh, pr.ratio, pr.extra_pct, p0):
-        print(line)
-    print(f"throughput_ratio={fmt(pr.ratio, 3).replace(',', '')}")
-    print(f"extra_tokens_pct_at_234_gpu_hours={fmt(pr.extra_pct, 1).replace(',', '')}")
-    return 0

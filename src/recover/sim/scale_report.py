@@ -108,7 +108,6 @@ def assumption_lines(base: SimParams, spec: ScaleSpec) -> list[str]:
     (g0, s0, src0), (g1, s1, src1) = RESTART_ANCHORS
     seeds = f"seeds 0..{spec.seeds - 1} pooled" if spec.seeds > 1 else "seed 0"
     mttf = base.per_gpu_mttf_h
-    given = sorted(spec.given)
     lines = [
         "recover simulate: scenario scale: effective training time ratio (ETTR) of recover, "
         "ckpt-restart and shrink-batch by job size",
@@ -136,6 +135,15 @@ def assumption_lines(base: SimParams, spec: ScaleSpec) -> list[str]:
         f"(detection included), through {s0:.0f} s at {g0:,} GPUs ({src0}) and {s1:.0f} s at "
         f"{g1:,} GPUs ({src1}); checkpoint {fmt(base.ckpt_cost_s, 0)} s at any size, "
         "Young-Daly interval; work since the last checkpoint rolled back",
+    ]
+    return lines + recover_lines(base, spec, fits)
+
+
+def recover_lines(base: SimParams, spec: ScaleSpec, fits: dict) -> list[str]:
+    """How recover's pauses and control plane are charged, from the measured scale curve."""
+    assert spec.curve is not None
+    given = sorted(spec.given)
+    lines = [
         f"  recover: scale curve {spec.curve.path}",
         f"    source: {spec.curve.source}",
         f"    measured at ranks {spec.curve.ranks}, rebuilt groups of "
