@@ -17,6 +17,7 @@ If R exceeds the CPU cores, losing a replica frees a core for the others rather 
 compute, so the ideal becomes min(R, cores) / min(R-k, cores); the default R is min(4, cores).
 Integer quotas also bound it: ceil(N/(R-k)) / (N/(R-k)) for equal-speed replicas.
 
+    python bench/degraded.py --smoke      # debug preset, R=2, 12 steps: a few seconds (CI)
     python bench/degraded.py --quick      # debug preset, < 2 min
     python bench/degraded.py              # small preset, with a failure-free baseline run
 """
@@ -24,24 +25,31 @@ Integer quotas also bound it: ceil(N/(R-k)) / (N/(R-k)) for equal-speed replicas
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 
 from _common import cores, field, loadavg, median, out_dir, periods, recover_train, say, table
 from recover.app.config import preset
 
+log = logging.getLogger("bench.degraded")
+
 
 def main() -> int:
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="debug preset, one run (< 2 min)")
+    ap.add_argument("--smoke", action="store_true", help="debug preset, R=2, 12 steps, one "
+                    "timed step on each side of the loss (a few seconds; CI runs it)")
     ap.add_argument("--out", help="folder for the runs (default: a new temp dir)")
     ap.add_argument("--preset", help="default small (debug with --quick)")
     ap.add_argument("--replicas", type=int, help="R (default min(4, CPU cores))")
     ap.add_argument("--lose", type=int, default=1, help="k: replicas killed at step F")
-    ap.add_argument("--steps", type=int, help="default 40 quick, 80 full")
-    ap.add_argument("--fault-step", type=int, help="F (default steps // 3)")
-    ap.add_argument("--warmup", type=int, default=3, help="leading steps not timed")
-    ap.add_argument("--settle", type=int, default=3, help="steps after F+1 not timed")
+    ap.add_argument("--steps", type=int, help="default 40 quick, 80 full, 12 smoke")
+    ap.add_argument("--fault-step", type=int, help="F (default steps // 3; 5 with --smoke)")
+    ap.add_argument("--warmup", type=int, help="leading steps not timed (default 3; 1 smoke)")
+    ap.add_argument("--settle", type=int, help="steps after F+1 not timed (default 3; 1 smoke)")
     ap.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=None,
                     help="also time a failure-free run (default: on, off with --quick)")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="limit per run")
@@ -50,12 +58,15 @@ def main() -> int:
                          "liveness socket regardless; 1.0 s gave false alarms under heavy load)")
     a = ap.parse_args()
     ncores = cores()
-    name = a.preset or ("debug" if a.quick else "small")
-    reps = a.replicas or min(4, ncores)
+    quick = a.quick or a.smoke
+    name = a.preset or ("debug" if quick else "small")
+    reps = a.replicas or (2 if a.smoke else min(4, ncores))
     k = a.lose
-    steps = a.steps or (40 if a.quick else 80)
-    f = a.fault_step if a.fault_step is not None else steps // 3
-    baseline = (not a.quick) if a.baseline is None else a.baseline
+    steps = a.steps or (12 if a.smoke else 40 if a.quick else 80)
+    f = a.fault_step if a.fault_step is not None else (5 if a.smoke else steps // 3)
+    a.warmup = a.warmup if a.warmup is not None else (1 if a.smoke else 3)
+    a.settle = a.settle if a.settle is not None else (1 if a.smoke else 3)
+    baseline = (not quick) if a.baseline is None else a.baseline
     if not 0 < k < reps or not a.warmup + 2 <= f < steps - a.settle - 3:
         raise SystemExit("need 0 < lose < replicas and warmup + 2 <= fault-step < steps - settle"
                          " - 3")
@@ -85,7 +96,7 @@ def main() -> int:
     for tag, args in runs:
         load0 = loadavg()
         out[tag] = recover_train(root / tag, name, args, a.timeout_s)
-        say(f"  {tag} run done (load average {load0:.1f} -> {loadavg():.1f})")
+        log.info("%s run done (load average %.1f -> %.1f)", tag, load0, loadavg())
     recs, smp = out["fault"]
     lo_after = f + 1 + a.settle
 
@@ -112,7 +123,8 @@ def main() -> int:
         f"{len(rec_f.get('recovered', []))} microbatch(es) in {rec_f.get('recovery_s', 0):.2f}s "
         f"(attempts {rec_f.get('attempts')})")
     if recs[-1]["live_replicas"] != reps - k:
-        say(f"! expected {reps - k} live replicas at the end, saw {recs[-1]['live_replicas']}")
+        log.warning("expected %d live replicas at the end, saw %s", reps - k,
+                    recs[-1]["live_replicas"])
     for label, t in ref:
         say(f"  vs {label}: after/before = {median(after) / t:.3f} (ideal {ideal:.3f}) -> "
             f"efficiency {median(after) / (ideal * t):.3f}")

@@ -12,6 +12,7 @@ Where exact mode's extra bytes come from, allocation by allocation: `bench/memor
 Last lines: `exact_step_time_ratio_<preset>=` for each, then `exact_step_time_ratio=<max>`
 (goal <= 1.15).
 
+    python bench/exact_cost.py --smoke     # debug only, R=2, one A and one B run of 8 steps (CI)
     python bench/exact_cost.py --quick     # R=2, one ABBA round, < 4 min on 2 cores
     python bench/exact_cost.py             # R=min(4, cores), two ABBA rounds, more steps
 """
@@ -19,12 +20,14 @@ Last lines: `exact_step_time_ratio_<preset>=` for each, then `exact_step_time_ra
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from pathlib import Path
 
 from _common import cores, loadavg, median, out_dir, periods, recover_train, say, table
 
+log = logging.getLogger("bench.exact_cost")
 GOAL = 1.15
 
 
@@ -42,7 +45,8 @@ def measure(root: Path, name: str, steps: int, a: argparse.Namespace) -> float:
     """ABBA runs of one preset; print their table and ratios; return the step-time ratio."""
     flags = ["--replicas", str(a.replicas), "--steps", str(steps), "--eval-every", "0",
              "--stale-s", str(a.stale_s), "--no-speed-aware"]
-    order = [m for _ in range(a.rounds) for m in ("default", "exact", "exact", "default")]
+    order = ([m for _ in range(a.rounds) for m in ("default", "exact", "exact", "default")]
+             if not a.smoke else ["default", "exact"])  # --smoke: one pair, side by side
     per: dict[str, list[float]] = {"default": [], "exact": []}
     meds: list[tuple[str, float]] = []
     cpu: dict[str, list[float]] = {"default": [], "exact": []}
@@ -53,8 +57,8 @@ def measure(root: Path, name: str, steps: int, a: argparse.Namespace) -> float:
         recs, smp = recover_train(root / f"{name}-{i}-{mode}", name,
                                   flags + ["--exact"] * (mode == "exact"), a.timeout_s)
         if any(r["generation"] != 0 for r in recs):
-            say(f"  ! {name} run {i}: the membership changed in a failure-free run (a false "
-                "alarm under load); its steps still count")
+            log.warning("%s run %d: the membership changed in a failure-free run (a false "
+                        "alarm under load); its steps still count", name, i)
         p = periods(recs, a.warmup, steps)
         c = smp.per_step(a.warmup, steps)[0]
         peak = max(smp.peak_rss.values(), default=0)
@@ -82,31 +86,40 @@ def measure(root: Path, name: str, steps: int, a: argparse.Namespace) -> float:
 
 
 def main() -> int:
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="R=2, one ABBA round, fewer steps")
+    ap.add_argument("--smoke", action="store_true", help="debug preset, R=2, one default and "
+                    "one exact run of 8 steps (a few seconds; CI runs it)")
     ap.add_argument("--out", help="folder for the runs (default: a new temp dir)")
-    ap.add_argument("--presets", default="debug,small")
+    ap.add_argument("--presets", help="default debug,small (debug with --smoke)")
     ap.add_argument("--replicas", type=int, help="default 2 with --quick, else min(4, cores)")
     ap.add_argument("--steps", type=int, help="steps per run (default: debug 40 / small 16 "
                     "with --quick, 120 / 50 without)")
     ap.add_argument("--rounds", type=int, help="ABBA rounds (default 1 with --quick, else 2)")
-    ap.add_argument("--warmup", type=int, default=4, help="leading steps not timed")
+    ap.add_argument("--warmup", type=int, help="leading steps not timed (default 4; 2 smoke)")
     ap.add_argument("--stale-s", type=float, default=5.0, help="heartbeat limit (no per-step "
                     "cost; avoids false alarms on an overloaded machine)")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="limit per run")
     a = ap.parse_args()
-    a.replicas = a.replicas or (2 if a.quick else min(4, cores()))
-    a.rounds = a.rounds or (1 if a.quick else 2)
+    quick = a.quick or a.smoke
+    a.replicas = a.replicas or (2 if quick else min(4, cores()))
+    a.rounds = a.rounds or (1 if quick else 2)
+    a.presets = a.presets or ("debug" if a.smoke else "debug,small")
+    a.warmup = a.warmup if a.warmup is not None else (2 if a.smoke else 4)
     root = out_dir(a.out, "exact-cost")
-    say(f"exact cost: `recover train --exact` vs the default mode, R={a.replicas}, ABBA x "
-        f"{a.rounds}, equal quotas, eval off; out {root}")
+    say(f"exact cost: `recover train --exact` vs the default mode, R={a.replicas}, "
+        + ("one AB pair" if a.smoke else f"ABBA x {a.rounds}")
+        + f", equal quotas, eval off; out {root}")
     say(f"assumptions: {cores()} CPU core(s), load average {loadavg():.1f}; one intra-op thread "
         "per process; a step = commit to commit (metrics time_s) after the first "
         f"{a.warmup}; memory = each worker's VmHWM (whole process)")
     ratios = {}
     for name in a.presets.split(","):
-        steps = a.steps or {True: {"debug": 40, "small": 16},
-                            False: {"debug": 120, "small": 50}}[a.quick].get(name, 40)
+        steps = a.steps or (8 if a.smoke else {True: {"debug": 40, "small": 16},
+                                               False: {"debug": 120, "small": 50}}[quick]
+                            .get(name, 40))
         ratios[name] = measure(root, name, steps, a)
     say(f"\ngoal: step time <= {GOAL}x the default mode; load average now {loadavg():.1f} on "
         f"{cores()} core(s)" + (" (wall times on an overloaded machine are noisy; the CPU "

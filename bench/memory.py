@@ -27,6 +27,7 @@ checked to be exactly the expected sum. Last line: `extra_grad_buffers=<max over
 steps of the default mode>` (goal <= 1.0); `--exact` adds exact mode's rows (reported, not in
 the goal).
 
+    python bench/memory.py --smoke     # plain only, 200k elements, stale-s 2: seconds (CI)
     python bench/memory.py --quick     # plain and hsdp, default mode
     python bench/memory.py --exact     # + exact mode's rows
 """
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -44,6 +46,7 @@ from pathlib import Path
 from _common import BENCH_DIR, cores, fresh_dir, loadavg, out_dir, say, table
 from recover.procs import start, stop, stop_all
 
+log = logging.getLogger("bench.memory")
 STEP_NAMES = {1: "failure-free", 2: "recovered (kill mid-reduce)", 3: "after the kill",
               4: "recovered (hang mid-reduce)", 5: "after the hang"}
 
@@ -95,21 +98,27 @@ def scenario(root: Path, layout: str, exact: bool, a: argparse.Namespace) -> lis
 
 
 def main() -> int:
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="4M elements per rank (< 2 min)")
+    ap.add_argument("--smoke", action="store_true", help="plain layout only, 200k elements per "
+                    "rank, --stale-s 2 (the hang is declared sooner; a few seconds; CI runs it)")
     ap.add_argument("--out", help="folder for logs and results (default: a new temp dir)")
-    ap.add_argument("--layouts", default="plain,hsdp")
+    ap.add_argument("--layouts", help="default plain,hsdp (plain with --smoke)")
     ap.add_argument("--numel", type=int, help="gradient elements per rank (default 10M; 4M "
-                    "with --quick)")
+                    "with --quick, 200k with --smoke)")
     ap.add_argument("--replicas", type=int, default=4, help="R >= 4 keeps a real collective "
                     "among the survivors of a kill and a hang")
     ap.add_argument("--shards", type=int, default=2, help="ranks per hsdp replica")
     ap.add_argument("--exact", action="store_true", help="also measure exact mode")
-    ap.add_argument("--stale-s", type=float, default=5.0, help="coordinator's heartbeat limit "
-                    "(crashes are seen by connection loss; this only avoids false alarms)")
+    ap.add_argument("--stale-s", type=float, help="coordinator's heartbeat limit (crashes are "
+                    "seen by connection loss; it declares the hang; default 5, 2 with --smoke)")
     ap.add_argument("--timeout-s", type=float, default=300.0, help="limit per scenario")
     a = ap.parse_args()
-    a.numel = a.numel or (4_000_000 if a.quick else 10_000_000)
+    a.numel = a.numel or (200_000 if a.smoke else 4_000_000 if a.quick else 10_000_000)
+    a.layouts = a.layouts or ("plain" if a.smoke else "plain,hsdp")
+    a.stale_s = a.stale_s or (2.0 if a.smoke else 5.0)
     if a.replicas < 4:
         ap.error("--replicas must be >= 4: with fewer, the survivor of the kill and the hang "
                  "reduces alone")
@@ -142,7 +151,7 @@ def main() -> int:
                     goal = max(goal, x)
                 if worst is None or x > worst[0]:
                     worst = (x, layout, mode, STEP_NAMES[s], r["replica"], r["rank"], step, g)
-            say(f"  {layout} {mode}: {time.monotonic() - t0:.0f}s")
+            log.info("%s %s: %.0fs", layout, mode, time.monotonic() - t0)
     say("")
     table(rows, ("layout", "mode", "step", "attempts", "extra peak", "held at start",
                  "RSS peak", "largest at peak (site, grads)"))

@@ -17,6 +17,7 @@ coordinator's share. With --separate (default outside --quick), whole
 `recover train` runs (launcher included) and standalone DDP runs are also compared in ABBA
 order. Last lines: `cpu_overhead_ratio=<x>` and `overhead_ratio=<recover/ddp wall>`.
 
+    python bench/overhead.py --smoke          # debug preset, R=2, 12 steps: seconds (CI)
     python bench/overhead.py --quick          # debug preset, R=4, one interleaved run
     python bench/overhead.py                  # small preset, + separate runs
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -48,6 +50,10 @@ from _profile import profiled_run
 from recover.app.config import preset
 from recover.app.train.launch import prepare_run
 from recover.procs import start, stop_all
+
+log = logging.getLogger("bench.overhead")
+# --smoke: one interleaved run, as small as still times recover and DDP blocks side by side.
+SMOKE = {"replicas": 2, "steps": 12, "block": 2, "warmup": 2}
 
 
 def ddp_run(cfg, run: Path, bucket_mb: float, timeout_s: float) -> list[dict]:
@@ -91,7 +97,7 @@ def separate(cfg, name: str, root: Path, a, steps: int, flags: list[str]) -> flo
                 own = field(recs, "step_time_s", lo, hi)
                 c = smp.per_step(lo, hi)[0]
                 if recs[-1]["generation"] != 0:
-                    say("  ! membership changed in a failure-free run (false alarm)")
+                    log.warning("membership changed in a failure-free run (false alarm)")
                 rec_all += per
             else:
                 d = ddp_run(cfg, root / f"ddp{k}", a.bucket_mb, a.timeout_s)
@@ -111,16 +117,19 @@ def separate(cfg, name: str, root: Path, a, steps: int, flags: list[str]) -> flo
     return ratio
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="debug preset, 60 steps (< 2 min)")
+    ap.add_argument("--smoke", action="store_true", help="debug preset, R=2, 12 steps in blocks "
+                    "of 2, no separate runs (a few seconds; CI runs it)")
     ap.add_argument("--out", help="folder for the runs (default: a new temp dir)")
     ap.add_argument("--preset", help="model/data preset (default small; debug with --quick)")
-    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--replicas", type=int, help="R (default 4; 2 with --smoke)")
     ap.add_argument("--steps", type=int, help="recover steps (and as many DDP steps); default "
-                    "60 quick, 120 full")
-    ap.add_argument("--block", type=int, default=5, help="steps per recover/DDP block")
-    ap.add_argument("--warmup", type=int, default=5, help="leading recover steps not timed")
+                    "60 quick, 120 full, 12 smoke")
+    ap.add_argument("--block", type=int, help="steps per recover/DDP block (default 5; 2 smoke)")
+    ap.add_argument("--warmup", type=int, help="leading recover steps not timed (default 5; 2 "
+                    "smoke)")
     ap.add_argument("--separate", action=argparse.BooleanOptionalAction, default=None,
                     help="also compare whole `recover train` runs with standalone DDP runs "
                          "(ABBA); default on, off with --quick")
@@ -133,8 +142,20 @@ def main() -> int:
                     help="recover's heartbeat staleness threshold (no per-step cost; the default"
                          " 1.0 s gave false alarms on a machine loaded far beyond its cores)")
     a = ap.parse_args()
+    full = {"replicas": 4, "steps": 60 if a.quick else 120, "block": 5, "warmup": 5}
+    for key, value in (SMOKE if a.smoke else full).items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    a.quick = a.quick or a.smoke
+    return a
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    a = parse_args()
     name = a.preset or ("debug" if a.quick else "small")
-    steps = a.steps or (60 if a.quick else 120)
+    steps = a.steps
     sep = (not a.quick) if a.separate is None else a.separate
     root = out_dir(a.out, "overhead")
     cfg = preset(name)

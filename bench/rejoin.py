@@ -23,6 +23,7 @@ What:
 Last lines: `rejoin_protocol_s=<median over runs>` then `rejoin_gbps=<GB/s (1e9 bytes/s) of
 state moved by the transfer at the largest size>`.
 
+    python bench/rejoin.py --smoke    # 1M only, one repeat + one 12-step rejoin run (CI)
     python bench/rejoin.py --quick    # 10M only + one protocol run, < 3 min on 2 cores
     python bench/rejoin.py            # 10M, 50M, 100M + three protocol runs
 """
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import sys
@@ -40,9 +42,22 @@ from pathlib import Path
 from _common import BENCH_DIR, loadavg, median, out_dir, periods, recover_train, say, table
 from recover.procs import start, stop_all
 
-TRAIN = ["--steps", "30", "--eval-every", "0", "--fault", "kill:replica=2,step=10,phase=backward",
-         "--fault", "restart:replica=2,step=15"]
-JOINER, JOIN_STEP = 2, 15
+log = logging.getLogger("bench.rejoin")
+JOINER = 2
+
+
+def train_flags(steps: int, kill: int, join: int, replicas: int = 0) -> list[str]:
+    """The protocol run's `recover train` flags: replica JOINER killed at `kill`, back at `join`
+    (replicas 0: the preset's)."""
+    return ["--steps", str(steps), "--eval-every", "0", "--fault",
+            f"kill:replica={JOINER},step={kill},phase=backward", "--fault",
+            f"restart:replica={JOINER},step={join}",
+            *(["--replicas", str(replicas)] if replicas else [])]
+
+
+# (steps, kill step, join step, replicas): the full run, and --smoke's (fewer steps around the
+# same events, the fewest replicas that keep two survivors beside the joiner)
+TRAIN, SMOKE_TRAIN = (30, 10, 15, 0), (12, 3, 6, 3)
 
 
 def run_roles(d: Path, roles: list[tuple[str, list[str]]], timeout_s: float) -> list[dict]:
@@ -99,8 +114,8 @@ def events(path: Path) -> list[dict]:
     return out
 
 
-def protocol(out: Path, timeout_s: float) -> dict:
-    records, _ = recover_train(out, "debug", TRAIN, timeout_s)
+def protocol(out: Path, timeout_s: float, train: tuple[int, int, int, int] = TRAIN) -> dict:
+    records, _ = recover_train(out, "debug", train_flags(*train), timeout_s)
     run_start = float((out / "run_start").read_text())
     ev = events(out / "coordinator.jsonl")
     adm = next(e for e in ev if e["event"] == "generation"
@@ -124,17 +139,22 @@ def protocol(out: Path, timeout_s: float) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(prog="bench/rejoin.py", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="10M only + one protocol run (< 3 min)")
+    ap.add_argument("--smoke", action="store_true", help="1M only, one repeat, one 12-step "
+                    "protocol run (a few seconds; CI runs it)")
     ap.add_argument("--out", help="folder for logs and runs (default: a new temp dir)")
     ap.add_argument("--sizes", help="comma-separated parameter counts (default 10e6,50e6,100e6)")
     ap.add_argument("--repeats", type=int, help="transfers / loads per size (default 2 quick, 3)")
     ap.add_argument("--runs", type=int, help="protocol runs (default 1 quick, 3)")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="limit per process / run")
     a = ap.parse_args()
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     out = out_dir(a.out, "rejoin")
     sizes = [float(s) for s in a.sizes.split(",")] if a.sizes else (
-        [10e6] if a.quick else [10e6, 50e6, 100e6])
-    repeats = a.repeats or (2 if a.quick else 3)
-    runs = a.runs or (1 if a.quick else 3)
+        [1e6] if a.smoke else [10e6] if a.quick else [10e6, 50e6, 100e6])
+    repeats = a.repeats or (1 if a.smoke else 2 if a.quick else 3)
+    runs = a.runs or (1 if a.quick or a.smoke else 3)
+    train = SMOKE_TRAIN if a.smoke else TRAIN
     say(f"rejoin bench: sizes {[f'{s / 1e6:.0f}M' for s in sizes]}, {repeats} repeats, {runs} "
         f"protocol run(s); load average {loadavg():.1f} on {os.cpu_count()} CPUs; logs in {out}")
     rows, last = [], None
@@ -146,14 +166,14 @@ def main() -> int:
                      f"{r['transfer_s']:.3f}", f"{gb / r['transfer_s']:.2f}",
                      f"{r['send_s']:.3f}", f"{r['load_s']:.3f}", f"{gb / r['load_s']:.2f}",
                      f"{r['load_s'] / r['transfer_s']:.2f}x", f"{r['save_s']:.2f}"))
-        say(f"  {rows[-1][0]} params done (load average {loadavg():.1f})")
+        log.info("%s params done (load average %.1f)", rows[-1][0], loadavg())
     say("\nstate transfer (loopback, sha256-verified, copied in place) vs DCP load (page cache "
         "warm: not dropped, see --help)")
     table(rows, ("params", "state MB", "transfer s", "GB/s", "donor s", "DCP load s", "GB/s",
                  "load/transfer", "DCP save s"))
-    prot = [protocol(out / f"train{k}", a.timeout_s) for k in range(runs)]
-    say(f"\nprotocol of a real rejoin (debug preset, replica {JOINER} killed at step 10, "
-        f"restarted at step {JOIN_STEP}; times in s)")
+    prot = [protocol(out / f"train{k}", a.timeout_s, train) for k in range(runs)]
+    say(f"\nprotocol of a real rejoin (debug preset, replica {JOINER} killed at step {train[1]}, "
+        f"restarted at step {train[2]}; times in s)")
     table([(k, f"{p['join_to_admit_s']:.3f}", f"{p['transfer_s']:.3f}",
             f"{p['admit_to_commit_s']:.3f}", f"{p['first_step_time_s']:.3f}",
             f"{p['steady_period_s']:.3f}", f"{p['protocol_s']:.3f}", p["first_step"],

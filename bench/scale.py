@@ -1,10 +1,11 @@
 """Control-plane cost as the job grows: 4 to 128 ranks of the step protocol on one machine.
 
 What: per scale (R replicas x P ranks each), a real coordinator and R*P rank processes, all forked
-from this process after one `import torch` (no thread exists here before a fork), run the step
-protocol (`StepEngine.run`) on a --numel float tensor: each step's N = R microbatches add a known
-integer-valued gradient (checked exactly after every commit). P > 1 runs multi-position engines
-(`StepEngine(..., positions=P)`, one `FaultTolerantComm` per position). Measured, per scale:
+by the standard library's fork server after one `import torch` (`recover.testing.scale`), run the
+step protocol (`StepEngine.run`) on a --numel float tensor: each step's N = R microbatches add a
+known integer-valued gradient (checked exactly after every commit). P > 1 runs multi-position
+engines (`StepEngine(..., positions=P)`, one `FaultTolerantComm` per position). Measured, per
+scale:
 
   store ops      store round trips per rank per failure-free step: `engine.stats["store_ops"]`
                  deltas plus the engine's blocking key waits (`engine.store_waits`, one round
@@ -53,6 +54,7 @@ lines:
 `store_ops_per_rank_step=<max over scales>` and `scale_protocol_ratio=<(detect + agree) at the
 largest P = 1 scale / at 4 ranks>`.
 
+    python bench/scale.py --smoke          # 2 and 4 ranks, 3 steps, a small store-rate run (CI)
     python bench/scale.py --quick          # 4, 16, 64 ranks; < 3 min
     python bench/scale.py --write-curve    # 4, 16, 64, 128 ranks, and 8 x 8, 16 x 8
 """
@@ -61,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import signal
@@ -70,14 +73,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch  # noqa: F401  (imported once here, shared copy-on-write by every forked rank)
-
-from _common import BENCH_DIR, cores, fresh_dir, loadavg, median, out_dir, say, table
-from _scale_procs import Children, Tail, cpu_s, dump_stacks, fork_call, pss_mib, wait_for
-from _scale_rank import RankArgs, rank_main
+from _common import BENCH_DIR, cores, cpu_seconds, fresh_dir, loadavg, median, out_dir, say, table
 from _store_rate import request_cpu_s
 from recover.collectives import coordinator
+from recover.testing.scale import (
+    Children,
+    RankArgs,
+    Tail,
+    dump_stacks,
+    pss_mib,
+    rank_main,
+    wait_for,
+)
 
+log = logging.getLogger("bench.scale")
 CURVE = BENCH_DIR.parent / "src" / "recover" / "sim" / "data" / "scale_curve.json"
 PARTS = ("detect", "agree", "recomp", "rebuild", "reduce", "rest")  # add up to "total"
 EXTRA = (*PARTS, "total", "teardown", "agree_med", "agree_cpu", "rebuild_cpu", "store_cpu",
@@ -170,7 +179,7 @@ def run_scale(reps: int, pos: int, a: argparse.Namespace, rng: random.Random, d:
     kids, clog, stop_file = Children(), d / "coordinator.jsonl", d / "stop_at"
     ranks = [(r, p) for r in range(reps) for p in range(pos)]
     try:
-        kids.pid["coord"] = fork_call(coordinator.main, [
+        kids.call("coord", coordinator.main, [
             "--replicas", str(reps), "--port", "0", "--port-file", str(d / "port"),
             "--stale-s", str(a.stale_s), "--join-timeout-s", str(a.timeout_s),
             "--log", str(clog), "--store-shards", str(a.store_shards)], d / "coordinator.log")
@@ -180,7 +189,7 @@ def run_scale(reps: int, pos: int, a: argparse.Namespace, rng: random.Random, d:
         t0 = time.monotonic()
         for r, p in ranks:
             log = d / f"rank{r}.{p}.jsonl"
-            kids.pid[(r, p)] = fork_call(rank_main, RankArgs(
+            kids.call((r, p), rank_main, RankArgs(
                 port, r, p, pos, reps, a.numel, a.compute_s, a.timeout_s, 10**6, log,
                 stop_file, os.getpid(), a.trace), d / f"rank{r}.{p}.err")
             tails[(r, p)] = Tail(log)
@@ -216,7 +225,7 @@ def run_scale(reps: int, pos: int, a: argparse.Namespace, rng: random.Random, d:
 
         def progress() -> tuple[float, int]:
             """(the coordinator's CPU seconds, the steps every live rank has committed)"""
-            return cpu_s(kids.pid["coord"]), min(len(tails[k].steps()) for k in ranks
+            return cpu_seconds(kids.pid["coord"]), min(len(tails[k].steps()) for k in ranks
                                                  if k[0] in live)
 
         c0, n0 = progress()
@@ -234,7 +243,7 @@ def run_scale(reps: int, pos: int, a: argparse.Namespace, rng: random.Random, d:
             before = len(live) * pos
             k0, m0 = progress()
             t_kill = time.time()
-            os.kill(kids.pid[victim], signal.SIGKILL)
+            kids.signal(victim, signal.SIGKILL)
             live.discard(victim[0])
             survivors = [k for k in ranks if k[0] in live]
             wait_for(reached(a.settle, survivors, g0), a.timeout_s * 3,
@@ -316,26 +325,29 @@ def plot(res: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="4, 16, 64 ranks, fewer steps (< 3 min)")
+    ap.add_argument("--smoke", action="store_true", help="2 and 4 ranks, 1 + 3 steps, one kill "
+                    "each, the store rate from 2 clients (a few seconds; CI runs it)")
     ap.add_argument("--out", help="folder for outputs and logs (default: a new temp dir)")
     ap.add_argument("--scales", help="comma-separated RxP, e.g. 4x1,16x1 (default by --quick)")
     ap.add_argument("--numel", type=int, default=1024, help="floats per rank's gradient")
     ap.add_argument("--compute-s", type=float, default=0.01, help="sleep per microbatch")
-    ap.add_argument("--warm", type=int, default=2, help="leading steps not measured")
-    ap.add_argument("--steps", type=int, help="measured failure-free steps (8 quick, 20 full)")
+    ap.add_argument("--warm", type=int, help="leading steps not measured (default 2; 1 smoke)")
+    ap.add_argument("--steps", type=int, help="measured failure-free steps (8 quick, 20 full, "
+                    "3 smoke)")
     ap.add_argument("--kills", type=int, help="kills per scale, one after another (1 quick, 2 "
                     "full; at most R/4)")
-    ap.add_argument("--settle", type=int, default=2,
-                    help="commits in the new generation before the next kill / the end")
+    ap.add_argument("--settle", type=int, help="commits in the new generation before the next "
+                    "kill / the end (default 2; 1 smoke)")
     ap.add_argument("--stale-s", type=float, default=30.0,
                     help="heartbeat silence = lost (a SIGKILL is seen by the closed liveness "
                          "socket, not by this: it only has to avoid false alarms; 10 s gave one "
                          "at 64 ranks here, where store round trips can stall for 5 s)")
     ap.add_argument("--timeout-s", type=float,
                     help="protocol timeouts; a stuck step is declared after 3x (default 120, "
-                         "60 with --quick)")
+                         "60 with --quick, 30 with --smoke)")
     ap.add_argument("--store-shards", type=int, default=0,
                     help="the coordinator's store shards (collectives/shards.py; 0: one store)")
     ap.add_argument("--seed", type=int, default=0)
@@ -345,10 +357,27 @@ def main() -> int:
                     help="log every engine store call and key wait with its result to each "
                          "rank's .err log (diagnosis of a protocol failure; slows the ranks)")
     a = ap.parse_args()
-    a.steps = a.steps or (8 if a.quick else 20)
-    a.timeout_s = a.timeout_s or (60.0 if a.quick else 120.0)
-    a.kills = a.kills or (1 if a.quick else 2)
-    spec = a.scales or ("4x1,16x1,64x1" if a.quick else "4x1,16x1,64x1,128x1,8x8,16x8")
+    mode = "smoke" if a.smoke else "quick" if a.quick else "full"
+    defaults = {"steps": {"smoke": 3, "quick": 8, "full": 20},
+                "timeout_s": {"smoke": 30.0, "quick": 60.0, "full": 120.0},
+                "kills": {"smoke": 1, "quick": 1, "full": 2},
+                "warm": {"smoke": 1, "quick": 2, "full": 2},
+                "settle": {"smoke": 1, "quick": 2, "full": 2},
+                "scales": {"smoke": "2x1,4x1", "quick": "4x1,16x1,64x1",
+                           "full": "4x1,16x1,64x1,128x1,8x8,16x8"}}
+    for key, by_mode in defaults.items():
+        if getattr(a, key) is None:
+            setattr(a, key, by_mode[mode])
+    # the store server's CPU per request: (clients, request pairs each)
+    a.store_rate = (2, 200) if a.smoke else (8, 1500)
+    return a
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    a = parse_args()
+    spec = a.scales
     scales = [tuple(int(v) for v in s.split("x")) for s in spec.split(",")]
     root = out_dir(a.out, "scale")
     rng = random.Random(a.seed)
@@ -367,21 +396,22 @@ def main() -> int:
                 r = run_scale(reps, pos, a, rng, root / f"r{reps}p{pos}-{attempt}")
                 break
             except FalseAlarm as e:
-                say(f"  {reps}x{pos}: FALSE ALARM ({e}); " +
-                    ("retrying" if attempt < a.retries else "giving up"))
+                log.warning("%dx%d: FALSE ALARM (%s); %s", reps, pos, e,
+                            "retrying" if attempt < a.retries else "giving up")
             except (ProtocolFailure, TimeoutError) as e:
                 where = root / f"r{reps}p{pos}-{attempt}"
                 failures.append({"scale": f"{reps}x{pos}", "logs": str(where), "error": str(e)})
-                say(f"  {reps}x{pos}: FAILED ({str(e).splitlines()[0]}); logs and stacks in "
-                    f"{where}; " + ("retrying" if attempt < a.retries else "giving up"))
+                log.error("%dx%d: FAILED (%s); logs and stacks in %s; %s", reps, pos,
+                          str(e).splitlines()[0], where,
+                          "retrying" if attempt < a.retries else "giving up")
         else:
             raise SystemExit(f"{reps}x{pos}: no valid attempt")
         res.append(r)
-        say(f"  {reps}x{pos}: set up in {r['setup_s']:.0f}s (forks {r['fork_s']:.1f}s), "
-            f"{r['steps']} failure-free steps "
-            f"(period {r['period_s'] * 1e3:.0f} ms), kill -> committed {r['total'] * 1e3:.0f} ms; "
-            f"PSS {r['pss_mib']:.0f} MiB in all, max RSS {r['max_rss_mib']:.0f} MiB; load "
-            f"{r['load']:.1f}; {time.monotonic() - t0:.0f}s so far")
+        log.info("%dx%d: set up in %.0fs (forks %.1fs), %d failure-free steps (period %.0f ms), "
+                 "kill -> committed %.0f ms; PSS %.0f MiB in all, max RSS %.0f MiB; load %.1f; "
+                 "%.0fs so far", reps, pos, r["setup_s"], r["fork_s"], r["steps"],
+                 r["period_s"] * 1e3, r["total"] * 1e3, r["pss_mib"], r["max_rss_mib"],
+                 r["load"], time.monotonic() - t0)
     cols = ("detect", "agree", "teardown", "agree_med", "agree_cpu", "recomp", "rebuild",
             "rebuild_cpu", "reduce", "rest", "store_cpu")
     rows = [(f"{r['replicas']}x{r['positions']}", r["ranks"],
@@ -406,11 +436,12 @@ def main() -> int:
     data = curve(res, f"bench/scale.py on {cores()} CPU cores shared by all ranks (load "
                       f"{min(loads):.0f}-{max(loads):.0f}), {time.strftime('%Y-%m-%d')}, "
                       f"{a.numel} floats, gloo over loopback")
-    req = request_cpu_s(root / "store_rate")
+    clients, pairs = a.store_rate
+    req = request_cpu_s(root / "store_rate", clients, pairs)
     data["store_request_cpu_s"] = round(req, 9)
-    say(f"store server: {req * 1e6:.1f} us of its CPU per request (8 client processes x 1500 x "
-        f"(add + get), bench/_store_rate.py): {req * 2 * 100_000:.2f} s of serial work a step "
-        "for 100,000 ranks at 2 requests each")
+    say(f"store server: {req * 1e6:.1f} us of its CPU per request ({clients} client processes x "
+        f"{pairs} x (add + get), bench/_store_rate.py): {req * 2 * 100_000:.2f} s of serial work "
+        "a step for 100,000 ranks at 2 requests each")
     (root / "scale.json").write_text(json.dumps(data, indent=1) + "\n")
     (root / "scale_detail.json").write_text(json.dumps({"scales": res, "failures": failures},
                                                        indent=1) + "\n")

@@ -6,7 +6,9 @@ steps 0..S-1 exactly once, `microbatches` = N on every line, losses within 1e-5 
 failure-free reference, surviving replicas' final parameters bitwise equal, the last checkpoint
 loads and equals them); each broken check is one violation. Replica 0 is never faulted, so a run
 always has a survivor. The last line printed is `violations=<n>` (goal: 0 over 30 minutes).
+Every process a run starts is ended by its PID (`recover.procs`), never by process group.
 
+    python bench/soak.py --smoke                  # R=3, 8 steps: the reference + one run, 1 kill
     python bench/soak.py --minutes 30 [--seed 0] [--out DIR]
 """
 
@@ -14,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import logging
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,47 +33,72 @@ from recover.app.runtoken import run_token
 from recover.app.train.checkpoint import latest_checkpoint, load_checkpoint
 from recover.app.train.model import build_model
 from recover.app.train.optim import build_optimizer
+from recover.procs import descendants, kill_pids, start, stop
 
-R, N, STEPS = 4, 8, 14
-BASE = ["--preset", "debug", "--steps", str(STEPS), "--eval-every", "0", "--warmup-steps", "3",
-        "--replicas", str(R), "--dump-final-params", "--ckpt-every", "5"]
+log = logging.getLogger("bench.soak")
+N = 8  # the debug preset's microbatches per step
 PHASES = ("forward", "backward", "reduce", "commit", "optimizer")
 
 
-def train(out: Path, data: Path, faults: list[str], timeout: float = 300) -> int:
+@dataclass(frozen=True)
+class Shape:
+    """The runs' size, and which faults a schedule may draw."""
+
+    replicas: int = 4
+    steps: int = 14
+    max_faults: int = 3  # faulted replicas per run (at most replicas - 1)
+    kinds: tuple[str, ...] = ("kill", "kill", "hang", "slow")
+    coordinator_kills: bool = True  # in a third of the runs
+
+    def flags(self) -> list[str]:
+        return ["--preset", "debug", "--steps", str(self.steps), "--eval-every", "0",
+                "--warmup-steps", "3", "--replicas", str(self.replicas), "--dump-final-params",
+                "--ckpt-every", "5"]
+
+
+FULL = Shape()
+# --smoke: the reference and one run with one replica kill (maybe restarted), as small as the
+# checks still see a recovery (R=3: two survivors reduce together after it).
+SMOKE = Shape(replicas=3, steps=8, max_faults=1, kinds=("kill",), coordinator_kills=False)
+
+
+def train(out: Path, data: Path, faults: list[str], shape: Shape, timeout: float = 300) -> int:
+    """Run `recover train`; its exit code (-1 past `timeout`). Its whole tree is ended by PID."""
     fresh_dir(out)  # `recover train` refuses a folder that holds a run (a reused --out)
     args = [sys.executable, "-m", "recover", "train", "--out", str(out), "--data", str(data),
-            *BASE]
+            *shape.flags()]
     for f in faults:
         args += ["--fault", f]
-    with open(f"{out}.log", "wb") as log:
-        p = subprocess.Popen(args, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                             start_new_session=True)
-        try:
-            return p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return -1
-        finally:
-            try:  # the whole tree of this run, by its session's process-group id
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    Path(f"{out}.log").unlink(missing_ok=True)
+    p = start(args, Path(f"{out}.log"))
+    kids: list[int] = []
+    try:
+        deadline = time.monotonic() + timeout
+        while p.poll() is None and time.monotonic() < deadline:
+            kids = sorted(set(kids) | set(descendants(p.pid)))  # seen while the launcher lives
+            time.sleep(0.2)
+        return -1 if p.poll() is None else p.returncode
+    finally:
+        if p.poll() is None:
+            kids = sorted(set(kids) | set(descendants(p.pid)))
+            stop(p, grace_s=10.0, sig=signal.SIGINT)  # SIGINT: its finally ends its workers
+        kill_pids(kids)  # only those still alive (by PID, checked in /proc)
 
 
-def schedule(rng: random.Random) -> list[str]:
-    """1-3 faults on distinct replicas among 1..R-1: kill (maybe restarted), hang, slow; and in
-    a third of the runs, the coordinator SIGKILLed (by replica 0, at a random point; the launcher
-    restarts it with --recover)."""
-    faults = []
-    if rng.random() < 1 / 3:
-        faults.append(f"coordinator:replica=0,step={rng.randrange(1, STEPS - 1)},"
+def schedule(rng: random.Random, shape: Shape) -> list[str]:
+    """1..max_faults faults on distinct replicas among 1..R-1: kill (maybe restarted), hang,
+    slow; and in a third of the runs, the coordinator SIGKILLed (by replica 0, at a random point;
+    the launcher restarts it with --recover)."""
+    faults, steps = [], shape.steps
+    if shape.coordinator_kills and rng.random() < 1 / 3:
+        faults.append(f"coordinator:replica=0,step={rng.randrange(1, steps - 1)},"
                       f"phase={rng.choice(PHASES)}")
-    for r in rng.sample(range(1, R), rng.randint(1, 3)):
-        kind, step = rng.choice(("kill", "kill", "hang", "slow")), rng.randrange(1, STEPS - 3)
+    for r in rng.sample(range(1, shape.replicas), rng.randint(1, shape.max_faults)):
+        kind, step = rng.choice(shape.kinds), rng.randrange(1, steps - 3)
         if kind == "kill":
             faults.append(f"kill:replica={r},step={step},phase={rng.choice(PHASES)}")
             if rng.random() < 0.4:
-                faults.append(f"restart:replica={r},step={rng.randrange(step + 2, STEPS)}")
+                faults.append(f"restart:replica={r},step={rng.randrange(step + 2, steps)}")
         elif kind == "hang":
             faults.append(f"hang:replica={r},step={step},seconds={rng.choice((1, 3, 5))},"
                           f"phase={rng.choice(PHASES[:3])}")
@@ -80,12 +107,12 @@ def schedule(rng: random.Random) -> list[str]:
     return faults
 
 
-def violations(out: Path, rc: int, ref_losses: list[float]) -> list[str]:
+def violations(out: Path, rc: int, ref_losses: list[float], steps: int) -> list[str]:
     if rc != 0:
         return [f"exit {rc}"]
     bad = []
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
-    if [r["step"] for r in recs] != list(range(STEPS)):
+    if [r["step"] for r in recs] != list(range(steps)):
         bad.append("steps not contiguous")
     if any(r["microbatches"] != N for r in recs):
         bad.append("microbatches != N")
@@ -103,7 +130,7 @@ def violations(out: Path, rc: int, ref_losses: list[float]) -> list[str]:
         path = latest_checkpoint(out / "ckpt", key)
         assert path is not None, "no checkpoint"
         meta = load_checkpoint(path, model, build_optimizer(model, cfg), key=key)
-        if meta["step"] != STEPS or (finals and not _equal(model.state_dict(), finals[0])):
+        if meta["step"] != steps or (finals and not _equal(model.state_dict(), finals[0])):
             bad.append(f"last checkpoint (step {meta['step']}) is not the final state")
     except Exception as e:  # any failure to load is the violation being counted
         bad.append(f"checkpoint does not load: {e}")
@@ -115,28 +142,37 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 def main() -> int:
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--minutes", type=float, required=True)
+    ap.add_argument("--minutes", type=float, help="how long to go on starting runs")
+    ap.add_argument("--smoke", action="store_true", help="R=3, 8 steps: the reference and one "
+                    "run with one kill (a few seconds; CI runs it)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="keep the runs here (default: tmp)")
     args = ap.parse_args()
+    if (args.minutes is None) == (not args.smoke):
+        ap.error("give --minutes M or --smoke")
+    shape = SMOKE if args.smoke else FULL
     root = args.out or Path(tempfile.mkdtemp(prefix="recover-soak-"))
     root.mkdir(parents=True, exist_ok=True)
     data = root / "text.txt"
     rng = random.Random(args.seed)
     words = "the of and to in is that it was for on are with as his they be at one".split()
     data.write_text(" ".join(rng.choice(words) for _ in range(40_000)))
-    if train(root / "ref", data, []) != 0:
-        print(f"reference run failed: see {root}/ref.log\nviolations=1")
+    if train(root / "ref", data, [], shape) != 0:
+        log.error("reference run failed: see %s/ref.log", root)
+        print("violations=1")
         return 1
     ref = [json.loads(x)["loss"]
            for x in (root / "ref" / "metrics.jsonl").read_text().splitlines() if x]
-    total, runs, deadline = 0, 0, time.monotonic() + 60 * args.minutes
-    while time.monotonic() < deadline:
-        faults = schedule(rng)
+    total, runs = 0, 0
+    deadline = time.monotonic() + 60 * (args.minutes or 0)
+    while runs == 0 or time.monotonic() < deadline:  # --smoke: exactly one run
+        faults = schedule(rng, shape)
         out = root / f"run{runs:03d}"
         t0 = time.monotonic()
-        bad = violations(out, train(out, data, faults), ref)
+        bad = violations(out, train(out, data, faults, shape), ref, shape.steps)
         total += len(bad)
         print(f"run {runs}: {' '.join(faults)} -> {'ok' if not bad else '; '.join(bad)} "
               f"({time.monotonic() - t0:.0f}s)", flush=True)
