@@ -11,21 +11,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
-import sys
 import time
 from pathlib import Path
 
 from recover.app.baselines.ckpt_restart import run_ckpt_restart, young_daly_k
 from recover.app.baselines.measure import calibration, step_period, summarize
 from recover.app.baselines.report import plot, write_md
-from recover.app.baselines.runs import dump_runs, measure_ckpt_cost, run_once
+from recover.app.baselines.runs import SystemRun, dump_runs, measure_ckpt_cost, run_once
 from recover.app.baselines.schedule import bench_schedule, describe
-from recover.app.config import preset
+from recover.app.config import RunConfig, preset
+from recover.app.faults import Fault
 from recover.errors import RecoverError
 from recover.sim.calibrate import validation_rows
 
+log = logging.getLogger(__name__)
 QUICK = {"replicas": 4, "steps": 20}  # ~2-4 min on 2 cores
+# The smallest bench with every part (a kill, a checkpoint restart, a shrunk batch): ~30 s. CI
+# runs it (tests/test_bench_smoke.py), and checks its trajectories and the simulator against it.
+SMOKE = {"replicas": 2, "steps": 20}
+SYSTEMS = ("recover", "ckpt-restart", "shrink-batch")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", help="output folder (default runs/bench-<time>)")
     ap.add_argument("--quick", action="store_true",
                     help=f"a small run: {QUICK['replicas']} replicas, {QUICK['steps']} steps")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"the smallest run: {SMOKE['replicas']} replicas, {SMOKE['steps']} steps, "
+                         "one kill (CI runs it)")
     ap.add_argument("--preset", default="debug")
     ap.add_argument("--replicas", type=int, help="R at the start (default 8)")
     ap.add_argument("--steps", type=int, help="steps (default: the preset's)")
@@ -50,18 +59,15 @@ def run_cli(argv: list[str]) -> int:
     try:
         return _bench(args, argv)
     except RecoverError as e:
-        print(f"recover bench: {e}", file=sys.stderr)
+        log.error("recover bench: %s", e)
         return 1
 
 
-def _say(msg: str) -> None:
-    print(f"bench: {msg}", file=sys.stderr, flush=True)
-
-
-def _bench(args: argparse.Namespace, argv: list[str]) -> int:
+def _config(args: argparse.Namespace) -> RunConfig:
+    size = SMOKE if args.smoke else QUICK if args.quick else None
     base = preset(args.preset)
-    base.layout.replicas = args.replicas or (QUICK["replicas"] if args.quick else 8)
-    base.run.steps = args.steps or (QUICK["steps"] if args.quick else base.run.steps)
+    base.layout.replicas = args.replicas or (size["replicas"] if size else 8)
+    base.run.steps = args.steps or (size["steps"] if size else base.run.steps)
     base.data.path = args.data
     base.ft.join_timeout_s = 600.0  # R processes importing torch on a busy machine: minutes
     # A SIGKILL is seen at once (the liveness socket closes); the heartbeat threshold only catches
@@ -69,28 +75,51 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     # "lost" that was alive), which would give one system an extra fault. Same for every system.
     base.ft.stale_s = 5.0
     base.validate()
+    return base
+
+
+def _run_systems(base: RunConfig, out: Path, faults: list[Fault]
+                 ) -> tuple[SystemRun, dict[str, SystemRun], float, int]:
+    """The reference, then each system under `faults`: (reference, runs, checkpoint cost, K)."""
+    c_pre = measure_ckpt_cost(base)
+    log.info("checkpoint cost (one DCP save, measured in-process): %.3fs", c_pre)
+    log.info("running the failure-free reference ...")
+    ref = run_once("reference", base, out / "reference", [])
+    k = young_daly_k(c_pre, step_period(ref), base.run.steps, len(faults))
+    runs = {}
+    log.info("running recover ...")
+    runs["recover"] = run_once("recover", base, out / "recover", faults)
+    log.info("running ckpt-restart (checkpoint every %d steps) ...", k)
+    runs["ckpt-restart"] = run_ckpt_restart(base, out / "ckpt-restart", faults, k)
+    log.info("running shrink-batch ...")
+    runs["shrink-batch"] = run_once("shrink-batch", base, out / "shrink-batch", faults,
+                                    policy="shrink-batch")
+    return ref, runs, c_pre, k
+
+
+def _restart_lines(ckpt: SystemRun) -> list[str]:
+    return [f"{i + 1}: at step {x['at_step']} -> checkpoint {x['from_checkpoint']} on "
+            f"{x['replicas']} replicas: detected in {x['detect_s']:.3f}s; relaunch to first "
+            f"step committed {x['first_commit_s']:.1f}s (teardown + coordinator up "
+            f"{x['teardown_to_coordinator_s']:.1f}s, replicas started: imports, data, "
+            f"checkpoint load {x['replicas_started_s']:.1f}s, rendezvous "
+            f"{x['rendezvous_s']:.2f}s, first step {x['first_step_s']:.2f}s); "
+            f"{x['redone_steps']} step(s) redone; back where it was {x['total_s']:.1f}s "
+            "after the fault"
+            for i, x in enumerate(ckpt.extra["restarts"])]
+
+
+def _bench(args: argparse.Namespace, argv: list[str]) -> int:
+    base = _config(args)
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
-    if any((out / s).exists() for s in ("reference", "recover", "ckpt-restart", "shrink-batch")):
+    if any((out / s).exists() for s in ("reference", *SYSTEMS)):
         raise RecoverError(f"{out} already holds a bench; choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     faults = bench_schedule(base.layout.replicas, base.run.steps, args.seed, args.kills)
     print(f"fault schedule (seed {args.seed}): {describe(faults)}", flush=True)
-    t_bench = time.time()
-    load0 = os.getloadavg()[0]
-    c_pre = measure_ckpt_cost(base)
-    _say(f"checkpoint cost (one DCP save, measured in-process): {c_pre:.3f}s")
-    _say("running the failure-free reference ...")
-    ref = run_once("reference", base, out / "reference", [])
+    t_bench, load0 = time.time(), os.getloadavg()[0]
+    ref, runs, c_pre, k = _run_systems(base, out, faults)
     step_s = step_period(ref)
-    k = young_daly_k(c_pre, step_s, base.run.steps, len(faults))
-    runs = {}
-    _say("running recover ...")
-    runs["recover"] = run_once("recover", base, out / "recover", faults)
-    _say(f"running ckpt-restart (checkpoint every {k} steps) ...")
-    runs["ckpt-restart"] = run_ckpt_restart(base, out / "ckpt-restart", faults, k)
-    _say("running shrink-batch ...")
-    runs["shrink-batch"] = run_once("shrink-batch", base, out / "shrink-batch", faults,
-                                    policy="shrink-batch")
     budget = args.budget_s or ref.wall_s
     target = min(base.run.steps, args.target_step or max(1, (3 * base.run.steps) // 4))
     rows = [summarize(r, ref, budget, target) for r in (*runs.values(), ref)]
@@ -102,15 +131,6 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     ratio = rows[0]["effective_throughput"] / rows[1]["effective_throughput"]
     ratio_incl = (rows[0]["effective_throughput_incl_startup"]
                   / rows[1]["effective_throughput_incl_startup"])
-    restarts = [f"{i + 1}: at step {x['at_step']} -> checkpoint {x['from_checkpoint']} on "
-                f"{x['replicas']} replicas: detected in {x['detect_s']:.3f}s; relaunch to first "
-                f"step committed {x['first_commit_s']:.1f}s (teardown + coordinator up "
-                f"{x['teardown_to_coordinator_s']:.1f}s, replicas started: imports, data, "
-                f"checkpoint load {x['replicas_started_s']:.1f}s, rendezvous "
-                f"{x['rendezvous_s']:.2f}s, first step {x['first_step_s']:.2f}s); "
-                f"{x['redone_steps']} step(s) redone; back where it was {x['total_s']:.1f}s "
-                "after the fault"
-                for i, x in enumerate(runs["ckpt-restart"].extra["restarts"])]
     info = {"command": "recover bench " + " ".join(argv), "replicas": base.layout.replicas,
             "microbatches": base.data.microbatches, "microbatch_size": base.data.microbatch_size,
             "block_size": base.model.block_size, "steps": base.run.steps, "preset": args.preset,
@@ -119,9 +139,19 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
             "ckpt_every": k, "ckpt_cost_pre_s": c_pre, "ckpt_cost_s": calib["ckpt_cost_s"],
             "mtbf_s": base.run.steps * step_s / max(1, len(faults)), "step_time_s": step_s,
             "kills": len(faults), "budget_s": budget, "target_step": target,
-            "restart_lines": restarts, "ratio": ratio, "ratio_incl_startup": ratio_incl}
+            "restart_lines": _restart_lines(runs["ckpt-restart"]), "ratio": ratio,
+            "ratio_incl_startup": ratio_incl}
     write_md(out / "bench.md", rows, info, validation, pooled)
     plot(out / "bench.png", [*runs.values(), ref])
+    _print_results(rows, validation)
+    log.info("done in %.0fs; %s, %s", time.time() - t_bench, out / "bench.md", out / "bench.png")
+    print(f"effective_throughput_ratio_incl_startup={ratio_incl:.3f}", flush=True)
+    print(f"effective_throughput_ratio={ratio:.3f}", flush=True)
+    return 0
+
+
+def _print_results(rows: list[dict], validation: list[tuple[str, float, float, float]]) -> None:
+    """The bench's result lines (stdout): each system's figures, the simulator's predictions."""
     for r in rows:
         print(f"{r['system']:>13}: wall {r['wall_s']:6.1f}s (+{r['startup_s']:.1f}s startup)  "
               f"steps {r['steps']}  eff. throughput {r['effective_throughput']:6.2f} mb/s  "
@@ -130,7 +160,3 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     for name, pred, meas, err in validation:
         print(f"simulator {name:>13}: predicted {pred:6.1f}s  measured {meas:6.1f}s  "
               f"error {100 * err:5.1f}%", flush=True)
-    _say(f"done in {time.time() - t_bench:.0f}s; {out / 'bench.md'}, {out / 'bench.png'}")
-    print(f"effective_throughput_ratio_incl_startup={ratio_incl:.3f}", flush=True)
-    print(f"effective_throughput_ratio={ratio:.3f}", flush=True)
-    return 0

@@ -1,0 +1,167 @@
+"""Every benchmark the README lists, in its `--smoke` mode: it starts, measures something real and
+prints its figure line, a finite number, so a bench cannot silently break again.
+
+- `recover bench --smoke` (2 replicas, 20 steps: the reference, recover, ckpt-restart and
+  shrink-batch, with a real SIGKILL and a checkpoint restart) runs first, alone: beyond its
+  figure line, its outputs, its trajectories and the simulator's prediction of each system's
+  wall time are checked, which load from a bench running beside it would spoil.
+- The `bench/*.py` scripts then run two at a time (they are mostly process start-up, one core
+  each; RECOVER_SMOKE_JOBS overrides), each under its own limit; each case waits for its script
+  and checks its exit code, its figure lines and their numbers.
+- `recover simulate`'s fast modes (`--scenario paper`, `--scenario scale --quick`) are checked
+  with their last lines in tests/test_sim_cli.py.
+
+Every process a script leaves when its limit passes is ended by PID (`recover.procs`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from recover import procs
+from recover.app.train.metrics import read_metrics
+from recover.sim.calibrate import load_calibration, predict_wall_times
+from recover.testing.runs import Launch, max_rel
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+# Each script's figure lines: the last line first, then the others it prints.
+FIGURES = {
+    "rejoin": ("rejoin_gbps", "rejoin_protocol_s"),
+    "soak": ("violations",),
+    "exact_cost": ("exact_step_time_ratio", "exact_step_time_ratio_debug"),
+    "degraded": ("degraded_efficiency",),
+    "memory": ("extra_grad_buffers",),
+    "overhead": ("overhead_ratio", "cpu_overhead_ratio"),
+    "scale": ("scale_protocol_ratio", "store_ops_per_rank_step"),
+    "recovery": ("recovery_median_s",),
+}  # longest first: the pool's lanes then end about together
+SCRIPT_S = 180.0  # one script's limit (5-30 s each on an idle 2-core machine)
+BENCH_ARGS = ["--smoke", "--seed", "0"]  # 2 replicas, 20 steps, one kill
+
+
+# -- recover bench --smoke first, alone: the figure line, and what the bench is for -------------
+@pytest.fixture(scope="module")
+def bench(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("bench") / "b"
+    run = Launch(out, *BENCH_ARGS, data=corpus, command="bench").finish(540)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return out, run.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_recover_bench_outputs_and_last_line(bench: tuple[Path, str]) -> None:
+    out, stdout = bench
+    for name in ("bench.md", "bench.png", "bench.json"):
+        assert (out / name).stat().st_size > 0
+    last = stdout.strip().splitlines()[-1]
+    assert last.startswith("effective_throughput_ratio=")
+    ratio = float(last.split("=")[1])
+    assert math.isfinite(ratio) and ratio > 0
+    md = (out / "bench.md").read_text()
+    for system in ("recover", "ckpt-restart", "shrink-batch"):
+        assert f"| {system} |" in md
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_recover_bench_trajectories(bench: tuple[Path, str]) -> None:
+    out, _ = bench
+    ref = read_metrics(out / "reference" / "metrics.jsonl")
+    losses = {s: [r["loss"] for r in read_metrics(out / s / "metrics.jsonl")]
+              for s in ("recover", "ckpt-restart", "shrink-batch")}
+    ref_losses = [r["loss"] for r in ref]
+    assert len(ref) == 20 and all(len(v) == 20 for v in losses.values())
+    assert max_rel(losses["recover"], ref_losses) < 1e-5
+    assert max_rel(losses["ckpt-restart"], ref_losses) < 1e-5  # constant N through the restart
+    assert max_rel(losses["shrink-batch"], ref_losses) > 1e-4  # the batch shrank: it deviates
+    shrink = read_metrics(out / "shrink-batch" / "metrics.jsonl")
+    assert min(r["microbatches"] for r in shrink) == 4  # the survivor's own share of N = 8
+    calib = json.loads((out / "bench.json").read_text())
+    assert calib["replicas"] == 2 and len(calib["fault_steps"]) == 1
+    runs = json.loads((out / "bench_runs.json").read_text())
+    assert len(next(r for r in runs if r["name"] == "ckpt-restart")["attempts"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_recover_bench_simulator_predicts_each_wall_time(bench: tuple[Path, str]) -> None:
+    out, _ = bench
+    calib = load_calibration(str(out / "bench.json"))
+    pred = predict_wall_times(calib)
+    errors = {s: abs(pred[s] - m) / m for s, m in calib["wall_s"].items()}
+    assert set(errors) == {"recover", "ckpt-restart", "shrink-batch"}
+    assert all(e < 0.15 for e in errors.values()), (errors, pred, calib["wall_s"])
+
+
+# -- the bench/*.py scripts, on the pool ------------------------------------------------------
+@dataclass
+class Smoke:
+    returncode: int | None  # None: ended at its limit
+    stdout: str
+    stderr: str
+    wall_s: float
+
+
+def run_script(name: str, out: Path) -> Smoke:
+    """`python bench/<name>.py --smoke`, to its end or its limit (then ended, with what it left)."""
+    cmd = [sys.executable, str(BENCH / f"{name}.py"), "--smoke", "--out", str(out / name)]
+    stdout, stderr = out / f"{name}.out", out / f"{name}.err"
+    t0 = time.monotonic()
+    proc = procs.start(cmd, stdout, stderr, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    code = None
+    try:
+        code = procs.wait_exit(proc, SCRIPT_S)
+    finally:
+        if code is None:  # SIGINT: the script's own cleanup ends its processes by PID
+            kids = procs.descendants(proc.pid)
+            procs.stop(proc, grace_s=15.0, sig=signal.SIGINT)
+            procs.kill_pids(kids)
+    return Smoke(code, stdout.read_text(errors="replace"), stderr.read_text(errors="replace"),
+                 time.monotonic() - t0)
+
+
+@pytest.fixture(scope="module")
+def smokes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[dict[str, Future[Smoke]]]:
+    """The selected scripts' runs, started at once on a pool of RECOVER_SMOKE_JOBS lanes."""
+    wanted = {item.callspec.params["name"] for item in request.session.items
+              if item.module is request.module and hasattr(item, "callspec")
+              and "name" in item.callspec.params}
+    out = tmp_path_factory.mktemp("smoke")
+    jobs = int(os.environ.get("RECOVER_SMOKE_JOBS", "0")) or min(2, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        yield {name: pool.submit(run_script, name, out) for name in FIGURES if name in wanted}
+
+
+def figures(stdout: str) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in stdout.splitlines() if "=" in line
+                and line.split("=", 1)[0].isidentifier())
+
+
+@pytest.mark.slow
+# Its script started at the latest when the case before it ended: this bounds the wait.
+@pytest.mark.timeout(SCRIPT_S + 60)
+@pytest.mark.parametrize("name", list(FIGURES))
+def test_bench_script_smoke(name: str, smokes: dict[str, Future[Smoke]]) -> None:
+    res = smokes[name].result()
+    where = f"bench/{name}.py --smoke ({res.wall_s:.1f}s):\n{res.stderr[-3000:]}"
+    assert res.returncode == 0, where
+    last = res.stdout.strip().splitlines()[-1]
+    key, _, value = last.partition("=")
+    assert key == FIGURES[name][0], f"last line {last!r}; {where}"
+    found = figures(res.stdout)
+    for key in FIGURES[name]:
+        assert key in found, f"no {key}= line; {where}"
+        assert math.isfinite(float(found[key])), f"{key}={found[key]}; {where}"
