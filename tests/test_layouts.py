@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from _procs import session_server
-from _run import Run, bitwise_equal, max_rel, recover_train, rel_l2
-from recover.app.train.forkserver import Process
+from recover.procs import Process
+from recover.testing.processes import session
+from recover.testing.runs import Run, bitwise_equal, max_rel, recover_train, rel_l2
 
 pytestmark = pytest.mark.timeout(300)
 N, STEPS = 8, 6
@@ -87,8 +87,8 @@ def native_hsdp(run_dir: Path, out: Path, timeout: float = 240) -> list[float]:
     """torch's native HSDP (FSDP2, 2x2 mesh) in 4 processes, on run_dir's config and data: forked
     with torchrun's environment, or under torchrun itself where there is no fork server."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    server = session_server()
-    if server is None:
+    server = session()
+    if not server.fork:
         return _native_hsdp_torchrun(run_dir, out, env, timeout)
     with socket.socket() as s:  # a free port for rank 0's store
         s.bind(("127.0.0.1", 0))
@@ -99,7 +99,7 @@ def native_hsdp(run_dir: Path, out: Path, timeout: float = 240) -> list[float]:
             env_r = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="4",
                          LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             log = out.parent / f"native{rank}.log"
-            ranks.append(server.spawn("_native_hsdp:main", [str(run_dir), str(out)], log,
+            ranks.append(server.start("_native_hsdp:main", [str(run_dir), str(out)], log,
                                       env=env_r))
         deadline = time.monotonic() + timeout
         for rank, p in enumerate(ranks):
@@ -178,7 +178,7 @@ def test_kill_one_rank(refs: dict[str, Run], corpus: Path, tmp_path: Path, layou
 def test_qkv_order_gives_each_tp_rank_its_own_heads() -> None:
     import torch
 
-    from recover.parallel.tp import qkv_order, unpermute_state_dict
+    from recover.app.train.parallelize import qkv_order, unpermute_state_dict
 
     c, tp = 8, 2
     rows = torch.arange(3 * c)  # row i of the fused [q; k; v] weight
