@@ -20,8 +20,11 @@ except importlib.metadata.PackageNotFoundError:  # a source tree that was never 
 # The user-facing API, imported lazily: `recover train` and `recover simulate` start without
 # paying for torch.distributed's DTensor/FSDP2 imports (seconds) until a Replica is needed.
 _LAZY = {"Replica": "recover.parallel.replica", "ReplicaFault": "recover.collectives.comm",
-         "StepResult": "recover.recovery.step"}
-__all__ = ["Replica", "ReplicaFault", "StepResult", "__version__"]
+         "StepResult": "recover.recovery.step", "ReplicaConfig": "recover.settings",
+         "FaultTolerance": "recover.settings", "Numerics": "recover.settings",
+         "Hooks": "recover.settings"}
+__all__ = ["FaultTolerance", "Hooks", "Numerics", "Replica", "ReplicaConfig", "ReplicaFault",
+           "StepResult", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -4,7 +4,8 @@ Invariant: a fault-tolerance setting is declared once, here, and travels as the 
 whoever builds it (the app's `RunConfig`, a user's loop, `recover coordinator`'s flags) down to
 the coordinator, the member, the communicator and the step engine; no layer re-declares it as a
 keyword of its own. Fault injection reaches the library only through one `Hooks` object, and the
-launcher's environment variables are read in one place (`LaunchEnv.from_env`).
+launcher's environment variables are read in one place (`LaunchEnv.from_env`). A replica's
+settings travel together as one `ReplicaConfig` (where and who, `FaultTolerance`, `Numerics`).
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class LaunchEnv:
         return cls(coordinator=env.get("RECOVER_COORDINATOR") or None,
                    replica=_int(env.get("RECOVER_REPLICA", "")),
                    rank=_int(env.get("RANK", "")) or 0,
-                   token=env.get("RECOVER_RUN_TOKEN") or None,
+                   token=env.get("RECOVER_RUN_TOKEN", "").strip() or None,
                    join_at=_int(env.get("RECOVER_JOIN_AT", "")) or 0,
                    incarnation=(env.get("RECOVER_INCARNATION")
                                 or env.get("TORCHELASTIC_RESTART_COUNT", "0")),

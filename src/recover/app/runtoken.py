@@ -15,15 +15,16 @@ import secrets
 from pathlib import Path
 
 from recover.errors import ConfigError
+from recover.settings import LaunchEnv
 
-ENV = "RECOVER_RUN_TOKEN"
+ENV = "RECOVER_RUN_TOKEN"  # read by LaunchEnv; named here in messages
 FILE = "run.token"
 
 
 def run_token(run_dir: str | Path, create: bool = False) -> bytes:
     """This run's token (bytes). With `create` (the launcher), make `run_dir/run.token` first if
     neither it nor the env variable exists."""
-    env = os.environ.get(ENV, "").strip()
+    env = LaunchEnv.from_env().token
     if env:
         return env.encode()
     path = Path(run_dir) / FILE
