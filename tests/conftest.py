@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
 from recover.testing.processes import close_session  # noqa: E402
-from recover.testing.runs import BASE, Run, recover_train  # noqa: E402
+from recover.testing.runs import BASE, LAYOUT_ARGS, Run, recover_train  # noqa: E402
 
 WORDS = (
     "the of and to in is that it was for on are with as his they be at one have this from or had "
@@ -54,6 +54,16 @@ def ref4(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
     """The failure-free R=4, N=8 run (tests/_run.BASE) that many tests compare against."""
     run = recover_train(tmp_path_factory.mktemp("ref4") / "run", *BASE, "--replicas", "4",
                         "--dump-final-params", data=corpus)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+@pytest.fixture(scope="session")
+def single_replica(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """One plain replica computes all N microbatches (LAYOUT_ARGS): every multi-rank layout, with
+    or without faults and resumes, must follow its trajectory."""
+    run = recover_train(tmp_path_factory.mktemp("single") / "run", *LAYOUT_ARGS,
+                        "--dump-final-params", "--replicas", "1", data=corpus)
     assert run.returncode == 0, run.stderr[-3000:]
     return run
 

@@ -30,7 +30,14 @@ from recover.app.train.data import microbatch
 from recover.app.train.model import GPT, build_model
 from recover.app.train.optim import build_optimizer, lr_at, set_lr
 from recover.errors import CheckpointError, ConfigError
-from recover.testing.runs import Run, max_rel, recover_train
+from recover.testing.runs import (
+    LAYOUT_ARGS,
+    LAYOUT_FLAGS,
+    LAYOUT_STEPS,
+    Run,
+    max_rel,
+    recover_train,
+)
 from recover.workload.ids import id_seed, step_ids
 
 MODEL = ModelConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
@@ -307,25 +314,12 @@ def test_checkpoint_dir_copy_loads(saved: Path, tmp_path: Path) -> None:
 
 
 # -- multi-rank layouts, real processes ------------------------------------------------------
-STEPS = 6
-ARGS = ["--preset", "debug", "--steps", str(STEPS), "--eval-every", "0", "--warmup-steps", "3",
-        "--stale-s", "3"]
-LAYOUT = {"hsdp": ["--layout", "hsdp", "--shards", "2"], "tp": ["--layout", "tp", "--tp", "2"],
-          "pp": ["--layout", "pp", "--stages", "2"]}
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
-    """One plain replica, all steps: every layout follows its trajectory (tests/test_layouts)."""
-    run = recover_train(tmp_path_factory.mktemp("single") / "run", *ARGS, "--replicas", "1",
-                        data=corpus)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run
+STEPS, ARGS, LAYOUT = LAYOUT_STEPS, LAYOUT_ARGS, LAYOUT_FLAGS
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", ["hsdp", "tp", "pp"])
-def test_layout_stop_and_resume(uninterrupted: Run, corpus: Path, tmp_path: Path,
+def test_layout_stop_and_resume(single_replica: Run, corpus: Path, tmp_path: Path,
                                 layout: str) -> None:
     """2 replicas x 2 ranks: --stop-at, then --resume past a tampered newest checkpoint."""
     out, args = tmp_path / "run", [*ARGS, "--replicas", "2", *LAYOUT[layout]]
@@ -343,7 +337,7 @@ def test_layout_stop_and_resume(uninterrupted: Run, corpus: Path, tmp_path: Path
     assert "skipped step_00000003" in second.stderr and "fails authentication" in second.stderr
     assert "--resume from step_00000002" in second.stderr
     assert [r["step"] for r in second.metrics()] == list(range(STEPS))
-    assert max_rel(second.losses(), uninterrupted.losses()) < 1e-5
+    assert max_rel(second.losses(), single_replica.losses()) < 1e-5
     assert (ckpt / "latest").read_text() == f"step_{STEPS:08d}\n"
     other = LAYOUT["tp" if layout == "hsdp" else "hsdp"]
     third = recover_train(out, *args[:-len(other)], *other, "--resume", data=corpus)

@@ -21,16 +21,21 @@ import pytest
 
 from recover.procs import Process
 from recover.testing.processes import session
-from recover.testing.runs import Run, bitwise_equal, max_rel, recover_train, rel_l2
+from recover.testing.runs import (
+    LAYOUT_ARGS,
+    LAYOUT_FLAGS,
+    LAYOUT_STEPS,
+    Run,
+    bitwise_equal,
+    max_rel,
+    recover_train,
+    rel_l2,
+)
 
 pytestmark = pytest.mark.timeout(300)
-N, STEPS = 8, 6
-# SIGKILL is seen through the liveness socket at once; the heartbeat threshold only matters for
-# hangs, and a loaded 2-core machine can starve a heartbeat thread for over a second.
-ARGS = ["--preset", "debug", "--steps", str(STEPS), "--eval-every", "0", "--warmup-steps", "3",
-        "--dump-final-params", "--stale-s", "3"]
-LAYOUT = {"hsdp": ["--layout", "hsdp", "--shards", "2"], "tp": ["--layout", "tp", "--tp", "2"],
-          "pp": ["--layout", "pp", "--stages", "2"]}
+N, STEPS = 8, LAYOUT_STEPS
+ARGS = [*LAYOUT_ARGS, "--dump-final-params"]
+LAYOUT = LAYOUT_FLAGS
 
 
 def train(out: Path, corpus: Path, *args: str) -> Run:
@@ -53,12 +58,9 @@ def exit_codes(run: Run) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def single(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
+def single(single_replica: Run) -> Run:
     """The single-process reference: one plain replica computes all N microbatches."""
-    run = recover_train(tmp_path_factory.mktemp("single") / "run", *ARGS, "--replicas", "1",
-                        data=corpus)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run
+    return single_replica
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,15 @@ from recover.testing.processes import session
 
 # The common small config of the multi-process tests: fast on 2 cores, enough steps to see drift.
 BASE = ["--preset", "debug", "--steps", "14", "--eval-every", "0", "--warmup-steps", "3"]
+# The multi-rank layouts' short runs (tests/test_layouts.py, tests/test_checkpoint.py), which all
+# follow one single-replica reference. SIGKILL is seen through the liveness socket at once; the
+# heartbeat threshold only matters for hangs, and a loaded 2-core machine can starve a heartbeat
+# thread for over a second: hence 3 s.
+LAYOUT_STEPS = 6
+LAYOUT_ARGS = ["--preset", "debug", "--steps", str(LAYOUT_STEPS), "--eval-every", "0",
+               "--warmup-steps", "3", "--stale-s", "3"]
+LAYOUT_FLAGS = {"hsdp": ["--layout", "hsdp", "--shards", "2"],
+                "tp": ["--layout", "tp", "--tp", "2"], "pp": ["--layout", "pp", "--stages", "2"]}
 
 
 def read_jsonl(path: Path) -> list[dict]:
