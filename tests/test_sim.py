@@ -23,6 +23,7 @@ from recover.sim import (
 from recover.sim.calibrate import calib_params, load_calibration
 from recover.sim.faults import load_trace
 from recover.sim.job import Job, replica_quotas
+from recover.testing.sim import calib
 
 # 4 replicas, N = 8 (2 per replica), 1 s steps of which 0.2 s all-reduce -> 0.4 s per microbatch.
 SMALL = dict(
@@ -38,25 +39,6 @@ SMALL = dict(
     per_gpu_mttf_h=None,
     total_steps=10,
 )
-
-
-def calib(**over: object) -> dict:
-    base = {
-        "replicas": 4,
-        "microbatches": 8,
-        "steps": 40,
-        "step_time_s": 0.2,
-        "allreduce_s": 0.02,
-        "ckpt_cost_s": 0.3,
-        "ckpt_every": 10,
-        "restart_cost_s": 6.0,
-        "detect_s": 1.0,
-        "rebuild_s": 0.02,
-        "fault_steps": [],
-        "startup_s": 4.5,
-    }
-    base.update(over)
-    return base
 
 
 def test_young_daly_formula() -> None:

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from recover.sim.cli import run_cli
+from recover.testing.sim import calib
 
 LAST_LINES = re.compile(
     r"throughput_ratio=(?P<ratio>[0-9.]+|inf|nan)\n"
@@ -71,21 +72,8 @@ def test_sensitivity_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_calibrate_validation_table(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
-    bench = {
-        "replicas": 4,
-        "microbatches": 8,
-        "steps": 40,
-        "step_time_s": 0.2,
-        "allreduce_s": 0.02,
-        "ckpt_cost_s": 0.3,
-        "ckpt_every": 10,
-        "restart_cost_s": 6.0,
-        "detect_s": 1.0,
-        "rebuild_s": 0.02,
-        "fault_steps": [12],
-        "startup_s": 4.5,
-        "wall_s": {"recover": 14.0, "ckpt-restart": 22.0, "shrink-batch": 13.5},
-    }
+    bench = calib(fault_steps=[12],
+                  wall_s={"recover": 14.0, "ckpt-restart": 22.0, "shrink-batch": 13.5})
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(bench))
     assert run_cli(["--calibrate", str(path)]) == 0
