@@ -48,13 +48,12 @@ when it replays the step after a restart).
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from typing import Any
 
 from recover.errors import ConfigError
 from recover.sim.engine import simulate
+from recover.sim.inputs import parse_json, read_text
 from recover.sim.params import POLICIES, SimParams
 
 REQUIRED = (
@@ -74,16 +73,7 @@ COST_KEYS = ("ckpt_cost_s", "restart_cost_s", "detect_s", "rebuild_s", "restart_
 
 def load_calibration(path: str) -> dict[str, Any]:
     """Read and check a bench.json (schema in the module docstring); ConfigError if unusable."""
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise ConfigError(f"cannot read calibration file {path}: {e.strerror}") from None
-    try:
-        calib = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(
-            f"calibration file {path} is not valid JSON: {e.msg} (line {e.lineno})"
-        ) from None
+    calib = parse_json(read_text(path, "calibration file"), path, "calibration file")
     check_calibration(calib, path)
     return calib
 

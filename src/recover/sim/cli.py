@@ -49,57 +49,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for name, (parse, hlp) in FLAGS.items():
         ap.add_argument("--" + name.replace("_", "-"), dest=name, type=parse, help=hlp)
-    ap.add_argument(
-        "--scenario",
-        choices=["paper", "scale"],
-        help="paper: 512 GPUs, 256 lost over the run; scale: ETTR from 1,024 to 131,072 GPUs",
-    )
-    ap.add_argument(
-        "--fault-every-min",
-        type=non_negative(float),
-        help="scenario: mean minutes between replica losses (default 10)",
-    )
-    ap.add_argument(
-        "--fault-schedule",
-        choices=["random", "even"],
-        help="scenario: seeded uniform times (default) or evenly spaced",
-    )
-    ap.add_argument("--lost-gpus", type=non_negative(int), help="scenario: GPUs lost (default 256)")
-    ap.add_argument(
-        "--seeds", type=non_negative(int), help="scenario: schedules pooled (default 10)"
-    )
-    ap.add_argument(
-        "--calibrate", metavar="BENCH_JSON", help="parameters measured by recover bench"
-    )
-    ap.add_argument("--quick", action="store_true", help="scale: 4 sizes, 48 h, 1 seed")
-    ap.add_argument(
-        "--sizes", type=_sizes, help="scale: comma-separated GPU counts (default 1,024..131,072)"
-    )
-    ap.add_argument(
-        "--curve", metavar="JSON", help="scale: recover's measured scale curve (default shipped)"
-    )
-    ap.add_argument(
-        "--curve-fit",
-        choices=list(FIT_MODES),
-        help="scale: extrapolation of the curve (default mixed; see recover.sim.curve)",
-    )
-    ap.add_argument(
-        "--rebuild",
-        choices=["cpu", "wall"],
+    add = ap.add_argument
+    add("--scenario", choices=["paper", "scale"],
+        help="paper: 512 GPUs, 256 lost over the run; scale: ETTR from 1,024 to 131,072 GPUs")
+    add("--fault-every-min", type=non_negative(float),
+        help="scenario: mean minutes between replica losses (default 10)")
+    add("--fault-schedule", choices=["random", "even"],
+        help="scenario: seeded uniform times (default) or evenly spaced")
+    add("--lost-gpus", type=non_negative(int), help="scenario: GPUs lost (default 256)")
+    add("--seeds", type=non_negative(int), help="scenario: schedules pooled (default 10)")
+    add("--calibrate", metavar="BENCH_JSON", help="parameters measured by recover bench")
+    add("--quick", action="store_true", help="scale: 4 sizes, 48 h, 1 seed")
+    add("--sizes", type=_sizes, help="scale: comma-separated GPU counts (default 1,024..131,072)")
+    add("--curve", metavar="JSON", help="scale: recover's measured scale curve (default shipped)")
+    add("--curve-fit", choices=list(FIT_MODES),
+        help="scale: extrapolation of the curve (default mixed; see recover.sim.curve)")
+    add("--rebuild", choices=["cpu", "wall"],
         help="scale: recover's rebuild per group member: the measured CPU time (default, "
-        "contention-free) or the measured wall clock (2 cores shared by every rank)",
-    )
-    ap.add_argument(
-        "--control",
-        choices=["cpu", "one-store", "wall"],
+        "contention-free) or the measured wall clock (2 cores shared by every rank)")
+    add("--control", choices=["cpu", "one-store", "wall"],
         help="scale: recover's control plane per step: a rank's CPU + the store shards' serial "
-        "work (default), the same on one store server, or the wall clock measured on 2 cores",
-    )
-    ap.add_argument(
-        "--plot", metavar="PNG", help="plot (paper: tokens vs GPU-hours; scale: ETTR vs GPUs)"
-    )
-    ap.add_argument("--sensitivity", action="store_true", help="vary MTTF, ckpt interval, restart")
-    ap.add_argument("--out", metavar="DIR", help="write results.json (and the plot) there")
+        "work (default), the same on one store server, or the wall clock measured on 2 cores")
+    add("--plot", metavar="PNG", help="plot (paper: tokens vs GPU-hours; scale: ETTR vs GPUs)")
+    add("--sensitivity", action="store_true", help="vary MTTF, ckpt interval, restart")
+    add("--out", metavar="DIR", help="write results.json (and the plot) there")
     return ap
 
 

@@ -19,13 +19,13 @@ gpus_per_replica`); without it the failing slot is drawn (seeded) among the slot
 from __future__ import annotations
 
 import csv
-import json
 import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from recover.errors import ConfigError
+from recover.sim.inputs import parse_json, read_text
 from recover.sim.params import SimParams
 
 
@@ -111,19 +111,11 @@ def _num(x: object, what: str) -> float:
 def load_trace(path: str) -> tuple[list[float], list[int | None]]:
     """Read a trace file (format: module docstring): failure hours, and GPU ids or None."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ConfigError(f"cannot read failure trace {path}: {e.strerror}") from None
+    text = read_text(path, "failure trace")
     times: list[float] = []
     gpus: list[int | None] = []
     if p.suffix.lower() == ".json" or text.lstrip()[:1] in ("[", "{"):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(
-                f"failure trace {path} is not valid JSON: {e.msg} (line {e.lineno})"
-            ) from None
+        data = parse_json(text, path, "failure trace")
         if isinstance(data, dict):
             data = data.get("failures")
         if not isinstance(data, list):
