@@ -299,12 +299,17 @@ def kill_after_reduces(c: Cluster, victim: int, n: int, settle_s: float = 0.02) 
 KILL_RUN = {"numel": 2_000_000, "iters": 40}  # 8 MB per reduce: tens of ms, kills land mid-op
 
 
+def start_kill_run(c: Cluster) -> None:
+    """A coordinator and N replicas reducing KILL_RUN's buffers, all joined."""
+    c.start_coordinator()
+    c.start_replicas(**KILL_RUN)
+    c.wait_joined()
+
+
 # -- scenarios -----------------------------------------------------------------------------------
 @pytest.mark.timeout(150)
 def test_kill_one_of_four_during_reduce(cluster: Cluster) -> None:
-    cluster.start_coordinator()
-    cluster.start_replicas(**KILL_RUN)
-    cluster.wait_joined()
+    start_kill_run(cluster)
     t_kill = kill_after_reduces(cluster, 1, 5)
     lat = finish_kill_run(cluster, [0, 2, 3], {1: t_kill})
     assert lat
@@ -312,9 +317,7 @@ def test_kill_one_of_four_during_reduce(cluster: Cluster) -> None:
 
 @pytest.mark.timeout(150)
 def test_kill_two_at_once(cluster: Cluster) -> None:
-    cluster.start_coordinator()
-    cluster.start_replicas(**KILL_RUN)
-    cluster.wait_joined()
+    start_kill_run(cluster)
     cluster.wait_for(lambda: cluster.n_reduces(0) >= 5, 60.0, "replica 0 to log 5 reduces")
     time.sleep(0.02)
     cluster.replicas[0].signal(signal.SIGKILL)
@@ -325,9 +328,7 @@ def test_kill_two_at_once(cluster: Cluster) -> None:
 
 @pytest.mark.timeout(150)
 def test_second_kill_during_recovery(cluster: Cluster) -> None:
-    cluster.start_coordinator()
-    cluster.start_replicas(**KILL_RUN)
-    cluster.wait_joined()
+    start_kill_run(cluster)
     t1 = kill_after_reduces(cluster, 3, 5)
     # The second victim dies the moment generation 1 (without 3, with 1) is published: while the
     # survivors run their barrier and build generation 1's communicator.
@@ -406,16 +407,19 @@ def test_sigstop_is_fenced_and_exits_by_itself(cluster: Cluster) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_no_false_alarm_under_load(cluster: Cluster) -> None:
-    busy_s = 25.0  # > 10 x the 2 s silence bound; bench/soak.py runs for minutes
+    # > 5 x the 2 s silence bound: a heartbeat starved past it in any of 5 windows would be an
+    # eviction here (bench/soak.py runs for minutes).
+    busy_s = 12.0
     cluster.start_coordinator()
-    # The replicas need ~5-15 s to start on a loaded 2-core machine; they stop together at `until`.
-    until = time.time() + 12.0 + busy_s
+    # The spawner is warm once the coordinator is up: the replicas take ~1-3 s to join (at most
+    # 8 s, or the busy window shrinks below 5 x the bound: checked); they stop together at `until`.
+    until = time.time() + 8.0 + busy_s
     cluster.start_replicas(numel=1_000_000, until=until, compute_s=0.05)
     cluster.wait_joined()
     joined = max(cluster.events(i, "joined")[0]["t"] for i in range(N))
     rcs = cluster.wait_exit(list(range(N)), until - time.time() + 60.0)
     assert all(rc == 0 for rc in rcs.values()), f"{rcs}\n{cluster.diagnostics()}"
-    assert until - joined > 20.0, f"replicas took {joined - cluster.spawned_at:.1f} s to join"
+    assert until - joined > 10.0, f"replicas took {joined - cluster.spawned_at:.1f} s to join"
 
     gens = check_generations(cluster)
     check_replica_logs(cluster, gens)
@@ -438,6 +442,6 @@ def test_no_false_alarm_under_load(cluster: Cluster) -> None:
         faults = [e for e in cluster.events(i, "fault") if e["t"] < first_leave]
         assert not faults, f"replica {i}: {faults}"
     counts = [len(cluster.events(i, "reduce")) for i in range(N)]
-    assert min(counts) > 40, counts
+    assert min(counts) > 20, counts  # >= 50 ms each (busy compute): <= 20 a second
     print(f"\nno false alarm: {until - joined:.1f} s busy, reduces per replica {counts}, "
           f"{len(gen_events)} generations ({len(gen_events) - 1} from the final leaves)")

@@ -35,6 +35,15 @@ def _check(run: Run, ref: Run, replicas: list[str]) -> list[dict]:
     return recs
 
 
+def _rejoin_run(tmp_path: Path, corpus: Path, replica: int, dies: str) -> Run:
+    """Four replicas; `replica` is killed at step 3 and restarted for step 6, where `dies`
+    strikes during the state transfer."""
+    return recover_train(tmp_path / "run", *BASE, "--replicas", "4", "--dump-final-params",
+                         "--fault", f"kill:replica={replica},step=3,phase=backward",
+                         "--fault", f"restart:replica={replica},step=6", "--fault", dies,
+                         data=corpus)
+
+
 def test_killed_replica_rejoins(ref4: Run, corpus: Path, tmp_path: Path) -> None:
     run = recover_train(tmp_path / "run", *BASE, "--replicas", "4", "--dump-final-params",
                         "--fault", "kill:replica=2,step=4,phase=backward",
@@ -51,11 +60,7 @@ def test_donor_and_joiner_die_during_transfers(ref4: Run, corpus: Path, tmp_path
     """Replica 3 is killed at 3 and restarted for step 6: the donor (replica 0, the lowest) is
     killed as it starts streaming, so the join is given up and tried again with replica 1 as the
     donor at a later boundary; no running replica loses a step."""
-    run = recover_train(tmp_path / "run", *BASE, "--replicas", "4", "--dump-final-params",
-                        "--fault", "kill:replica=3,step=3,phase=backward",
-                        "--fault", "restart:replica=3,step=6",
-                        "--fault", "kill:replica=0,step=6,phase=donate",
-                        data=corpus)
+    run = _rejoin_run(tmp_path, corpus, replica=3, dies="kill:replica=0,step=6,phase=donate")
     recs = _check(run, ref4, ["replica1", "replica2", "replica3"])
     joined = [r["step"] for r in recs if r.get("joined")]
     assert joined and joined[0] >= 6, joined
@@ -69,11 +74,7 @@ def test_donor_and_joiner_die_during_transfers(ref4: Run, corpus: Path, tmp_path
 def test_joiner_dies_during_transfer(ref4: Run, corpus: Path, tmp_path: Path) -> None:
     """Replica 2, restarted for step 6, dies as it starts receiving: the join is given up and
     the others go on without it, on the trajectory, without losing a step."""
-    run = recover_train(tmp_path / "run", *BASE, "--replicas", "4", "--dump-final-params",
-                        "--fault", "kill:replica=2,step=3,phase=backward",
-                        "--fault", "restart:replica=2,step=6",
-                        "--fault", "kill:replica=2,step=6,phase=receive",
-                        data=corpus)
+    run = _rejoin_run(tmp_path, corpus, replica=2, dies="kill:replica=2,step=6,phase=receive")
     recs = _check(run, ref4, ["replica0", "replica1", "replica3"])
     assert all(r["live_replicas"] == 3 for r in recs[3:])
     assert not any(r.get("joined") for r in recs)

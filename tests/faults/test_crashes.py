@@ -26,13 +26,22 @@ def ref(ref4: Run) -> Run:
     return ref4
 
 
+def recorded(record: Row, tmp_path: Path, corpus: Path, scenario: str, expected: str,
+             *faults: str) -> Run:
+    """One faulty run, described and measured for docs/faults.md."""
+    record.scenario, record.expected = scenario, expected
+    run = faulty(tmp_path, corpus, *faults)
+    record.measured = measure(run)
+    return run
+
+
 def test_kill_in_each_phase_down_to_one(ref: Run, corpus: Path, tmp_path: Path,
                                         record: Row) -> None:
-    record.scenario = "crash in forward, backward, reduce; down to one survivor"
-    record.expected = "each loss recovered in-step; replica 0 ends alone with all 8 microbatches"
-    run = faulty(tmp_path, corpus, "kill:replica=3,step=3,phase=forward,microbatch=1",
-                 "kill:replica=2,step=6,phase=backward", "kill:replica=1,step=10,phase=reduce")
-    record.measured = measure(run)
+    run = recorded(record, tmp_path, corpus,
+                   "crash in forward, backward, reduce; down to one survivor",
+                   "each loss recovered in-step; replica 0 ends alone with all 8 microbatches",
+                   "kill:replica=3,step=3,phase=forward,microbatch=1",
+                   "kill:replica=2,step=6,phase=backward", "kill:replica=1,step=10,phase=reduce")
     recs = check_run(run, ref, [0])
     assert [r["live_replicas"] for r in (recs[2], recs[3], recs[6])] == [4, 3, 2]
     # Killed mid-compute with equal quotas over [0, 1, 2]: exactly its ids (54, 55) recomputed.
@@ -46,11 +55,11 @@ def test_kill_in_each_phase_down_to_one(ref: Run, corpus: Path, tmp_path: Path,
 
 def test_two_at_once_and_optimizer_phase(ref: Run, corpus: Path, tmp_path: Path,
                                          record: Row) -> None:
-    record.scenario = "two crashes at once (commit phase), then one after the commit decision"
-    record.expected = "both losses handled in one recovery; the optimizer-phase loss too"
-    run = faulty(tmp_path, corpus, "kill:replica=1,step=4,phase=commit",
-                 "kill:replica=2,step=4,phase=commit", "kill:replica=3,step=9,phase=optimizer")
-    record.measured = measure(run)
+    run = recorded(record, tmp_path, corpus,
+                   "two crashes at once (commit phase), then one after the commit decision",
+                   "both losses handled in one recovery; the optimizer-phase loss too",
+                   "kill:replica=1,step=4,phase=commit", "kill:replica=2,step=4,phase=commit",
+                   "kill:replica=3,step=9,phase=optimizer")
     recs = check_run(run, ref, [0])
     # Killed after the reduce: step 4's gradient already holds their ids; step 5 runs without.
     assert recs[3]["live_replicas"] == 4 and recs[5]["live_replicas"] == 2
