@@ -70,3 +70,10 @@ def test_real_process_prints_no_traceback(tmp_path: Path) -> None:
                         "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
     assert p.stderr.strip() == "recover train: error: --replicas must be >= 1 (got 0)"
+
+
+def test_bad_log_level(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, err = _err(capsys, ["--log-level", "loud", "train", "--out", str(tmp_path / "o")])
+    assert code == 2 and "--log-level" in err and "Traceback" not in err
+    code, err = _err(capsys, ["train", "--log-level", "loud", "--out", str(tmp_path / "o")])
+    assert code == 2 and "--log-level" in err

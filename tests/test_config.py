@@ -112,3 +112,37 @@ def test_one_definition_of_layouts() -> None:
     assert PARALLEL_LAYOUTS is LAYOUTS
     with pytest.raises(ConfigError, match="unknown --layout 'ring'; choose from plain"):
         preset("debug").replace(layout={"name": "ring"}).validate()
+
+
+def test_the_library_settings_come_from_the_run_config() -> None:
+    """One translation (`replica_config`): every FaultTolerance and Numerics field is the run
+    config's field of the same name, so a setting added to both cannot be left behind."""
+    from recover.app.config import replica_config
+    from recover.settings import FaultTolerance, Numerics
+
+    cfg = _cfg("--stale-s", "3.5", "--min-replicas", "2", "--no-speed-aware", "--exact",
+               "--coordinator-wait-s", "7")
+    rc = replica_config(cfg, "h:1", 3, "tok")
+    assert (rc.coordinator, rc.replica, rc.token) == ("h:1", 3, "tok")
+    for lib, sub in ((FaultTolerance, cfg.ft), (Numerics, cfg.compute)):
+        got = rc.ft if lib is FaultTolerance else rc.numerics
+        for f in dataclasses.fields(lib):
+            assert getattr(got, f.name) == getattr(sub, f.name), f.name
+    assert rc.ft.stale_s == 3.5 and rc.ft.min_replicas == 2 and not rc.ft.speed_aware
+    assert rc.numerics.exact and rc.ft.coordinator_wait_s == 7
+
+
+def test_launch_env_is_read_in_one_place() -> None:
+    from recover.settings import LaunchEnv, ReplicaConfig
+
+    env = LaunchEnv.from_env({"RECOVER_COORDINATOR": "h:5", "RECOVER_REPLICA": "2", "RANK": "1",
+                              "RECOVER_RUN_TOKEN": " s3cret\n", "RECOVER_JOIN_AT": "9",
+                              "TORCHELASTIC_RESTART_COUNT": "4", "RECOVER_LOG_LEVEL": "DEBUG"})
+    assert env == LaunchEnv("h:5", 2, 1, "s3cret", 9, "4", "debug")
+    assert LaunchEnv.from_env({"RECOVER_REPLICA": "x", "RECOVER_LOG_LEVEL": "loud"}) == LaunchEnv()
+    resolved = ReplicaConfig(launch=env).resolved()
+    assert (resolved.coordinator, resolved.replica, resolved.token) == ("h:5", 2, "s3cret")
+    assert resolved.host_port() == ("h", 5)
+    assert ReplicaConfig(replica=0, launch=env).resolved().replica == 0  # explicit wins
+    with pytest.raises(ValueError, match="RECOVER_COORDINATOR"):
+        ReplicaConfig(launch=LaunchEnv()).resolved()

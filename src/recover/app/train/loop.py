@@ -194,15 +194,15 @@ class Trainer:
             self.rep.member.store.set(keys.record_key(step), self.recent[-1][1])
 
     def progress(self, res: StepResult, rec: dict, last: bool) -> None:
-        """An INFO line per committed step (every `log_every` for long runs), one per recovery."""
-        if res.recovered or res.attempts > 1:
-            log.info(f"step {res.step}: recovered {len(res.recovered)} microbatch(es) in "
-                     f"{res.recovery_s:.3f}s over {res.attempts} attempt(s); generation "
-                     f"{res.generation}, live replicas {res.members}")
-        if last or res.step % self.log_every == 0 or res.recovered or res.attempts > 1:
+        """An INFO line per committed step (every `log_every` for long runs, and every step that
+        recovered; the step engine logs the recovery itself)."""
+        recovered = res.recovered or res.attempts > 1
+        if last or res.step % self.log_every == 0 or recovered:
             val = f", val loss {rec['val_loss']:.4f}" if "val_loss" in rec else ""
+            rec_ = (f", {len(res.recovered)} recovered in {res.recovery_s:.3f}s"
+                    if recovered else "")
             log.info(f"step {res.step}: loss {res.loss:.4f}{val}, {res.microbatches} "
-                     f"microbatches, {rec['step_time_s']:.3f}s, live replicas "
+                     f"microbatches{rec_}, {rec['step_time_s']:.3f}s, live replicas "
                      f"{len(res.members)}")
 
     def extra(self, at: int) -> dict:
