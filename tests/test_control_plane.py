@@ -3,7 +3,8 @@
 - A failure-free step costs each rank at most 4 store round trips (the engine's own, and its
   blocking key waits), whatever R and the positions per replica; 2 with one rank per replica,
   whose plan is implied by the last commit instead of read from the store.
-- The store's key count stays flat over many steps: the metrics sink deletes old steps' keys.
+- The store's key count stays flat over many steps: the protocol deletes old steps' keys
+  (recovery/lifetime.py), the metrics sink the step records.
 - The reduce's verification is exact for bf16 and fp16 gradients and for N = 65,536 ids; beyond
   the proven limits the engine refuses to start, with a clear error.
 """
@@ -44,7 +45,7 @@ def test_at_most_four_store_round_trips_per_rank_per_step(tmp_path: Path, replic
             assert max(per_step) == 2, (rank.name, per_step)
     # Entry 0 is in the store for the first step, and for every step it was not implied;
     # every rank implied the same plan (Harness.chain checks it against each rank's chain).
-    stored = [t for t in range(h.steps) if h.store().check([keys.chain_key(t, 0)])]
+    stored = [t for t in range(h.steps) if h.read(keys.chain_key(t, 0)) is not None]
     assert stored == ([0] if implied else list(range(h.steps))), stored
     assert all(h.chain(t)[0]["gen"] == 0 for t in range(h.steps))
 
@@ -65,12 +66,12 @@ def test_store_shards_take_the_count_off_the_main_store(tmp_path: Path, replicas
         per_rank = [rank.ops[t] for rank in h.ranks.values()]
         assert max(per_rank) <= 4 and min(per_rank) == 2, (t, per_rank)
         assert sum(per_rank) == 2 * ranks + 2 * used, (t, per_rank)
-        assert keys.store_int(h.store(), keys.count_key(t, 0)) == used  # one per shard
-        for k, shard in enumerate(h.coord.shards):
+        assert int(h.read(keys.count_key(t, 0)) or 0) == used  # one per shard
+        for k in range(len(h.coord.shards)):
             mine = sum(1 for r in range(replicas) for p in range(positions)
                        if shards.shard_of(r, p, positions, n_shards) == k)
-            assert keys.store_int(shard, keys.count_key(t, 0)) == mine
-            assert keys.try_get(shard, keys.decision_key(t, 0)) == h.decision(t, 0)
+            assert int(h.read(keys.count_key(t, 0), shard=k) or 0) == mine
+            assert h.read(keys.decision_key(t, 0), shard=k) == h.decision(t, 0)
 
 
 @pytest.mark.parametrize("n_shards", [0, 2])
@@ -82,7 +83,7 @@ def test_store_key_count_is_flat(tmp_path: Path, n_shards: int) -> None:
     counts: dict[int, int] = {}
     stop = threading.Event()
 
-    def drain() -> None:  # the launcher's metrics sink, deleting what no replica can read
+    def drain() -> None:  # the launcher's metrics sink (it deletes the records it wrote out)
         while not stop.is_set() and sink.next < steps:
             if sink.poll():
                 counts[sink.next] = sum(s.num_keys() for s in (h.coord.store, *h.coord.shards))
@@ -93,7 +94,6 @@ def test_store_key_count_is_flat(tmp_path: Path, n_shards: int) -> None:
     h.run(timeout_s=200)
     stop.set()
     t.join(10)
-    # (not h.check(): it reads the decisions, which the sink has deleted by design)
     assert all(sorted(r.results) == list(range(steps)) for r in h.ranks.values())
     assert all(res.microbatches == 6 for r in h.ranks.values() for res, _ in r.results.values())
     early = max(v for k, v in counts.items() if 20 <= k <= 40)

@@ -1,23 +1,20 @@
 """Layer 2: in-step recovery (uses layer 1 for the reduction and layer 3 for the plan).
 
 Public API: `StepEngine` (one replica's side of a step), `StepResult`, `GradAccess`,
-`TensorGrad`, `ExactGrads` (exact mode), `BelowMinReplicas`, `RecoveryError`, and the strategy
-interface `StepStrategy` with recover's own `InStepRecovery` and the helper `chain_owners` (for
-other strategies).
+`TensorGrad`, `ExactGrads` (exact mode), `BelowMinReplicas`, `RecoveryError`, `REDUCE_DTYPES`
+(the names of `Numerics.reduce_dtype`), and the strategy interface `StepStrategy` with recover's
+own `InStepRecovery` and the helper `chain_owners` (for other strategies). Modules: `step` (the
+step loop), `chain` (the ownership chain), `decide` (the commit decision), `lifetime` (deleting
+the keys of old steps), `trailer` (the reduce's verification), `grads`, `exact`, `strategy`,
+`shrink`.
 """
 
 from recover.recovery.exact import ExactGrads
+from recover.recovery.failures import BelowMinReplicas, RecoveryError
 from recover.recovery.grads import GradAccess, TensorGrad
-from recover.recovery.step import (
-    MAX_ATTEMPTS,
-    BelowMinReplicas,
-    RecoveryError,
-    StepEngine,
-    StepResult,
-)
+from recover.recovery.step import MAX_ATTEMPTS, REDUCE_DTYPES, StepEngine, StepResult
 from recover.recovery.strategy import Chain, InStepRecovery, StepStrategy, chain_owners
 
-__all__ = ["MAX_ATTEMPTS", "BelowMinReplicas", "Chain", "ExactGrads", "GradAccess",
-           "InStepRecovery",
-           "RecoveryError", "StepEngine", "StepResult", "StepStrategy", "TensorGrad",
-           "chain_owners"]
+__all__ = ["MAX_ATTEMPTS", "REDUCE_DTYPES", "BelowMinReplicas", "Chain", "ExactGrads",
+           "GradAccess", "InStepRecovery", "RecoveryError", "StepEngine", "StepResult",
+           "StepStrategy", "TensorGrad", "chain_owners"]

@@ -9,42 +9,53 @@ membership change the survivors decide on evidence (their written outcomes) inst
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from recover.collectives import Member, keys, shards
 from recover.collectives.waiter import KeyWaiter
+from recover.recovery.counting import CountingStore
+from recover.recovery.failures import RecoveryError
 from recover.recovery.strategy import Chain
 
-
-class RecoveryError(RuntimeError):
-    """A step could not be completed within its bounds."""
+log = logging.getLogger(__name__)
 
 
-def _log(msg: str) -> None:
-    """The fault path's account, on stderr (the replica's log): one line per failed attempt."""
-    print(f"recover: {msg}", file=sys.stderr, flush=True)
+class CommitDecision:
+    """One rank's side of every attempt's decision.
 
+    `store` (counted) and `waiter` are the rank's main-store client and its blocking reads;
+    with store shards this builds its own client of the rank's shard and a waiter on it.
+    `commit_value(step, g)` is what a commit writes (`commit`, or `commit-plan` when the next
+    plan must go through the store: recovery/chain.py).
+    """
 
-class Decisions:
-    """The decision half of `StepEngine` (recovery/step.py), which sets these attributes."""
+    def __init__(self, member: Member, store: Any, waiter: KeyWaiter, position: int,
+                 positions: int, timeout_s: float, commit_value: Callable[[int, int], bytes],
+                 stats: dict[str, float]) -> None:
+        self.member, self.store, self.waiter = member, store, waiter
+        self.me, self.position, self.positions = member.replica, position, positions
+        self.timeout_s, self.commit_value = timeout_s, commit_value
+        # With store shards the failure-free count and decision go through this rank's shard;
+        # the main store keeps the decision of record.
+        n_shards = len(member.shard_ports)
+        self.shard: Any = None
+        self.shard_waiter: KeyWaiter | None = None
+        if n_shards:
+            self.shard_index = shards.shard_of(self.me, position, positions, n_shards)
+            client = member.connect_shard(self.shard_index)
+            self.shard = CountingStore(client, stats)
+            self.shard_waiter = KeyWaiter(member, client)
+            self.shard_totals = shards.ShardTotals(positions, n_shards)
 
-    member: Member
-    store: Any
-    shard: Any
-    waiter: KeyWaiter
-    shard_waiter: KeyWaiter
-    shard_totals: shards.ShardTotals
-    me: int
-    position: int
-    positions: int
-    timeout_s: float
-    shared_speeds: bool
-    speed_aware: bool
-    scheduled_joins: dict[int, int]
+    @property
+    def waits(self) -> int:
+        """Blocking key waits so far, on the main store and the shard (one round trip each)."""
+        return self.waiter.gets + (self.shard_waiter.gets if self.shard_waiter else 0)
 
-    def _mark_skipped(self, step: int | str, chain: Chain, settled: set[int]) -> None:
+    def mark_skipped(self, tag: int | str, chain: Chain, settled: set[int]) -> None:
         """Decide 'redo' for every generation of the chain this rank moved past without reducing.
 
         Another position of the same generation may have completed its reduce; without this its
@@ -56,21 +67,21 @@ class Decisions:
             g = int(e["gen"])
             if g < int(chain[-1]["gen"]) and g not in settled:
                 settled.add(g)
-                dkey = keys.decision_key(step, g)
+                dkey = keys.decision_key(tag, g)
                 decided = self.store.compare_set(dkey, "", keys.REDO)
                 if self.shard is not None:
                     self.shard.set(dkey, decided)
 
-    def _decide(self, step: int, tag: int | str, g: int, ok: bool) -> bytes:
+    def decide(self, step: int, tag: int | str, g: int, ok: bool) -> bytes:
         """Commit iff every position of every surviving member of g holds a verified result;
         decided once, by compare-and-set of the attempt's decision key.
 
         Failure-free this costs two round trips: count our verified result; the rank whose
-        count completes the set writes `commit` (or `commit-plan`, `_commit_value`), the others
-        block on the decision. A failure writes `redo` at once. If the membership changes while
-        we wait (a member died, maybe after its reduce completed: its part is then inside the
-        sum, as the trailer proves), the survivors decide on evidence instead: each writes its
-        outcome and the commit needs every still-live member's `ok`.
+        count completes the set writes `commit` (or `commit-plan`), the others block on the
+        decision. A failure writes `redo` at once. If the membership changes while we wait (a
+        member died, maybe after its reduce completed: its part is then inside the sum, as the
+        trailer proves), the survivors decide on evidence instead: each writes its outcome and
+        the commit needs every still-live member's `ok`.
         """
         dkey = keys.decision_key(tag, g)
         if not ok:
@@ -82,24 +93,24 @@ class Decisions:
             return self._decide_sharded(step, tag, g, dkey)
         total = len(self.member.members(g)) * self.positions
         if self.store.add(keys.count_key(tag, g), 1) == total:
-            return self.store.compare_set(dkey, "", self._commit_value(step, g))
+            return self.store.compare_set(dkey, "", self.commit_value(step, g))
         return self._await_decision(self.waiter, tag, g, dkey)
 
     def _decide_sharded(self, step: int, tag: int | str, g: int, dkey: str) -> bytes:
-        """`_decide` through this rank's store shard (collectives/shards.py): count there; the
+        """`decide` through this rank's store shard (collectives/shards.py): count there; the
         rank completing its shard's count counts once on the main store, where the last such
         rank decides; each of those copies the main store's decision into its own shard."""
+        assert self.shard_waiter is not None
         per_shard = self.shard_totals.of(g, self.member.members(g))
-        mine = shards.shard_of(self.me, self.position, self.positions, self.shard_totals.shards)
         ckey = keys.count_key(tag, g)
-        if self.shard.add(ckey, 1) != per_shard[mine]:
+        if self.shard.add(ckey, 1) != per_shard[self.shard_index]:
             # Decided on evidence (no leader copied it), the decision is copied here too: that
             # ends our shard waiter's blocked get, so its client is reused, not replaced by a
-            # new connection (each costs the server a blocking DNS lookup:
-            # docs/MEASUREMENTS.md, "TCPStore").
+            # new connection (each costs the server a blocking DNS lookup: docs/MEASUREMENTS.md,
+            # "TCPStore").
             return self._await_decision(self.shard_waiter, tag, g, dkey, copy_to=self.shard)
         if self.store.add(ckey, 1) == len(per_shard):
-            decided = self.store.compare_set(dkey, "", self._commit_value(step, g))
+            decided = self.store.compare_set(dkey, "", self.commit_value(step, g))
         else:
             decided = self._await_decision(self.waiter, tag, g, dkey)
         self.shard.set(dkey, decided)
@@ -113,25 +124,14 @@ class Decisions:
         if decided in (*keys.COMMITS, keys.REDO):
             return decided
         if decided is not None:
-            _log(f"step {tag} generation {g}: unexpected decision value {decided!r} from the "
-                 f"waiter; reading it again")
+            log.warning("step %s generation %d: unexpected decision value %r from the waiter; "
+                        "reading it again", tag, g, decided)
         decided = self._decide_on_evidence(tag, g, dkey)
         if copy_to is not None:
             copy_to.set(dkey, decided)
         return decided
 
-    def _commit_value(self, step: int, g: int) -> bytes:
-        """`commit` lets every rank imply step + 1's plan; `commit-plan` sends it through the
-        store: when a joiner waits (its admission is a stored entry 0), when the fault injection
-        schedules one at step + 1, or when speeds differ between a replica's ranks."""
-        members = self.member.members(g)
-        joins = any(r not in members for r in dict(self.member.join_requests))
-        scheduled = any(at == step + 1 and r not in members
-                        for r, at in self.scheduled_joins.items())
-        alike = self.shared_speeds or not self.speed_aware
-        return keys.COMMIT if alike and not joins and not scheduled else keys.COMMIT_PLAN
-
-    def _decide_on_evidence(self, step: int | str, g: int, dkey: str) -> bytes:
+    def _decide_on_evidence(self, tag: int | str, g: int, dkey: str) -> bytes:
         """Commit once every rank of the newest generation that was in g holds a verified result.
 
         Each such rank counts itself, once per generation it learns while it waits (one round
@@ -148,19 +148,20 @@ class Decisions:
             if seen > counted:
                 counted = seen
                 live = set(self.member.members(seen)) & set(self.member.members(g))
-                if self.store.add(keys.evidence_key(step, g, seen), 1) == \
+                if self.store.add(keys.evidence_key(tag, g, seen), 1) == \
                         len(live) * self.positions:
                     # After a fault the members may differ by the next step: plan it in the store.
                     return self.store.compare_set(dkey, "", keys.COMMIT_PLAN)
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RecoveryError(f"no commit decision for step {step} within "
+                raise RecoveryError(f"no commit decision for step {tag} within "
                                     f"{3 * self.timeout_s:.0f}s")
             decided = self.waiter.get(dkey, seen, left)
             if decided in (*keys.COMMITS, keys.REDO):
                 return decided
             if decided is not None:
-                _log(f"step {step} generation {g}: unexpected decision value {decided!r}")
+                log.warning("step %s generation %d: unexpected decision value %r", tag, g,
+                            decided)
             self.member.check()
             self.member.progress()
             if self.member.generation() == seen:

@@ -1,20 +1,13 @@
 """In-step recovery: the step state machine COMPUTE -> REDUCE -> COMMIT.
 
 Invariants:
-- The step's ids are owned by exactly one live replica at a time. Ownership is a chain agreed
-  through the store (`step/{t}/chain/{k}`, each entry written once by compare-and-set): entry 0 is
-  the plan, entry k>0 hands the ids of replicas missing from generation g_k to the survivors. Every
-  replica reads the same chain, so nobody double-counts or drops an id even if replicas saw
-  different generations. Entry 0 of step t+1 is *implied*, not stored, when step t's decision is
-  `commit` (not `commit-plan`): it is then the plan of the generation t committed in, for the
-  speeds in t's reduced trailer, facts every rank of step t+1 holds alike (it read that one
-  decision; a joiner or a fresh engine only ever starts at a stored entry 0, because whoever
-  writes a decision while a join is pending, or after a fault, writes `commit-plan`).
+- The step's ids are owned by exactly one live replica at a time: the ownership chain agreed
+  through the store (recovery/chain.py) says who owns which; every replica reads the same chain.
 - The local gradient (unreduced sum of this replica's own microbatches) is never modified before
   commit: reductions work on a copy, so a failed attempt keeps everything computed so far.
-- An attempt commits only by a decision written once to the store (`.../decision`), made when every
-  surviving member reported that its reduce returned a verified result (trailer: count = N, id
-  checksum, step). Survivors of a split outcome therefore never diverge: all apply, or all redo.
+- An attempt commits only by a decision written once to the store (recovery/decide.py), made when
+  every surviving member reported that its reduce returned a verified result (trailer: count = N,
+  id checksum, step). Survivors of a split outcome therefore never diverge: all apply, or all redo.
 - What happens to a lost replica's ids is a `StepStrategy` (`recover.recovery.strategy`): recover's
   in-step recovery by default, or e.g. the shrink-batch baseline; the engine enforces the rest.
 - A replica may be a group of ranks (FSDP2 shards, TP x PP ranks): each rank runs this engine
@@ -23,26 +16,33 @@ Invariants:
   outcomes are per (replica, position), and an attempt commits only when every position of every
   surviving replica holds a verified result. A rank whose chain moves past a generation it did not
   reduce in marks that attempt failed at once, so its siblings never wait on it for a decision.
+- The keys a step leaves in the store are deleted two commits later (recovery/lifetime.py).
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch.profiler import record_function
 
-from recover.collectives import FaultTolerantComm, Member, ReplicaFault, keys, shards
+from recover.collectives import FaultTolerantComm, Member, ReplicaFault, keys
 from recover.collectives.waiter import KeyWaiter
-from recover.recovery.decide import Decisions, RecoveryError, _log
+from recover.recovery.chain import OwnershipChain
+from recover.recovery.counting import CountingStore
+from recover.recovery.decide import CommitDecision
+from recover.recovery.failures import BelowMinReplicas, RecoveryError
 from recover.recovery.grads import GradAccess, TensorGrad
+from recover.recovery.lifetime import Committed, KeyLifetime
 from recover.recovery.strategy import Chain, InStepRecovery, StepStrategy
 from recover.recovery.trailer import MAX_REPLICAS, Trailer, carries
+from recover.settings import FaultTolerance, Hooks, Numerics
 from recover.workload import id_checksum
+
+log = logging.getLogger(__name__)
 
 # The reduce carries a trailer (`recover.recovery.trailer`) in the gradient's own buffer when
 # its dtype holds it exactly (float32, float64, int64), else beside it in float64; decoded:
@@ -52,12 +52,12 @@ MAX_MICROBATCHES = 1 << 20  # count <= N, checksum < 2^32 * N
 # MAX_REPLICAS (2^16): step mark = (step + 1) * R < 2^53 for any run of < 2^37 steps
 HEAD = 4  # trailer entries before the per-replica speeds
 MAX_ATTEMPTS = 32
+# Numerics.reduce_dtype's names ("": the gradient's own dtype).
+REDUCE_DTYPES: dict[str, torch.dtype | None] = {
+    "": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-Hook = Callable[[str, int, int], None]  # (phase, step, local microbatch index)
-
-
-class BelowMinReplicas(RuntimeError):
-    """Fewer live replicas than the user's minimum: the run must stop (after a checkpoint)."""
+__all__ = ["HEAD", "MAX_ATTEMPTS", "MAX_MICROBATCHES", "REDUCE_DTYPES", "BelowMinReplicas",
+           "RecoveryError", "StepEngine", "StepResult"]
 
 
 @dataclass
@@ -75,6 +75,20 @@ class StepResult:
     chain: Chain = field(default_factory=list)  # the ownership chain the step committed on
 
 
+@dataclass
+class _Progress:
+    """One `run`'s state across its attempts."""
+
+    tag: int | str  # the step's name in the store
+    chain: Chain = field(default_factory=list)
+    held: list[int] = field(default_factory=list)  # ids computed into the local gradient
+    settled: set[int] = field(default_factory=set)  # generations this rank reported in
+    loss_sum: float = 0.0
+    compute_s: float = 0.0
+    t_fault: float | None = None  # when the first attempt failed
+    implied: bool = False  # entry 0 of the chain was implied, not read from the store
+
+
 def _recovered(chain: Chain) -> list[int]:
     """Ids handed to a new owner after a loss (not those first planned after a join)."""
     seen: set[int] = set()
@@ -86,39 +100,25 @@ def _recovered(chain: Chain) -> list[int]:
     return sorted(out)
 
 
-class _CountingStore:
-    """Counts the engine's store round trips into `stats["store_ops"]` (for profilers)."""
-
-    def __init__(self, store: Any, stats: dict[str, float]) -> None:
-        self._store, self._stats = store, stats
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._store, name)
-        if not callable(attr):
-            return attr
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            self._stats["store_ops"] += 1
-            return attr(*args, **kwargs)
-
-        return call
-
-
-class StepEngine(Decisions):
+class StepEngine:
     """Runs one rank's side of each step of its replica.
 
-    `grad` is the rank's local gradient: a `GradAccess` (the layout's) or a flat tensor. `positions`
-    is the number of ranks per replica; this rank reduces at `comm.position`. `stats` holds
-    cumulative counters for profilers ("steps", "attempts", "compute_s", "reduce_s", "decide_s",
-    "store_ops"); the phases are also `torch.profiler.record_function` spans ("recover.compute",
-    "recover.reduce", "recover.decide").
+    `grad` is the rank's local gradient: a `GradAccess` (the layout's) or a flat tensor.
+    `positions` is the number of ranks per replica; this rank reduces at `comm.position`.
+    `shared_speeds`: every rank of a replica holds the same speeds (default: one rank per
+    replica; `recover.Replica` makes its ranks agree), so a speed-aware plan may be implied.
+    `stats` holds cumulative counters for profilers ("steps", "attempts", "compute_s",
+    "reduce_s", "decide_s", "store_ops", "store_deletes"); the phases are also
+    `torch.profiler.record_function` spans ("recover.compute", "recover.reduce",
+    "recover.decide"). `on_join(step, entry)` is called on every rank when a replica joins at a
+    step boundary (`recover.Replica` serves the joiner its state when this replica is the donor).
     """
 
     def __init__(self, member: Member, comm: FaultTolerantComm, grad: torch.Tensor | GradAccess,
-                 n: int, *, min_replicas: int = 1, timeout_s: float = 60.0,
-                 hook: Hook | None = None, speed_aware: bool = True, positions: int = 1,
+                 n: int, *, positions: int = 1, ft: FaultTolerance | None = None,
+                 numerics: Numerics | None = None, hooks: Hooks | None = None,
                  strategy: StepStrategy | None = None,
-                 reduce_dtype: torch.dtype | None = None) -> None:
+                 shared_speeds: bool | None = None) -> None:
         if not 1 <= n <= MAX_MICROBATCHES:
             raise ValueError(f"N={n} microbatches is outside [1, {MAX_MICROBATCHES}], the range "
                              "in which the reduce's verification is exact")
@@ -132,43 +132,31 @@ class StepEngine(Decisions):
         self.positions, self.position = positions, comm.position
         if not 0 <= self.position < positions:
             raise ValueError(f"position {self.position} is not in [0, {positions})")
-        self.min_replicas, self.timeout_s = min_replicas, timeout_s
-        self.hook = hook or (lambda phase, step, j: None)
-        self.speed_aware = speed_aware
+        self.ft = ft or FaultTolerance()
+        self.hooks = hooks or Hooks()
         self.strategy: StepStrategy = strategy or InStepRecovery()
         self.me = member.replica
         self.stats: dict[str, float] = dict.fromkeys(
-            ("steps", "attempts", "compute_s", "reduce_s", "decide_s", "store_ops"), 0)
-        self.store = _CountingStore(member.store, self.stats)
+            ("steps", "attempts", "compute_s", "reduce_s", "decide_s", "store_ops",
+             "store_deletes"), 0)
+        store = CountingStore(member.store, self.stats)
         self.waiter = KeyWaiter(member)
-        # With store shards (collectives/shards.py) the failure-free count and decision go
-        # through this rank's shard; the main store keeps the decision of record.
-        n_shards = len(member.shard_ports)
-        self.shard: Any = None
-        if n_shards:
-            client = member.connect_shard(
-                shards.shard_of(self.me, self.position, positions, n_shards))
-            self.shard = _CountingStore(client, self.stats)
-            self.shard_waiter = KeyWaiter(member, client)
-            self.shard_totals = shards.ShardTotals(positions, n_shards)
+        self.chains = OwnershipChain(member, store, self.waiter, self.strategy, n,
+                                     self.position, positions, self.ft, self.hooks)
+        if shared_speeds is not None:
+            self.chains.shared_speeds = shared_speeds
+        self.decision = CommitDecision(member, store, self.waiter, self.position, positions,
+                                       self.ft.reduce_timeout_s, self.chains.commit_value,
+                                       self.stats)
+        self.lifetime = KeyLifetime(member, self.position, positions, self.stats)
         self.mb_time: float | None = None  # EMA of this replica's seconds per microbatch
-        self.speeds: dict[int, float] = {}  # every replica's, from the last reduced trailer
-        # Called with (step, join entry) on every rank when a replica joins at a step boundary
-        # (`recover.Replica` serves the joiner its state when this replica is the donor).
         self.on_join: Callable[[int, dict], None] | None = None
         self._served: set[int] = set()
-        self.scheduled_joins: dict[int, int] = {}  # fault injection: replica -> step (see above)
-        self._proposed: set[int] = set()
-        # (step, generation): that step's plan is implied by the commit of the step before it in
-        # that generation (see the module docstring); None: the next plan is read from the store.
-        self._implied: tuple[int, int] | None = None
-        # Speeds are alike on every rank: one rank per replica, or the caller makes each
-        # replica's ranks agree on `mb_time` (`recover.Replica` does). Only then may a plan that
-        # depends on speeds be implied instead of read from the store.
-        self.shared_speeds = positions == 1
+        numerics = numerics or Numerics()
         # One gradient-sized scratch buffer, reused by every reduce unless an abandoned
         # operation may still write into it (then a new one is made and this one dropped).
-        self.reduce_dtype = reduce_dtype or self.grads.dtype
+        self.reduce_dtype = (None if numerics.exact else REDUCE_DTYPES[numerics.reduce_dtype]
+                             ) or self.grads.dtype
         # Per-replica trailer values a GradAccess may ask for (exact mode: maxima, overflow).
         self._slots = int(getattr(self.grads, "slots", 0))
         # The trailer rides at the end of the gradient's buffer when that dtype holds it
@@ -179,10 +167,41 @@ class StepEngine(Decisions):
         self._scratch: torch.Tensor | None = None
 
     @property
+    def speeds(self) -> dict[int, float]:
+        """Every replica's seconds per microbatch, from the last reduced trailer."""
+        return self.chains.speeds
+
+    @speeds.setter
+    def speeds(self, value: dict[int, float]) -> None:
+        self.chains.speeds = dict(value)
+
+    @property
+    def shared_speeds(self) -> bool:
+        """Every rank of this replica holds the same speeds (see the class docstring)."""
+        return self.chains.shared_speeds
+
+    @shared_speeds.setter
+    def shared_speeds(self, value: bool) -> None:
+        self.chains.shared_speeds = value
+
+    @property
+    def shared_speeds(self) -> bool:
+        """Every rank of this replica holds the same speeds (see the class docstring)."""
+        return self.chains.shared_speeds
+
+    @shared_speeds.setter
+    def shared_speeds(self, value: bool) -> None:
+        self.chains.shared_speeds = value
+
+    @property
     def store_waits(self) -> int:
         """Blocking key waits so far: one store round trip each, made on a waiter's helper
         client, which `stats["store_ops"]` does not count."""
-        return self.waiter.gets + (self.shard_waiter.gets if self.shard is not None else 0)
+        return self.decision.waits
+
+    def close(self) -> None:
+        """Stop the background deletion of old steps' keys (idempotent)."""
+        self.lifetime.close()
 
     # -- the step --------------------------------------------------------------------------
     def run(self, step: int, compute: Callable[[int, int], float],
@@ -194,98 +213,122 @@ class StepEngine(Decisions):
         `round_` > 0 runs the same step again from scratch (exact mode after an overflow), with
         its own keys in the store.
         """
-        tag: int | str = step if round_ == 0 else f"{step}.{round_}"
-        chain: Chain = []
-        held: list[int] = []
-        settled: set[int] = set()  # generations this rank reported an outcome in (multi-rank)
-        loss_sum, t_fault, compute_s = 0.0, None, 0.0
+        p = _Progress(step if round_ == 0 else f"{step}.{round_}")
         for attempt in range(1, MAX_ATTEMPTS + 1):
             self.stats["attempts"] += 1
-            g = self.member.generation()
-            members = self.member.members(g)
-            if len(members) < self.min_replicas:
-                raise BelowMinReplicas(f"{len(members)} live replica(s) {members} < "
-                                       f"--min-replicas {self.min_replicas}")
-            before = len(chain)
-            chain = self._sync_chain(step, tag, chain, g, members)
-            if self.positions > 1:
-                self._mark_skipped(tag, chain, settled)
-            if not self.strategy.keeps_work and before and len(chain) > before:
-                self.grads.zero()  # the strategy discards the attempt: start the step over
-                held, loss_sum = [], 0.0
-            join = chain[-1].get("join")
-            if join is not None:
-                # A replica joins at this step boundary: the donor's ranks serve it its state
-                # (the state after `step` optimizer steps), and nobody computes until the joiner
-                # is admitted, or given up, in a newer generation; its entry plans the step.
-                if self.on_join is not None and join["epoch"] not in self._served:
-                    self._served.add(join["epoch"])
-                    self.on_join(step, join)
-                if self.member.generation() == chain[-1]["gen"]:
-                    try:
-                        self.member.wait_newer(chain[-1]["gen"], 3 * self.timeout_s)
-                    except TimeoutError:
-                        raise RecoveryError(f"step {step}: replica {join['replica']} was neither "
-                                            "admitted nor given up in time") from None
+            if not self._extend_chain(step, p):
                 continue
-            entries = chain if self.strategy.keeps_work else chain[-1:]
-            todo = [i for e in entries for i in e["assign"].get(str(self.me), []) if i not in held]
-            t0 = time.monotonic()
-            with record_function("recover.compute"):
-                for i in todo:
-                    loss_sum += compute(i, len(held))
-                    held.append(i)
-            compute_s += time.monotonic() - t0 if todo else 0.0
-            self.stats["compute_s"] += time.monotonic() - t0
-            entry_gen = chain[-1]["gen"]
+            self._compute(p, compute)
+            entry_gen = p.chain[-1]["gen"]
             newest = self.member.generation()
             if newest < entry_gen:
-                self.member.wait_newer(newest, self.timeout_s)
+                self.member.wait_newer(newest, self.ft.reduce_timeout_s)
                 continue
             if newest > entry_gen:
-                t_fault = t_fault or time.monotonic()
+                p.t_fault = p.t_fault or time.monotonic()
                 continue  # extend the chain to the newest generation before reducing
-            owners = self.strategy.owners(chain)
+            owners = self.strategy.owners(p.chain)
             t0 = time.monotonic()
             with record_function("recover.reduce"):
-                out, trailer, ok = self._reduce(step, entry_gen, held, loss_sum, sorted(owners))
+                out, trailer, ok = self._reduce(step, entry_gen, p.held, p.loss_sum,
+                                                sorted(owners))
             self.stats["reduce_s"] += time.monotonic() - t0
-            self.hook("commit", step, len(held))
-            settled.add(entry_gen)
+            self.hooks.phase("commit", step, len(p.held))
+            p.settled.add(entry_gen)
             t0 = time.monotonic()
             with record_function("recover.decide"):
-                decision = self._decide(step, tag, entry_gen, ok)
+                decision = self.decision.decide(step, p.tag, entry_gen, ok)
             self.stats["decide_s"] += time.monotonic() - t0
             if decision in keys.COMMITS:
-                self._implied = (step + 1, entry_gen) if decision == keys.COMMIT else None
-                count = int(trailer[0])
-                scale = self.strategy.scale(count, self.n)
-                if scale != 1.0:
-                    out.mul_(scale)
-                self.grads.assign(out)
-                reps = self.member.replicas
-                self.speeds = {r: v for r, v in enumerate(trailer[HEAD:HEAD + reps].tolist())
-                               if v > 0}
-                redo = bool(self._slots) and self.grads.agree(  # type: ignore[attr-defined]
-                    trailer[HEAD + reps:].view(reps, self._slots))
-                self._record_speed(compute_s, len(held))
-                self.stats["steps"] += 1
-                quotas: dict[int, int] = {}
-                for o in owners.values():
-                    quotas[o] = quotas.get(o, 0) + 1
-                recovered = _recovered(chain) if self.strategy.keeps_work else []
-                return StepResult(step, entry_gen, self.member.members(entry_gen),
-                                  dict(sorted(quotas.items())), float(trailer[3]) / count, count,
-                                  recovered, time.monotonic() - t_fault if t_fault else 0.0,
-                                  attempt, redo, chain)
-            t_fault = t_fault or time.monotonic()
-            _log(f"replica {self.me} position {self.position}: step {tag} attempt {attempt} in "
-                 f"generation {entry_gen}: reduce {'ok' if ok else 'failed'}, decision "
-                 f"{decision.decode(errors='replace')}; newest generation "
-                 f"{self.member.generation()}")
+                return self._commit(step, p, decision, out, trailer, owners, attempt)
+            p.t_fault = p.t_fault or time.monotonic()
+            log.warning("replica %d position %d: step %s attempt %d in generation %d: reduce "
+                        "%s, decision %s; newest generation %d", self.me, self.position, p.tag,
+                        attempt, entry_gen, "ok" if ok else "failed",
+                        decision.decode(errors="replace"), self.member.generation())
             if self.member.generation() == entry_gen:
-                self.member.wait_newer(entry_gen, self.timeout_s)
+                self.member.wait_newer(entry_gen, self.ft.reduce_timeout_s)
         raise RecoveryError(f"step {step} did not commit after {MAX_ATTEMPTS} attempts")
+
+    def _extend_chain(self, step: int, p: _Progress) -> bool:
+        """Bring the chain up to the newest generation; False when this attempt computes
+        nothing (a join is served at this boundary: wait for its generation, then again)."""
+        g = self.member.generation()
+        members = self.member.members(g)
+        if len(members) < self.ft.min_replicas:
+            raise BelowMinReplicas(f"{len(members)} live replica(s) {members} < "
+                                   f"--min-replicas {self.ft.min_replicas}")
+        before = len(p.chain)
+        p.chain = self.chains.sync(step, p.tag, p.chain, g, members)
+        if not before:
+            p.implied = self.chains.first_implied
+        if self.positions > 1:
+            self.decision.mark_skipped(p.tag, p.chain, p.settled)
+        if not self.strategy.keeps_work and before and len(p.chain) > before:
+            self.grads.zero()  # the strategy discards the attempt: start the step over
+            p.held, p.loss_sum = [], 0.0
+        join = p.chain[-1].get("join")
+        if join is None:
+            return True
+        # A replica joins at this step boundary: the donor's ranks serve it its state (the state
+        # after `step` optimizer steps), and nobody computes until the joiner is admitted, or
+        # given up, in a newer generation; its entry plans the step.
+        if self.on_join is not None and join["epoch"] not in self._served:
+            self._served.add(join["epoch"])
+            self.on_join(step, join)
+        if self.member.generation() == p.chain[-1]["gen"]:
+            try:
+                self.member.wait_newer(p.chain[-1]["gen"], 3 * self.ft.reduce_timeout_s)
+            except TimeoutError:
+                raise RecoveryError(f"step {step}: replica {join['replica']} was neither "
+                                    "admitted nor given up in time") from None
+        return False
+
+    def _compute(self, p: _Progress, compute: Callable[[int, int], float]) -> None:
+        """Compute the ids this replica owns in the chain and does not hold yet."""
+        entries = p.chain if self.strategy.keeps_work else p.chain[-1:]
+        todo = [i for e in entries for i in e["assign"].get(str(self.me), []) if i not in p.held]
+        t0 = time.monotonic()
+        with record_function("recover.compute"):
+            for i in todo:
+                p.loss_sum += compute(i, len(p.held))
+                p.held.append(i)
+        p.compute_s += time.monotonic() - t0 if todo else 0.0
+        self.stats["compute_s"] += time.monotonic() - t0
+
+    def _commit(self, step: int, p: _Progress, decision: bytes, out: torch.Tensor,
+                trailer: torch.Tensor, owners: dict[int, int], attempt: int) -> StepResult:
+        """Apply a committed attempt: the reduced sum into the gradient, the speeds it carried."""
+        g = p.chain[-1]["gen"]
+        self.chains.committed(step, g, decision)
+        count = int(trailer[0])
+        scale = self.strategy.scale(count, self.n)
+        if scale != 1.0:
+            out.mul_(scale)
+        self.grads.assign(out)
+        reps = self.member.replicas
+        self.chains.speeds = {r: v for r, v in enumerate(trailer[HEAD:HEAD + reps].tolist())
+                              if v > 0}
+        redo = bool(self._slots) and self.grads.agree(  # type: ignore[attr-defined]
+            trailer[HEAD + reps:].view(reps, self._slots))
+        self._record_speed(p.compute_s, len(p.held))
+        self.stats["steps"] += 1
+        quotas: dict[int, int] = {}
+        for o in owners.values():
+            quotas[o] = quotas.get(o, 0) + 1
+        members = self.member.members(g)
+        self.lifetime.committed(Committed(p.tag, p.chain, p.implied, g, members))
+        recovered = _recovered(p.chain) if self.strategy.keeps_work else []
+        recovery_s = time.monotonic() - p.t_fault if p.t_fault else 0.0
+        if attempt > 1 or recovered:
+            log.info("replica %d: step %s committed in generation %d after %d attempt(s), %d "
+                     "microbatch(es) recomputed in %.2fs", self.me, p.tag, g, attempt,
+                     len(recovered), recovery_s)
+        else:
+            log.debug("replica %d: step %s committed in generation %d", self.me, p.tag, g)
+        return StepResult(step, g, members, dict(sorted(quotas.items())),
+                          float(trailer[3]) / count, count, recovered, recovery_s, attempt, redo,
+                          p.chain)
 
     # -- reduce and verify -------------------------------------------------------------------
     def _reduce(self, step: int, g: int, held: list[int], loss_sum: float, expect_ids: list[int]
@@ -303,7 +346,7 @@ class StepEngine(Decisions):
                             [loss_sum, self.mb_time or 0.0, *slots])
         try:
             self.comm.reduce_([buf] if self._folded else [out, tail], g,
-                              on_issued=lambda: self.hook("reduce", step, len(held)))
+                              on_issued=lambda: self.hooks.phase("reduce", step, len(held)))
         except ReplicaFault:
             return out, tail, False
         trailer = self.trailer.decode(tail)
@@ -323,74 +366,6 @@ class StepEngine(Decisions):
             s = self._scratch = torch.empty(size, dtype=self.reduce_dtype,
                                             device=self.grads.device)
         return s
-
-    def _sync_chain(self, step: int, tag: int | str, chain: Chain, g: int, members: list[int]
-                    ) -> Chain:
-        """Read the agreed ownership chain up to an entry of generation >= g, extending it if
-        nobody has yet. Entry 0, the step's plan, is proposed by one rank (position 0 of the
-        lowest member); the others block on it. Later entries (after a fault) are proposed by
-        whoever needs them first. Entry 0 is implied instead when the last commit says so."""
-        chain = list(chain)
-        implied, self._implied = self._implied, None
-        if not chain and implied is not None and implied[0] == tag:
-            chain.append(self._plan_entry(step, implied[1], self.member.members(implied[1])))
-        deadline = time.monotonic() + 3 * self.timeout_s
-        while not chain or chain[-1]["gen"] < g:
-            key = keys.chain_key(tag, len(chain))
-            proposer = bool(chain) or (self.position == 0 and self.me == min(members))
-            if proposer:
-                raw = self.store.compare_set(key, "", json.dumps(self._propose(step, chain, g,
-                                                                               members)))
-            else:
-                raw = self.waiter.get(key, g, max(0.0, deadline - time.monotonic()))
-                if raw is None:  # the membership changed meanwhile: maybe we propose now
-                    self.member.check()
-                    if time.monotonic() > deadline:
-                        raise RecoveryError(f"no plan for step {step} within "
-                                            f"{3 * self.timeout_s:.0f}s")
-                    g = self.member.generation()
-                    members = self.member.members(g)
-                    continue
-            chain.append(json.loads(raw))
-        return chain
-
-    def _propose(self, step: int, chain: Chain, g: int, members: list[int]) -> dict:
-        if not chain:
-            self._await_scheduled_join(step, members)
-        # A copy (one C-level operation): the liveness thread adds and removes entries.
-        waiting = sorted(dict(self.member.join_requests).items(), key=lambda kv: kv[1]) \
-            if not chain else []
-        for joiner, (epoch, at) in waiting:  # one join per boundary, oldest first
-            if joiner not in members and epoch not in self._proposed and step >= at:
-                # Admit at this boundary: the step waits for the joiner (see `run`), served by us.
-                self._proposed.add(epoch)
-                return {"gen": g, "assign": {},
-                        "join": {"replica": joiner, "epoch": epoch, "donor": self.me}}
-        return self._plan_entry(step, g, members, chain)
-
-    def _plan_entry(self, step: int, g: int, members: list[int], chain: Chain | None = None
-                    ) -> dict:
-        """The chain entry after `chain` in generation g, as stored (JSON-shaped)."""
-        speeds = ({m: self.speeds[m] for m in members if m in self.speeds}
-                  if self.speed_aware else None)
-        assign = self.strategy.assign(step, self.n, chain or [], members, speeds)
-        return {"gen": g, "assign": {str(m): ids for m, ids in assign.items() if ids}}
-
-    def _await_scheduled_join(self, step: int, members: list[int]) -> None:
-        """Fault injection (`restart:replica=R,step=S`): at boundary S the plan waits, bounded,
-        for replica R's replacement to register, so the scenario is reproducible. A real
-        replacement is not waited for: it joins at the first boundary after it registered."""
-        for replica, at in self.scheduled_joins.items():
-            if step != at or replica in members:
-                continue
-            # Shorter than the others' wait for this plan (3 x timeout): if the replacement
-            # never registers (it died too), they get a plan without it, not a timeout.
-            deadline = time.monotonic() + self.timeout_s
-            while time.monotonic() < deadline and not self.member.coordinator_lost:
-                if replica in self.member.join_requests:
-                    return
-                self.member.progress()
-                time.sleep(0.01)
 
     # -- speeds ------------------------------------------------------------------------------
     def _record_speed(self, compute_s: float, count: int) -> None:

@@ -2,7 +2,9 @@
 
 Invariant: `metrics.jsonl` holds exactly one line per committed step, in step order, written by
 the launcher from the step records the replicas publish in the store (`rec/{t}`, first writer
-wins), so a replica's death can never lose or duplicate a line.
+wins), so a replica's death can never lose or duplicate a line. The records are the app's keys:
+their writer (train/loop.py) offers them, this sink deletes each once written out; the step
+protocol's own keys are deleted by the protocol (recover.recovery.lifetime).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from rich.console import Console
 
-from recover.collectives import keys, shards
+from recover.collectives import keys
 from recover.recovery import StepResult
 
 
@@ -56,8 +58,6 @@ class MetricsSink:
     def __init__(self, store: Any, path: Path, start_step: int, steps: int, tokens_per_step: int,
                  run_start: float, console: Console, quiet: bool = False) -> None:
         self.store, self.path = store, path
-        self._shards: list[Any] = []  # clients of the coordinator's store shards, if any
-        self._shards_of: Any = None  # the main store client they were read from
         self.next, self.steps = start_step, steps
         self.tokens_per_step = tokens_per_step
         self.run_start = run_start
@@ -103,30 +103,12 @@ class MetricsSink:
             rec["transfer_s"] = max(took)
 
     def _forget(self, step: int) -> None:
-        """Delete the store keys of `step`, which no live replica can read any more: a record
-        of step + 2 exists, so every live replica has reduced step + 1 and left `step` behind.
-        Keeps the store's size flat over any number of failure-free steps (a step redone in
-        exact mode, `{t}.{round}`, leaves its few keys behind)."""
-        by_step = {r["step"]: r for r in self.records[-4:]}
-        if step not in by_step:
-            return
-        first = by_step[step - 1]["generation"] if step - 1 in by_step else 0
-        if self._shards_of is not self.store:  # first use, or a restarted coordinator
-            self._shards_of = self.store
-            self._shards = shards.connect_all(self.store, "127.0.0.1", 30.0)
-        # A decision on evidence counted in generations up to the one step + 1 ran in.
-        newest = by_step.get(step + 1, by_step[step])["generation"]
-        for g in range(first, by_step[step]["generation"] + 1):
-            for store in (self.store, *self._shards):
-                store.delete_key(keys.count_key(step, g))
-                store.delete_key(keys.decision_key(step, g))
-            for seen in range(g + 1, newest + 1):  # none in a failure-free step
-                self.store.delete_key(keys.evidence_key(step, g, seen))
-        k = 0
-        # Entry 0 is absent when it was implied (recovery/step.py); later entries may exist.
-        while self.store.delete_key(keys.chain_key(step, k)) or k == 0:
-            k += 1
-        self.store.delete_key(keys.record_key(step))
+        """Delete the record of `step` (the app's key; the protocol deletes its own keys:
+        recovery/lifetime.py). A record of step + 2 exists, so every live replica has counted
+        step + 1, and its offer of this record (a `set`, sent before that count on the same
+        client) was served already: the key is not re-created after it is deleted."""
+        if step >= 0:
+            self.store.delete_key(keys.record_key(step))
 
     def _show(self, rec: dict[str, Any]) -> None:
         if self.quiet:

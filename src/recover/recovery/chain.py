@@ -1,0 +1,138 @@
+"""The ownership chain of a step: which live replica owns each of its ids, agreed in the store.
+
+Invariants:
+- Entry k of step t's chain (`step/{t}/chain/{k}`) is written once, by compare-and-set: entry 0
+  is the plan (or the admission of a joiner at the step boundary), entry k > 0 hands the ids of
+  replicas missing from generation g_k to the survivors. Every rank reads the same chain, so
+  nobody double-counts or drops an id even if replicas saw different generations.
+- Entry 0 of step t+1 is *implied*, not stored, when step t's decision is `commit` (not
+  `commit-plan`): it is then the plan of the generation t committed in, for the speeds in t's
+  reduced trailer, facts every rank of step t+1 holds alike (it read that one decision). A
+  joiner or a fresh engine only ever starts at a stored entry 0, because whoever writes a
+  decision while a join is pending, or after a fault, writes `commit-plan` (`commit_value`).
+- What an entry assigns is the `StepStrategy`'s answer, a pure function of the chain before it,
+  the members and the speeds, so whoever writes it, everyone would have written the same.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from recover.collectives import Member, keys
+from recover.collectives.waiter import KeyWaiter
+from recover.recovery.failures import RecoveryError
+from recover.recovery.strategy import Chain, StepStrategy
+from recover.settings import FaultTolerance, Hooks
+
+
+class OwnershipChain:
+    """One rank's reader and writer of the chains of successive steps.
+
+    `speeds` (every replica's seconds per microbatch, from the last reduced trailer) feed the
+    plans; `shared_speeds` says whether every rank of a replica holds the same ones (one rank per
+    replica, or a caller that makes them agree): only then may a speed-aware plan be implied.
+    """
+
+    def __init__(self, member: Member, store: Any, waiter: KeyWaiter, strategy: StepStrategy,
+                 n: int, position: int, positions: int, ft: FaultTolerance,
+                 hooks: Hooks) -> None:
+        self.member, self.store, self.waiter = member, store, waiter
+        self.strategy, self.n = strategy, n
+        self.me, self.position, self.positions = member.replica, position, positions
+        self.timeout_s, self.speed_aware = ft.reduce_timeout_s, ft.speed_aware
+        self.scheduled_joins = dict(hooks.scheduled_joins)  # fault injection: replica -> step
+        self.shared_speeds = positions == 1
+        self.speeds: dict[int, float] = {}
+        self._proposed: set[int] = set()  # join epochs this rank proposed an admission for
+        # (tag, generation): that step's plan is implied by the commit of the step before it in
+        # that generation (see the module docstring); None: the next plan is read from the store.
+        self._implied: tuple[int | str, int] | None = None
+        self.first_implied = False  # the last chain begun had its entry 0 implied, not stored
+
+    def committed(self, step: int, g: int, decision: bytes) -> None:
+        """Step `step` committed in generation g with `decision`: a plain `commit` implies the
+        next step's entry 0."""
+        self._implied = (step + 1, g) if decision == keys.COMMIT else None
+
+    def sync(self, step: int, tag: int | str, chain: Chain, g: int, members: list[int]) -> Chain:
+        """Read the agreed chain up to an entry of generation >= g, extending it if nobody has
+        yet. Entry 0, the step's plan, is proposed by one rank (position 0 of the lowest member);
+        the others block on it. Later entries (after a fault) are proposed by whoever needs them
+        first. Entry 0 is implied instead when the last commit says so."""
+        chain = list(chain)
+        implied, self._implied = self._implied, None
+        if not chain:
+            self.first_implied = implied is not None and implied[0] == tag
+        if not chain and implied is not None and implied[0] == tag:
+            chain.append(self._plan_entry(step, implied[1], self.member.members(implied[1])))
+        deadline = time.monotonic() + 3 * self.timeout_s
+        while not chain or chain[-1]["gen"] < g:
+            key = keys.chain_key(tag, len(chain))
+            proposer = bool(chain) or (self.position == 0 and self.me == min(members))
+            if proposer:
+                raw = self.store.compare_set(key, "", json.dumps(self._propose(step, chain, g,
+                                                                               members)))
+            else:
+                raw = self.waiter.get(key, g, max(0.0, deadline - time.monotonic()))
+                if raw is None:  # the membership changed meanwhile: maybe we propose now
+                    self.member.check()
+                    if time.monotonic() > deadline:
+                        raise RecoveryError(f"no plan for step {step} within "
+                                            f"{3 * self.timeout_s:.0f}s")
+                    g = self.member.generation()
+                    members = self.member.members(g)
+                    continue
+            chain.append(json.loads(raw))
+        return chain
+
+    def commit_value(self, step: int, g: int) -> bytes:
+        """`commit` lets every rank imply step + 1's plan; `commit-plan` sends it through the
+        store: when a joiner waits (its admission is a stored entry 0), when the fault injection
+        schedules one at step + 1, or when speeds differ between a replica's ranks."""
+        members = self.member.members(g)
+        joins = any(r not in members for r in dict(self.member.join_requests))
+        scheduled = any(at == step + 1 and r not in members
+                        for r, at in self.scheduled_joins.items())
+        alike = self.shared_speeds or not self.speed_aware
+        return keys.COMMIT if alike and not joins and not scheduled else keys.COMMIT_PLAN
+
+    def _propose(self, step: int, chain: Chain, g: int, members: list[int]) -> dict:
+        if not chain:
+            self._await_scheduled_join(step, members)
+        # A copy (one C-level operation): the liveness thread adds and removes entries.
+        waiting = sorted(dict(self.member.join_requests).items(), key=lambda kv: kv[1]) \
+            if not chain else []
+        for joiner, (epoch, at) in waiting:  # one join per boundary, oldest first
+            if joiner not in members and epoch not in self._proposed and step >= at:
+                # Admit at this boundary: the step waits for the joiner (see StepEngine.run),
+                # served by us.
+                self._proposed.add(epoch)
+                return {"gen": g, "assign": {},
+                        "join": {"replica": joiner, "epoch": epoch, "donor": self.me}}
+        return self._plan_entry(step, g, members, chain)
+
+    def _plan_entry(self, step: int, g: int, members: list[int], chain: Chain | None = None
+                    ) -> dict:
+        """The chain entry after `chain` in generation g, as stored (JSON-shaped)."""
+        speeds = ({m: self.speeds[m] for m in members if m in self.speeds}
+                  if self.speed_aware else None)
+        assign = self.strategy.assign(step, self.n, chain or [], members, speeds)
+        return {"gen": g, "assign": {str(m): ids for m, ids in assign.items() if ids}}
+
+    def _await_scheduled_join(self, step: int, members: list[int]) -> None:
+        """Fault injection (`restart:replica=R,step=S`): at boundary S the plan waits, bounded,
+        for replica R's replacement to register, so the scenario is reproducible. A real
+        replacement is not waited for: it joins at the first boundary after it registered."""
+        for replica, at in self.scheduled_joins.items():
+            if step != at or replica in members:
+                continue
+            # Shorter than the others' wait for this plan (3 x timeout): if the replacement
+            # never registers (it died too), they get a plan without it, not a timeout.
+            deadline = time.monotonic() + self.timeout_s
+            while time.monotonic() < deadline and not self.member.coordinator_lost:
+                if replica in self.member.join_requests:
+                    return
+                self.member.progress()
+                time.sleep(0.01)

@@ -1,0 +1,197 @@
+"""The lifetime of the step protocol's store keys: deleted once no rank can read them again.
+
+Invariant: the protocol keys of the i-th step an engine committed (its tag: the step, or
+`{t}.{round}` for a step run again in exact mode) are deleted when its (i+2)-th commit is
+decided, by one rank, and by nobody else: the chain entries (`step/{t}/chain/{k}`), and for each
+generation g of that chain the count, the decision and the evidence counters (`step/{t}/g{g}/...`)
+on the main store, and the count and the decision copy on each store shard. The app's keys (the
+trainer's step records `rec/{t}`) are not the protocol's: their writer's app deletes them.
+
+Why nobody can read a key of commit i once commit i + 2 is decided (docs/DESIGN.md, "Store keys
+and the wire protocol"):
+- A rank reads commit i's keys only inside the engine's `run` for its tag, which returns after
+  reading commit i's decision and never reads them again (the next `run` has its own tag).
+- Commit i + 1 is decided only when every live rank of its generation counted a verified result
+  of it (or, on evidence, every rank of the newest generation that was also in it): each of those
+  had returned from commit i's `run` before. So after commit i + 2 every one of them had left
+  commit i one whole step before, and every request it sent about commit i was served, even a
+  write sent without waiting for a reply (a shard leader's copy of a decision, `set`): the
+  requests it made later on that client (commit i + 1's) were answered after it.
+- A rank not in those generations was dropped from the membership: dead, or fenced as soon as it
+  learns of the newer generation (collectives/member.py). Until then it may still block on, or
+  even re-create, one of commit i's keys; that misleads only itself, and leaves a key behind.
+- A joiner starts at a stored entry 0 of the step it is admitted at (recovery/chain.py) and reads
+  no earlier step's keys; a restarted coordinator starts with an empty store.
+
+Who deletes: on the main store, position 0 of the lowest replica that is a member both of
+commit i's generation and of commit i + 2's (it committed both, so it holds commit i's chain);
+on store shard k, the lowest such (replica, position) counting on shard k, so each shard's
+deletions come from one of its own ranks, never one rank for all shards. The deletions run on a
+background thread with its own client, off the step's critical path: the engine's 2 round trips
+per rank per step failure-free (`stats["store_ops"]`) are unchanged. Failure-free they cost the
+deleting rank 2 or 3 requests a step on the main store (count, decision, and entry 0 when it was
+stored) and 2 per shard for each shard's deleting rank (`stats["store_deletes"]`).
+
+Left behind, a bounded few keys per event, never per step: the last two commits' keys when the
+run ends; two commits' keys after a join, a restart of the coordinator, or the death of the
+deleting rank (whoever should delete them has no record of them); a key re-created by a rank
+that was dropped; and a step's keys when the deletion queue is full (the store is answering
+slower than the steps commit; logged).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from recover.collectives import Member, keys, shards
+from recover.recovery.strategy import Chain
+
+log = logging.getLogger(__name__)
+
+KEEP = 2  # commits whose keys stay: commit i's keys go when commit i + KEEP is decided
+QUEUE_MAX = 16  # deletion jobs waiting at most; beyond, a step's keys are left (see above)
+CLOSE_WAIT_S = 2.0  # how long `close` waits for a deletion in flight
+
+
+@dataclass(frozen=True)
+class Committed:
+    """What a commit left in the store, as the committing rank knows it."""
+
+    tag: int | str
+    chain: Chain  # the chain it committed on
+    implied: bool  # entry 0 was implied by the commit before, not stored
+    generation: int  # the generation it committed in
+    members: list[int]  # that generation's members (sorted)
+
+
+def first_on_shard(members: list[int], positions: int, n_shards: int, shard: int
+                   ) -> tuple[int, int] | None:
+    """The lowest (replica, position) of `members` (sorted) that counts on `shard`."""
+    for m in members:
+        p = (shard - m * positions) % n_shards  # shards.shard_of(m, p, ...) == shard
+        if p < positions:
+            return m, p
+    return None
+
+
+def protocol_keys(old: Committed, newest: int) -> list[str]:
+    """The main store's keys of commit `old`; evidence counters up to generation `newest`
+    (counted while a decision waited: none in a failure-free step)."""
+    first = 1 if old.implied else 0
+    out = [keys.chain_key(old.tag, k) for k in range(first, len(old.chain))]
+    for g in sorted({int(e["gen"]) for e in old.chain}):
+        out += [keys.count_key(old.tag, g), keys.decision_key(old.tag, g)]
+        out += [keys.evidence_key(old.tag, g, s) for s in range(g + 1, newest + 1)]
+    return out
+
+
+def shard_keys(old: Committed) -> list[str]:
+    """A store shard's keys of commit `old`: its count and its copy of each decision."""
+    out = []
+    for g in sorted({int(e["gen"]) for e in old.chain}):
+        out += [keys.count_key(old.tag, g), keys.decision_key(old.tag, g)]
+    return out
+
+
+class KeyLifetime:
+    """One rank's part in deleting the protocol's keys (see the module docstring).
+
+    `committed(c)` is called by the engine after each commit; `close()` stops the deletion
+    thread (it also ends with the process: a daemon).
+    """
+
+    def __init__(self, member: Member, position: int, positions: int,
+                 stats: dict[str, float]) -> None:
+        self.member, self.position, self.positions = member, position, positions
+        self.me = member.replica
+        self.stats = stats
+        self.n_shards = len(member.shard_ports)
+        self.shard = (shards.shard_of(self.me, position, positions, self.n_shards)
+                      if self.n_shards else -1)
+        self._history: deque[Committed] = deque(maxlen=KEEP)
+        self._jobs: queue.Queue[tuple[str, list[str]] | None] = queue.Queue(QUEUE_MAX)
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._full_logged = False
+
+    def committed(self, c: Committed) -> None:
+        """Commit `c` was decided: queue the deletion of the keys of the commit KEEP before it,
+        if this rank is the one to delete them (no store request on this thread)."""
+        old = self._history[0] if len(self._history) == KEEP else None
+        self._history.append(c)
+        if old is None or self._closed:
+            return
+        # Both commits' members: the rank that deletes has a record of `old`.
+        both = c.members if old.generation == c.generation else sorted(
+            set(c.members) & set(old.members))
+        if not both:
+            return
+        if both[0] == self.me and self.position == 0:
+            self._queue("main", protocol_keys(old, c.generation))
+        if self.n_shards and first_on_shard(both, self.positions, self.n_shards,
+                                            self.shard) == (self.me, self.position):
+            self._queue("shard", shard_keys(old))
+
+    def close(self) -> None:
+        """Stop the deletion thread: the jobs still queued are dropped (their keys are left), a
+        deletion in flight is waited for, up to CLOSE_WAIT_S; idempotent.
+
+        Also run at interpreter exit: a daemon thread still inside a store call when the
+        interpreter finalizes is ended inside C++ code that may not be unwound, which aborts
+        the process ("terminate called without an active exception": once in 8 worker exits of
+        tests/test_key_lifetime.py before this).
+        """
+        self._closed = True
+        thread = self._thread
+        if thread is None:
+            return
+        atexit.unregister(self.close)
+        with contextlib.suppress(queue.Full):
+            self._jobs.put_nowait(None)
+        if thread is not threading.current_thread():
+            thread.join(CLOSE_WAIT_S)
+
+    def _queue(self, where: str, names: list[str]) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="recover-key-lifetime",
+                                            daemon=True)
+            self._thread.start()
+            atexit.register(self.close)
+        try:
+            self._jobs.put_nowait((where, names))
+        except queue.Full:
+            if not self._full_logged:
+                self._full_logged = True
+                log.warning("the store answers slower than steps commit: %d deletions wait; "
+                            "old steps' keys are left in the store", QUEUE_MAX)
+
+    def _loop(self) -> None:
+        clients: dict[str, Any] = {}
+        while not self._closed:
+            try:
+                job = self._jobs.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if job is None:
+                return
+            where, names = job
+            try:
+                client = clients.get(where)
+                if client is None:  # its own connection: the engine's is the critical path's
+                    client = clients[where] = (self.member.store.clone() if where == "main"
+                                               else self.member.connect_shard(self.shard))
+                for name in names:
+                    if self._closed:
+                        return
+                    client.delete_key(name)
+                    self.stats["store_deletes"] += 1
+            except Exception as e:  # the store went away (a coordinator restart): drop the job
+                clients.pop(where, None)
+                log.debug("deleting old step keys on the %s store failed: %s", where, e)

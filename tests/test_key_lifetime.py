@@ -1,0 +1,113 @@
+"""The protocol owns its store keys' lifetime: on the library path alone (`recover coordinator`
+and a loop on `recover.Replica`, no launcher, nothing of `recover.app` in the workers) the store's
+key count stays flat over a long run (recovery/lifetime.py deletes a committed step's keys two
+commits later). Without that deletion the count grows by ~2 keys a step (~600 here).
+
+The workers are this file run as a script (`--worker`): two real processes, one replica each, a
+tiny model, microbatches that are a function of their id. (The store shards' keys are checked
+flat in-process: tests/test_control_plane.py, test_store_key_count_is_flat[2].)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from recover import procs
+
+pytestmark = pytest.mark.timeout(120)
+
+STEPS, N = 300, 4
+EARLY = 10  # the step after which the first count is read
+SLACK = 5  # keys the count may differ by (the issue's bound)
+
+
+def _worker(argv: list[str]) -> int:
+    """One replica's loop, as a user writes it (README, "In your own loop")."""
+    import datetime
+
+    import torch
+    from torch.distributed import TCPStore
+
+    from recover import Replica
+    from recover.settings import FaultTolerance, ReplicaConfig
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--replica", type=int, required=True)
+    ap.add_argument("--result", type=Path, required=True)
+    a = ap.parse_args(argv)
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    config = ReplicaConfig(coordinator=f"127.0.0.1:{a.port}", replica=a.replica,
+                           ft=FaultTolerance(heartbeat_s=0.1, join_timeout_s=60.0,
+                                             reduce_timeout_s=30.0))
+    rep = Replica(model, N, config=config)
+    store = TCPStore("127.0.0.1", a.port, is_master=False, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=30))
+
+    def compute(mb_id: int, j: int) -> float:
+        g = torch.Generator().manual_seed(mb_id)
+        x = torch.randn(8, 4, generator=g)
+        loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+        (loss / N).backward()
+        return loss.item()
+
+    counts: dict[int, int] = {}
+    # One step more than counted: the other replica is still in the run when the count after
+    # step STEPS is read (a replica that leaves makes a new generation: two keys more).
+    for step in range(STEPS + 1):
+        rep.step(step, compute)
+        opt.step()
+        opt.zero_grad()
+        if a.replica == 0 and step + 1 in (EARLY, STEPS):
+            # The other replica waits for us in the next step; our deletions (a background
+            # thread) finish meanwhile: both counts see the same steady state.
+            time.sleep(0.3)
+            counts[step + 1] = store.num_keys()
+    a.result.write_text(json.dumps(counts))
+    rep.leave()
+    return 0
+
+
+def test_store_key_count_is_flat_on_the_library_path(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    port_file = tmp_path / "port"
+    coord = procs.start([sys.executable, "-m", "recover", "coordinator", "--replicas", "2",
+                         "--port", "0", "--port-file", str(port_file), "--stale-s", "5",
+                         "--exit-when-done",
+                         "--log", str(tmp_path / "coordinator.jsonl")],
+                        tmp_path / "coordinator.out", env=env)
+    workers: list[procs.Process] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists() or not port_file.read_text().strip():
+            assert coord.poll() is None, (tmp_path / "coordinator.out").read_text()
+            assert time.monotonic() < deadline, "the coordinator wrote no port"
+            time.sleep(0.05)
+        port = port_file.read_text().strip()
+        for r in range(2):
+            workers.append(procs.start(
+                [sys.executable, __file__, "--worker", "--port", port, "--replica", str(r),
+                 "--result", str(tmp_path / f"result{r}.json")], tmp_path / f"worker{r}.out",
+                env=env))
+        for r, w in enumerate(workers):
+            code = procs.wait_exit(w, max(1.0, deadline + 30 - time.monotonic()))
+            assert code == 0, (r, code, (tmp_path / f"worker{r}.out").read_text()[-3000:])
+    finally:
+        procs.stop_all([*workers, coord])
+    counts = {int(k): v for k, v in json.loads((tmp_path / "result0.json").read_text()).items()}
+    assert counts[STEPS] <= counts[EARLY] + SLACK, counts
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    sys.exit(_worker(sys.argv[2:]))
