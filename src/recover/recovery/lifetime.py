@@ -42,7 +42,6 @@ slower than the steps commit; logged).
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import queue
 import threading
@@ -118,7 +117,8 @@ class KeyLifetime:
         self._history: deque[Committed] = deque(maxlen=KEEP)
         self._jobs: queue.Queue[tuple[str, list[str]] | None] = queue.Queue(QUEUE_MAX)
         self._thread: threading.Thread | None = None
-        self._closed = False
+        self._closing = False  # close() was called: no new jobs
+        self._closed = False  # the thread stops at its next deletion
         self._full_logged = False
 
     def committed(self, c: Committed) -> None:
@@ -126,7 +126,7 @@ class KeyLifetime:
         if this rank is the one to delete them (no store request on this thread)."""
         old = self._history[0] if len(self._history) == KEEP else None
         self._history.append(c)
-        if old is None or self._closed:
+        if old is None or self._closing:
             return
         # Both commits' members: the rank that deletes has a record of `old`.
         both = c.members if old.generation == c.generation else sorted(
@@ -140,23 +140,27 @@ class KeyLifetime:
             self._queue("shard", shard_keys(old))
 
     def close(self) -> None:
-        """Stop the deletion thread: the jobs still queued are dropped (their keys are left), a
-        deletion in flight is waited for, up to CLOSE_WAIT_S; idempotent.
+        """Stop the deletion thread once the jobs already queued are done, waiting for them up
+        to CLOSE_WAIT_S (what is left then stays in the store); idempotent.
 
         Also run at interpreter exit: a daemon thread still inside a store call when the
         interpreter finalizes is ended inside C++ code that may not be unwound, which aborts
         the process ("terminate called without an active exception": once in 8 worker exits of
         tests/test_key_lifetime.py before this).
         """
-        self._closed = True
+        self._closing = True  # no new jobs
         thread = self._thread
-        if thread is None:
+        if thread is None or self._closed:
+            self._closed = True
             return
         atexit.unregister(self.close)
-        with contextlib.suppress(queue.Full):
-            self._jobs.put_nowait(None)
+        try:
+            self._jobs.put_nowait(None)  # the thread ends when it reaches this
+        except queue.Full:
+            self._closed = True  # no room: it ends after its current deletion
         if thread is not threading.current_thread():
             thread.join(CLOSE_WAIT_S)
+        self._closed = True
 
     def _queue(self, where: str, names: list[str]) -> None:
         if self._thread is None:
