@@ -1,51 +1,24 @@
 """recover on an FSDP2 training loop: each replica is an FSDP2 shard group (HSDP).
 
 The model, data and loop are an ordinary FSDP2 program; the lines marked `# recover` are the
-whole integration: 5 lines. One `torchrun` per replica, all pointed at one coordinator:
-
-    recover coordinator --replicas 2 --port 29600 &
-    for r in 0 1; do
-      RECOVER_COORDINATOR=127.0.0.1:29600 RECOVER_REPLICA=$r \\
-        torchrun --standalone --nproc-per-node 2 examples/hsdp.py &
-    done; wait
-
-Kill any one rank (`kill -9 PID`): its replica's other rank exits by itself (code 3), and the
-other replica finishes the run with the same losses, recomputing the lost microbatches.
+whole integration: 5 lines. Launch it as `examples/common.py` says (one `torchrun` per
+replica, all pointed at one coordinator).
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from common import STEPS, N, batch, report, start
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from recover.parallel import Replica
 from recover.parallel.hsdp import local_rows
 
-log = logging.getLogger("example")
-N, B, STEPS = 8, 8, 30  # microbatches per step, sequences per microbatch, steps
-
-
-def batch(mb_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Microbatch `mb_id`: a pure function of the id (whoever computes it gets the same data)."""
-    g = torch.Generator().manual_seed(mb_id)
-    x = torch.randn(B, 32, generator=g)
-    return x, torch.sin(x.sum(dim=1, keepdim=True)).expand(B, 32)
-
 
 def main() -> None:
-    # recover's own lines (joins, recoveries, fencing) come through the same handler.
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")  # this replica's ranks only (one torchrun per replica)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("shard",))
-    torch.manual_seed(0)
+    mesh = start("shard")
     model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(),
                           nn.Linear(128, 32))
     for layer in model:
@@ -66,9 +39,7 @@ def main() -> None:
         rep.clip_grad_norm_(1.0)  # recover: (was torch.nn.utils.clip_grad_norm_)
         opt.step()
         opt.zero_grad()
-        if dist.get_rank() == 0:
-            log.info(f"replica {rep.replica} step {step} loss {res.loss:.6f} "
-                     f"live replicas {res.members}")
+        report(rep, step, res)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,8 @@
 """recover on a pipeline-parallel training loop: each replica is a pipeline (one stage per rank).
 
 An ordinary `torch.distributed.pipelining` program (GPipe); the lines marked `# recover` are the
-whole integration: 5 lines. One `torchrun` per replica, all pointed at one coordinator:
-
-    recover coordinator --replicas 2 --port 29600 &
-    for r in 0 1; do
-      RECOVER_COORDINATOR=127.0.0.1:29600 RECOVER_REPLICA=$r \\
-        torchrun --standalone --nproc-per-node 2 examples/pp.py &
-    done; wait
+whole integration: 5 lines. Launch it as `examples/common.py` says (one `torchrun` per
+replica, all pointed at one coordinator).
 
 One microbatch id is one schedule step (split into CHUNKS pipeline chunks). Gradients accumulate
 over the step's ids, so the schedule must not rescale them (`scale_grads=False`); the loss function
@@ -17,36 +12,21 @@ carries the 1/(CHUNKS * N) instead. Only the last stage sees the loss; `Replica`
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from common import STEPS, N, batch, report, start
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 from recover.parallel import Replica
 
-log = logging.getLogger("example")
-N, B, STEPS, CHUNKS = 8, 8, 30, 2
-
-
-def batch(mb_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(mb_id)
-    x = torch.randn(B, 32, generator=g)
-    return x, torch.sin(x.sum(dim=1, keepdim=True)).expand(B, 32)
+CHUNKS = 2  # pipeline chunks per microbatch
 
 
 def main() -> None:
-    # recover's own lines (joins, recoveries, fencing) come through the same handler.
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")  # this replica's ranks only (one torchrun per replica)
+    mesh = start("pp")
     stages, me = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh("cpu", (stages,), mesh_dim_names=("pp",))
-    torch.manual_seed(0)
     layers = [nn.Sequential(nn.Linear(32, 128), nn.GELU()) for _ in range(stages - 1)]
     layers.append(nn.Sequential(nn.Linear(128 if stages > 1 else 32, 32)))
     stage_mod = layers[me]  # every rank builds the whole model, keeps its stage
@@ -68,9 +48,7 @@ def main() -> None:
         rep.clip_grad_norm_(1.0)  # recover: (was a hand-written cross-stage norm)
         opt.step()
         opt.zero_grad()
-        if me == 0:
-            log.info(f"replica {rep.replica} step {step} loss {res.loss:.6f} "
-                     f"live replicas {res.members}")
+        report(rep, step, res)
 
 
 if __name__ == "__main__":
