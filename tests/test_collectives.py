@@ -407,19 +407,19 @@ def test_sigstop_is_fenced_and_exits_by_itself(cluster: Cluster) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_no_false_alarm_under_load(cluster: Cluster) -> None:
-    # > 5 x the 2 s silence bound: a heartbeat starved past it in any of 5 windows would be an
-    # eviction here (bench/soak.py runs for minutes).
-    busy_s = 12.0
+    # 5 x the 2 s silence bound: a heartbeat starved past the bound anywhere in it would show
+    # as an eviction (bench/soak.py runs for minutes).
+    busy_s = 10.0
     cluster.start_coordinator()
-    # The spawner is warm once the coordinator is up: the replicas take ~1-3 s to join (at most
-    # 8 s, or the busy window shrinks below 5 x the bound: checked); they stop together at `until`.
-    until = time.time() + 8.0 + busy_s
+    # The spawner is warm once the coordinator is up: the replicas join within ~0.1 s (measured;
+    # seconds on a loaded 2-core machine); they stop together at `until`.
+    until = time.time() + 6.0 + busy_s
     cluster.start_replicas(numel=1_000_000, until=until, compute_s=0.05)
     cluster.wait_joined()
     joined = max(cluster.events(i, "joined")[0]["t"] for i in range(N))
     rcs = cluster.wait_exit(list(range(N)), until - time.time() + 60.0)
     assert all(rc == 0 for rc in rcs.values()), f"{rcs}\n{cluster.diagnostics()}"
-    assert until - joined > 10.0, f"replicas took {joined - cluster.spawned_at:.1f} s to join"
+    assert until - joined >= busy_s, f"replicas took {joined - cluster.spawned_at:.1f} s to join"
 
     gens = check_generations(cluster)
     check_replica_logs(cluster, gens)
