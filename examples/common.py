@@ -1,4 +1,4 @@
-"""What the three examples share: their launch, their data and their per-step report.
+"""What the three examples share: their launch, their data, their training loop and its report.
 
 Invariant: a microbatch is a pure function of its id (`batch`), so whichever replica computes it
 gets the same data, and a recomputed microbatch is the lost one. Run an example with one
@@ -17,6 +17,7 @@ other replica finishes the run with the same losses, recomputing the lost microb
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -52,3 +53,21 @@ def report(rep: Replica, step: int, res: StepResult) -> None:
     if dist.get_rank() == 0:
         log.info(f"replica {rep.replica} step {step} loss {res.loss:.6f} "
                  f"live replicas {res.members}")
+
+
+def train(rep: Replica, opt: torch.optim.Optimizer,
+          loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    """An ordinary gradient-accumulation loop over N microbatches a step, with recover's lines:
+    the same for any layout inside a replica (FSDP2 here, TP, ...): only `loss_of` differs."""
+    for step in range(STEPS):
+        def compute(mb_id: int, j: int) -> float:  # recover (was: for mb_id in step's N ids:)
+            x, y = batch(mb_id)
+            loss = loss_of(x, y)
+            (loss / N).backward()
+            return loss.item()  # recover
+
+        res = rep.step(step, compute)  # recover: my ids, fault-tolerant reduce, agreed commit
+        rep.clip_grad_norm_(1.0)  # recover: (was torch.nn.utils.clip_grad_norm_)
+        opt.step()
+        opt.zero_grad()
+        report(rep, step, res)

@@ -1,8 +1,8 @@
 """recover on a tensor-parallel training loop: each replica is a TP group.
 
-An ordinary DTensor TP program (Colwise then Rowwise Linear); the lines marked `# recover` are the
-whole integration: 5 lines. Launch it as `examples/common.py` says (one `torchrun` per
-replica, all pointed at one coordinator).
+An ordinary DTensor TP program (Colwise then Rowwise Linear); the lines marked `# recover`, here and
+in the loop the examples share (`common.train`), are the whole integration: 5 lines.
+Launch it as `examples/common.py` says (one `torchrun` per replica, all pointed at one coordinator).
 
 Every TP rank runs the whole microbatch; `Replica` reduces each rank's local shards with the
 same-ranked TP shard of every other replica, and counts replicated parameters once in the norm.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from common import STEPS, N, batch, report, start
+from common import N, start, train
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -35,18 +35,7 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     rep = Replica(model, N, mesh=mesh)  # recover: join as this rank of replica $RECOVER_REPLICA
-    for step in range(STEPS):
-        def compute(mb_id: int, j: int) -> float:  # recover (was: for mb_id in step's N ids:)
-            x, y = batch(mb_id)
-            loss = F.mse_loss(model(x), y)
-            (loss / N).backward()
-            return loss.item()  # recover
-
-        res = rep.step(step, compute)  # recover: my ids, fault-tolerant reduce, agreed commit
-        rep.clip_grad_norm_(1.0)  # recover: (was torch.nn.utils.clip_grad_norm_)
-        opt.step()
-        opt.zero_grad()
-        report(rep, step, res)
+    train(rep, opt, lambda x, y: F.mse_loss(model(x), y))  # every TP rank: the whole microbatch
 
 
 if __name__ == "__main__":
