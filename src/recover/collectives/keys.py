@@ -9,7 +9,7 @@ written anywhere else, so the layout can be read (and changed) in one sitting:
     coord/liveness, coord/error     the coordinator's liveness address; why it gave up
     step/{t}/chain/{k}              ownership chain of step t (entry k written once); a step run
                                     again (exact mode, after an overflow) uses t = "{t}.{round}";
-                                    entry 0 is absent when it was implied (recovery/step.py)
+                                    entry 0 is absent when it was implied (recovery/chain.py)
     step/{t}/g{g}/ev{s}             ranks of generation s with a verified result of that
                                     attempt (counted when the membership changed mid-decision)
     step/{t}/g{g}/count             verified results of that attempt, counted

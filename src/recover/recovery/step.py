@@ -185,15 +185,6 @@ class StepEngine:
         self.chains.shared_speeds = value
 
     @property
-    def shared_speeds(self) -> bool:
-        """Every rank of this replica holds the same speeds (see the class docstring)."""
-        return self.chains.shared_speeds
-
-    @shared_speeds.setter
-    def shared_speeds(self, value: bool) -> None:
-        self.chains.shared_speeds = value
-
-    @property
     def store_waits(self) -> int:
         """Blocking key waits so far: one store round trip each, made on a waiter's helper
         client, which `stats["store_ops"]` does not count."""
