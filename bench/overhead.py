@@ -37,6 +37,7 @@ from _common import (
     BENCH_DIR,
     cores,
     field,
+    fresh_dir,
     loadavg,
     median,
     out_dir,
@@ -57,7 +58,7 @@ SMOKE = {"replicas": 2, "steps": 12, "block": 2, "warmup": 2}
 
 
 def ddp_run(cfg, run: Path, bucket_mb: float, timeout_s: float) -> list[dict]:
-    cfg = cfg.replace(run={"out": str(run)})
+    cfg = cfg.replace(run={"out": str(fresh_dir(run))})  # a reused --out's run is refused
     prepare_run(cfg)
     procs: list[subprocess.Popen] = []
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -161,7 +162,7 @@ def main() -> int:
     cfg = preset(name)
     cfg.layout.replicas, cfg.run.steps = a.replicas, steps
     cfg.data.eval_every, cfg.ft.stale_s = 0, a.stale_s
-    cfg.run.out = str(root / "interleaved")
+    cfg.run.out = str(fresh_dir(root / "interleaved"))  # a reused --out's run is refused
     cfg.ft.speed_aware = not a.no_speed_aware
     m = cfg.model
     say(f"overhead: recover vs DDP(no_sync), preset {name}: d={m.n_embd} L={m.n_layer} "
