@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 # cap it at 1 s, for this process and every process the tests start.
 os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
-from recover.testing.processes import close_session  # noqa: E402
+from recover.testing.processes import close_session, session  # noqa: E402
 from recover.testing.runs import BASE, LAYOUT_ARGS, Run, recover_train  # noqa: E402
 
 WORDS = (
@@ -70,7 +70,10 @@ def single_replica(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Ru
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_fork_server() -> Iterator[None]:
-    """End what the session's spawner (recover.testing.processes) started, by PID, once the
-    last test is done."""
+    """Start the session's spawner (recover.testing.processes) first, so that this process's one
+    fork server imports its preload (a launcher forked from it then forks its own server from
+    itself instead of starting a fresh interpreter: recover.procs); end what it started, by PID,
+    once the last test is done."""
+    session().warm()
     yield
     close_session()

@@ -264,6 +264,9 @@ class Forked:
 
 _SPAWNERS: weakref.WeakSet[Spawner] = weakref.WeakSet()
 _SERVER_STARTED: list[bool] = []
+# Set in a child a fork server forked (run_request): a process that started as a clean copy of a
+# preloaded, single-threaded server, so it may fork its own server from itself.
+_FORKED: list[bool] = []
 
 
 class Spawner:
@@ -372,12 +375,61 @@ def _ensure_server(ctx: Any, preload: list[str]) -> None:
         old = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = old or "1"
         try:
-            multiprocessing.forkserver.ensure_running()
+            if not _fork_server_from_here(preload):
+                multiprocessing.forkserver.ensure_running()
         finally:
             if old is None:
                 del os.environ["OMP_NUM_THREADS"]
         _SERVER_STARTED.append(True)
         atexit.register(_close_spawners)  # runs before multiprocessing's own exit (it joins)
+
+
+def _fork_server_from_here(preload: list[str]) -> bool:
+    """Start the fork server by forking this process, where that gives the server `preload`
+    would: this process was itself forked from a preloaded server (as a launcher under the test
+    harness is: no thread that Python cannot see, such as an OpenMP pool), every module of
+    `preload` is imported already, and only this thread runs (a fork copies only the forking
+    thread). The standard way execs a fresh interpreter that imports
+    them again: measured ~2.5 CPU-s, and a test's launch 7.2 s -> 4.3 s wall (docs/MEASUREMENTS.md,
+    "Threads and start-up"). False (start it the standard way) where that does not hold, or where
+    multiprocessing keeps its server's state in other attributes than Python 3.11's."""
+    server = multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
+    state = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
+    if (not _FORKED or threading.active_count() > 1 or not all(hasattr(server, a) for a in state)
+            or hasattr(server, "_forkserver_authkey") or server._forkserver_pid is not None
+            or any(m != "__main__" and m not in sys.modules for m in preload)):
+        return False
+    multiprocessing.resource_tracker.ensure_running()  # as ensure_running() does first
+    address = multiprocessing.connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()  # the server exits once every holder of alive_w is gone
+        pid = os.fork()
+        if pid == 0:
+            _serve(listener.fileno(), alive_r)
+        os.close(alive_r)
+    server._forkserver_address, server._forkserver_alive_fd = address, alive_w
+    server._forkserver_pid = pid
+    return True
+
+
+def _serve(listener_fd: int, alive_r: int) -> NoReturn:
+    """Become the fork server (in the forked child): only stdio, the listener and the alive pipe
+    stay open, as in the server the standard way starts; never returns."""
+    global _MP_LOCK
+    try:
+        _MP_LOCK = threading.RLock()  # the parent held it while forking
+        _reset_signals()
+        top = max(int(f) for f in os.listdir("/proc/self/fd")) + 1
+        low, high = sorted((listener_fd, alive_r))
+        os.closerange(3, low)
+        os.closerange(low + 1, high)
+        os.closerange(high + 1, max(top, high + 1))
+        multiprocessing.forkserver.main(listener_fd, alive_r, [], None, None)
+    finally:
+        os._exit(0)
 
 
 def _close_spawners() -> None:
@@ -399,6 +451,7 @@ def _read_ack(sock: socket.socket) -> tuple[int, str]:
 # -- in the forked child ---------------------------------------------------------------------------
 def run_request(req: Request, ack: socket.socket) -> NoReturn:
     """Become the requested process (runs in the fork server's child); never returns."""
+    _FORKED.append(True)
     exit_after(lambda: _become(req, ack))
 
 

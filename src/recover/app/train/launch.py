@@ -37,9 +37,13 @@ from recover.procs import Process, Spawner, stop_all, wait_exit
 log = logging.getLogger(__name__)
 
 # What the launch's processes import, once, in the fork server: the replica's and the
-# coordinator's entry points, the training loop and the parallel layouts.
+# coordinator's entry points, the training loop and the parallel layouts; and what torch imports
+# lazily later: torch._dynamo (AdamW's constructor imports it, 2.6 CPU-s in every replica) and
+# torch.distributed.checkpoint (the leader's first save, 2.6 CPU-s cold). Measured: an R=4 launch
+# 11.2 -> 7.9 CPU-s (docs/MEASUREMENTS.md, "Threads and start-up").
 PRELOAD = ("recover.app.train.worker", "recover.collectives.coordinator",
-           "recover.app.train.loop", "recover.parallel")
+           "recover.app.train.loop", "recover.parallel", "torch._dynamo",
+           "torch.distributed.checkpoint")
 
 
 @dataclass
