@@ -7,6 +7,8 @@ the test harness's `recover.testing.runs.Launch`, the one way tests and benches 
 
 from __future__ import annotations
 
+import argparse
+import logging
 import os
 import statistics
 import tempfile
@@ -16,14 +18,41 @@ from pathlib import Path
 from recover.procs import descendants
 from recover.testing.runs import Launch, fresh_dir
 
-__all__ = ["BENCH_DIR", "Sampler", "cores", "cpu_seconds", "field", "fresh_dir", "loadavg",
-           "median", "out_dir", "peak_rss", "periods", "recover_train", "say", "table"]
+__all__ = ["BENCH_DIR", "Sampler", "bench_args", "cores", "cpu_seconds", "defaults", "field",
+           "fresh_dir", "loadavg", "log_progress", "median", "out_dir", "peak_rss", "periods",
+           "recover_train", "say", "table"]
 
 BENCH_DIR = Path(__file__).resolve().parent
 
 
 def say(msg: str) -> None:
+    """A line of the bench's report (stdout); progress lines go through `logging` (stderr)."""
     print(msg, flush=True)
+
+
+def log_progress() -> None:
+    """Route the bench's progress lines (its `logging.getLogger("bench.<script>")`) to stderr."""
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def bench_args(doc: str, quick: str, smoke: str) -> argparse.ArgumentParser:
+    """A bench's parser with the flags every bench takes (--quick, --smoke, --out); its first
+    line of `doc` is the description. Sets up the progress lines' logging too."""
+    log_progress()
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help=quick)
+    ap.add_argument("--smoke", action="store_true", help=f"{smoke} (a few seconds; CI runs it)")
+    ap.add_argument("--out", help="folder for logs and results (default: a new temp dir)")
+    return ap
+
+
+def defaults(args: argparse.Namespace, values: dict[str, object]) -> argparse.Namespace:
+    """Each of `values` where the command line left it None (a mode's defaults)."""
+    for key, value in values.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
 
 
 def cores() -> int:

@@ -29,20 +29,26 @@ import logging
 import math
 import sys
 
-from _common import cores, field, loadavg, median, out_dir, periods, recover_train, say, table
+from _common import (
+    bench_args,
+    cores,
+    field,
+    loadavg,
+    median,
+    out_dir,
+    periods,
+    recover_train,
+    say,
+    table,
+)
 from recover.app.config import preset
 
 log = logging.getLogger("bench.degraded")
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="debug preset, one run (< 2 min)")
-    ap.add_argument("--smoke", action="store_true", help="debug preset, R=2, 12 steps, one "
-                    "timed step on each side of the loss (a few seconds; CI runs it)")
-    ap.add_argument("--out", help="folder for the runs (default: a new temp dir)")
+    ap = bench_args(__doc__, "debug preset, one run (< 2 min)", "debug preset, R=2, 12 steps, "
+                    "the loss at step 5")
     ap.add_argument("--preset", help="default small (debug with --quick)")
     ap.add_argument("--replicas", type=int, help="R (default min(4, CPU cores))")
     ap.add_argument("--lose", type=int, default=1, help="k: replicas killed at step F")

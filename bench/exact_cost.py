@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import cores, loadavg, median, out_dir, periods, recover_train, say, table
+from _common import bench_args, cores, loadavg, median, out_dir, periods, recover_train, say, table
 
 log = logging.getLogger("bench.exact_cost")
 GOAL = 1.15
@@ -86,13 +86,8 @@ def measure(root: Path, name: str, steps: int, a: argparse.Namespace) -> float:
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="R=2, one ABBA round, fewer steps")
-    ap.add_argument("--smoke", action="store_true", help="debug preset, R=2, one default and "
-                    "one exact run of 8 steps (a few seconds; CI runs it)")
-    ap.add_argument("--out", help="folder for the runs (default: a new temp dir)")
+    ap = bench_args(__doc__, "R=2, one ABBA round, fewer steps", "debug preset, R=2, one "
+                    "default and one exact run of 8 steps")
     ap.add_argument("--presets", help="default debug,small (debug with --smoke)")
     ap.add_argument("--replicas", type=int, help="default 2 with --quick, else min(4, cores)")
     ap.add_argument("--steps", type=int, help="steps per run (default: debug 40 / small 16 "

@@ -43,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import BENCH_DIR, cores, fresh_dir, loadavg, out_dir, say, table
+from _common import BENCH_DIR, bench_args, cores, fresh_dir, loadavg, out_dir, say, table
 from recover.procs import start, stop, stop_all
 
 log = logging.getLogger("bench.memory")
@@ -98,13 +98,8 @@ def scenario(root: Path, layout: str, exact: bool, a: argparse.Namespace) -> lis
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="4M elements per rank (< 2 min)")
-    ap.add_argument("--smoke", action="store_true", help="plain layout only, 200k elements per "
-                    "rank, --stale-s 2 (the hang is declared sooner; a few seconds; CI runs it)")
-    ap.add_argument("--out", help="folder for logs and results (default: a new temp dir)")
+    ap = bench_args(__doc__, "4M elements per rank (< 2 min)", "plain layout only, 200k "
+                    "elements per rank, --stale-s 2: the hang is declared sooner")
     ap.add_argument("--layouts", help="default plain,hsdp (plain with --smoke)")
     ap.add_argument("--numel", type=int, help="gradient elements per rank (default 10M; 4M "
                     "with --quick, 200k with --smoke)")

@@ -35,7 +35,9 @@ from pathlib import Path
 
 from _common import (
     BENCH_DIR,
+    bench_args,
     cores,
+    defaults,
     field,
     fresh_dir,
     loadavg,
@@ -119,11 +121,8 @@ def separate(cfg, name: str, root: Path, a, steps: int, flags: list[str]) -> flo
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="debug preset, 60 steps (< 2 min)")
-    ap.add_argument("--smoke", action="store_true", help="debug preset, R=2, 12 steps in blocks "
-                    "of 2, no separate runs (a few seconds; CI runs it)")
-    ap.add_argument("--out", help="folder for the runs (default: a new temp dir)")
+    ap = bench_args(__doc__, "debug preset, 60 steps (< 2 min)", "debug preset, R=2, 12 steps "
+                    "in blocks of 2, no separate runs")
     ap.add_argument("--preset", help="model/data preset (default small; debug with --quick)")
     ap.add_argument("--replicas", type=int, help="R (default 4; 2 with --smoke)")
     ap.add_argument("--steps", type=int, help="recover steps (and as many DDP steps); default "
@@ -144,16 +143,12 @@ def parse_args() -> argparse.Namespace:
                          " 1.0 s gave false alarms on a machine loaded far beyond its cores)")
     a = ap.parse_args()
     full = {"replicas": 4, "steps": 60 if a.quick else 120, "block": 5, "warmup": 5}
-    for key, value in (SMOKE if a.smoke else full).items():
-        if getattr(a, key) is None:
-            setattr(a, key, value)
+    defaults(a, SMOKE if a.smoke else full)
     a.quick = a.quick or a.smoke
     return a
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     a = parse_args()
     name = a.preset or ("debug" if a.quick else "small")
     steps = a.steps

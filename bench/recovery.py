@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import cores, fresh_dir, median, out_dir, say, table
+from _common import bench_args, cores, defaults, fresh_dir, median, out_dir, say, table
 from recover.procs import Process, Spawner
 from recover.procs import stop_all as end
 from recover.settings import FaultTolerance
@@ -151,11 +151,7 @@ def trial(k: int, d: Path, a, rng: random.Random, server: Spawner) -> dict:
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="5 trials (< 2 min)")
-    ap.add_argument("--smoke", action="store_true",
-                    help="1 trial, R=3, 100k floats (a few seconds; CI runs it)")
-    ap.add_argument("--out", help="folder for logs (default: a new temp dir)")
+    ap = bench_args(__doc__, "5 trials (< 2 min)", "1 trial, R=3, 100k floats")
     ap.add_argument("--trials", type=int, help="default 10 (5 with --quick)")
     ap.add_argument("--replicas", type=int, help="R (default 4; 3 with --smoke)")
     ap.add_argument("--numel", type=int, help="floats reduced per iteration (default 10M; 100k "
@@ -171,15 +167,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--retries", type=int, default=3, help="extra trials for false alarms")
     a = ap.parse_args()
     full = {"trials": 5 if a.quick else 10, "replicas": 4, "numel": 10_000_000, "window": 1.0}
-    for key, value in (SMOKE if a.smoke else full).items():
-        if getattr(a, key) is None:
-            setattr(a, key, value)
-    return a
+    return defaults(a, SMOKE if a.smoke else full)
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     a = parse_args()
     trials = a.trials
     root = out_dir(a.out, "recovery")

@@ -30,7 +30,6 @@ state moved by the transfer at the largest size>`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -39,7 +38,17 @@ import sys
 import time
 from pathlib import Path
 
-from _common import BENCH_DIR, loadavg, median, out_dir, periods, recover_train, say, table
+from _common import (
+    BENCH_DIR,
+    bench_args,
+    loadavg,
+    median,
+    out_dir,
+    periods,
+    recover_train,
+    say,
+    table,
+)
 from recover.procs import start, stop_all
 
 log = logging.getLogger("bench.rejoin")
@@ -137,18 +146,13 @@ def protocol(out: Path, timeout_s: float, train: tuple[int, int, int, int] = TRA
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(prog="bench/rejoin.py", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="10M only + one protocol run (< 3 min)")
-    ap.add_argument("--smoke", action="store_true", help="1M only, one repeat, one 12-step "
-                    "protocol run (a few seconds; CI runs it)")
-    ap.add_argument("--out", help="folder for logs and runs (default: a new temp dir)")
+    ap = bench_args(__doc__, "10M only + one protocol run (< 3 min)", "1M only, one repeat, "
+                    "one 12-step protocol run")
     ap.add_argument("--sizes", help="comma-separated parameter counts (default 10e6,50e6,100e6)")
     ap.add_argument("--repeats", type=int, help="transfers / loads per size (default 2 quick, 3)")
     ap.add_argument("--runs", type=int, help="protocol runs (default 1 quick, 3)")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="limit per process / run")
     a = ap.parse_args()
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     out = out_dir(a.out, "rejoin")
     sizes = [float(s) for s in a.sizes.split(",")] if a.sizes else (
         [1e6] if a.smoke else [10e6] if a.quick else [10e6, 50e6, 100e6])

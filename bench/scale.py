@@ -73,7 +73,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _common import BENCH_DIR, cores, cpu_seconds, fresh_dir, loadavg, median, out_dir, say, table
+from _common import (
+    BENCH_DIR,
+    bench_args,
+    cores,
+    cpu_seconds,
+    defaults,
+    fresh_dir,
+    loadavg,
+    median,
+    out_dir,
+    say,
+    table,
+)
 from _store_rate import request_cpu_s
 from recover.collectives import coordinator
 from recover.testing.scale import (
@@ -326,11 +338,8 @@ def plot(res: list[dict], path: Path) -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="4, 16, 64 ranks, fewer steps (< 3 min)")
-    ap.add_argument("--smoke", action="store_true", help="2 and 4 ranks, 1 + 3 steps, one kill "
-                    "each, the store rate from 2 clients (a few seconds; CI runs it)")
-    ap.add_argument("--out", help="folder for outputs and logs (default: a new temp dir)")
+    ap = bench_args(__doc__, "4, 16, 64 ranks, fewer steps (< 3 min)", "2 and 4 ranks, 1 + 3 "
+                    "steps, one kill each, the store rate from 2 clients")
     ap.add_argument("--scales", help="comma-separated RxP, e.g. 4x1,16x1 (default by --quick)")
     ap.add_argument("--numel", type=int, default=1024, help="floats per rank's gradient")
     ap.add_argument("--compute-s", type=float, default=0.01, help="sleep per microbatch")
@@ -358,24 +367,20 @@ def parse_args() -> argparse.Namespace:
                          "rank's .err log (diagnosis of a protocol failure; slows the ranks)")
     a = ap.parse_args()
     mode = "smoke" if a.smoke else "quick" if a.quick else "full"
-    defaults = {"steps": {"smoke": 3, "quick": 8, "full": 20},
+    by_key = {"steps": {"smoke": 3, "quick": 8, "full": 20},
                 "timeout_s": {"smoke": 30.0, "quick": 60.0, "full": 120.0},
                 "kills": {"smoke": 1, "quick": 1, "full": 2},
                 "warm": {"smoke": 1, "quick": 2, "full": 2},
                 "settle": {"smoke": 1, "quick": 2, "full": 2},
                 "scales": {"smoke": "2x1,4x1", "quick": "4x1,16x1,64x1",
                            "full": "4x1,16x1,64x1,128x1,8x8,16x8"}}
-    for key, by_mode in defaults.items():
-        if getattr(a, key) is None:
-            setattr(a, key, by_mode[mode])
+    defaults(a, {key: by_mode[mode] for key, by_mode in by_key.items()})
     # the store server's CPU per request: (clients, request pairs each)
     a.store_rate = (2, 200) if a.smoke else (8, 1500)
     return a
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     a = parse_args()
     spec = a.scales
     scales = [tuple(int(v) for v in s.split("x")) for s in spec.split(",")]

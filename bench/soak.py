@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from _common import fresh_dir
+from _common import fresh_dir, log_progress
 from recover.app.config import RunConfig
 from recover.app.runtoken import run_token
 from recover.app.train.checkpoint import latest_checkpoint, load_checkpoint
@@ -142,8 +142,7 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_progress()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, help="how long to go on starting runs")
     ap.add_argument("--smoke", action="store_true", help="R=3, 8 steps: the reference and one "
