@@ -391,7 +391,8 @@ def main() -> int:
         f"then {a.kills} SIGKILL(s) of a random rank; out {root}")
     say(f"assumptions: {cores()} CPU core(s) shared by every rank and the coordinator, load "
         f"average {loadavg():.1f} at start; gloo over 127.0.0.1; stale-s {a.stale_s}; "
-        f"processes forked from this one after `import torch`; other load is not controlled")
+        f"processes forked by the standard library's fork server after one `import torch`; "
+        "other load is not controlled")
     res: list[dict] = []
     failures: list[dict] = []  # reported, never hidden: they are the library's
     t0 = time.monotonic()
