@@ -5,7 +5,8 @@ lives in a namespace of its own, with addresses (10.77.0.x) that exist only insi
 commands are the README's "On a cluster" lines, read from README.md, with only the host, the run
 directory and the data path substituted, and started as a user would: the coordinator first, then
 one `torchrun` per replica once DIR/config.json exists. Faults are real: a replica's link cut at
-the bridge (kept down, or brought back), or its worker SIGKILLed, a few steps into the run.
+the bridge (kept down, or brought back), or its worker SIGKILLed, a few steps into the run (the
+kept-down cut and the SIGKILL in one run, on two replicas).
 
 Each run is judged on: the loss trajectory against the failure-free run (1e-5 relative at every
 step), N microbatches on every metrics line, every surviving replica's exit code (0, its
@@ -174,7 +175,7 @@ class Outcome:
     out: Path
     coordinator: Proc
     replicas: list[Proc]
-    victim: int | None = None
+    victims: tuple[int, ...] = ()
     t_fault: float | None = None
 
     def metrics(self) -> list[dict]:
@@ -246,8 +247,10 @@ def _end_worker(pid: int, out: Path) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def run_recipe(tmp: Path, corpus: Path, fault: str | None = None, victim: int = 0) -> Outcome:
-    """Run the README's recipe on fresh hosts; `fault`: None, cut, cut-back or kill."""
+def run_recipe(tmp: Path, corpus: Path, faults: dict[int, str] | None = None) -> Outcome:
+    """Run the README's recipe on fresh hosts; `faults`: replica -> cut, cut-back or kill, all
+    at the same moment."""
+    faults = faults or {}
     out, logs = tmp / "run1", tmp / "logs"
     logs.mkdir()
     # The commands are found on PATH as in a user's shell (the venv's `recover`, `torchrun`).
@@ -265,22 +268,24 @@ def run_recipe(tmp: Path, corpus: Path, fault: str | None = None, victim: int = 
                 cmd = substitute(WORKER_CMD, {**subs, "COORD_HOST": net.addr(0), "$i": str(i)})
                 procs.append(Proc.command(f"replica{i}", net.exec(i + 1, cmd), logs, env))
             o = Outcome(out, coord, procs[1:])
-            if fault is not None:
+            if faults:
                 _wait(lambda: _metrics_lines(out) >= FAULT_AFTER_STEPS, RUN_LIMIT_S,
                       f"{FAULT_AFTER_STEPS} metrics lines", coord)
-                o.victim, o.t_fault = victim, time.time()
-                if fault == "kill":
-                    os.kill(_worker_pids(out)[victim], signal.SIGKILL)
-                else:
-                    net.link(victim + 1, up=False)
+                o.victims, o.t_fault = tuple(sorted(faults)), time.time()
+                for victim, fault in faults.items():
+                    if fault == "kill":
+                        os.kill(_worker_pids(out)[victim], signal.SIGKILL)
+                    else:
+                        net.link(victim + 1, up=False)
             deadline = time.monotonic() + RUN_LIMIT_S
-            back = fault != "cut-back"  # "cut": the link stays down until the run is over
+            # "cut": the link stays down until the run is over
+            down = [v for v, f in faults.items() if f == "cut-back"]
             # Poll every process each turn (not any(): it stops at the first one alive), so
             # each exit is timed when it happens.
             while any([p.alive() for p in procs]) and time.monotonic() < deadline:
-                if not back and _dropped(out, victim):
+                for victim in [v for v in down if _dropped(out, v)]:
                     net.link(victim + 1, up=True)
-                    back = True
+                    down.remove(victim)
                 time.sleep(0.02)
             return o
         finally:
@@ -311,18 +316,20 @@ def check_run(o: Outcome, ref: Outcome, tmp: Path) -> None:
     assert all(r["microbatches"] == n for r in recs), [r["microbatches"] for r in recs]
     assert max_rel(o.losses(), ref.losses()) <= 1e-5
     for i, p in enumerate(o.replicas):
-        if i != o.victim:
+        if i not in o.victims:
             assert p.returncode == 0, f"survivor {i}'s torchrun exited {p.returncode}\n{why}"
             assert "left cleanly" in o.exits()[i], o.exits()
-    if o.victim is not None:
-        p = o.replicas[o.victim]
-        assert p.returncode not in (0, None), f"replica {o.victim} did not fail\n{why}"
+    for victim in o.victims:
+        assert o.t_fault is not None
+        p = o.replicas[victim]
+        assert p.returncode not in (0, None), f"replica {victim} did not fail\n{why}"
         assert p.exited_at is not None and p.exited_at - o.t_fault <= EXIT_BOUND_S, (
-            f"replica {o.victim} exited {p.exited_at and p.exited_at - o.t_fault:.1f}s after the "
+            f"replica {victim} exited {p.exited_at and p.exited_at - o.t_fault:.1f}s after the "
             f"fault (bound {EXIT_BOUND_S:.0f}s)\n{why}")
-        # The fault landed mid-run: the run went on, and ended, without the victim.
+        # The fault landed mid-run: the run went on, and ended, without the victims.
         live = [r["live_replicas"] for r in recs]
-        assert live[FAULT_AFTER_STEPS - 1] == REPLICAS and live[-1] == REPLICAS - 1, live
+        assert live[FAULT_AFTER_STEPS - 1] == REPLICAS, live
+        assert live[-1] == REPLICAS - len(o.victims), live
     ckpt = o.out / "ckpt" / (o.out / "ckpt" / "latest").read_text().strip()
     meta = json.loads(json.loads((ckpt / "meta.json").read_text())["manifest"])
     assert ckpt.name == f"step_{STEPS:08d}" and meta["step"] == STEPS, (ckpt, meta["step"])
@@ -347,11 +354,19 @@ def test_failure_free(reference: Outcome, tmp_path: Path) -> None:
         assert "recover:" not in p.stderr(), p.stderr()[-2000:]
 
 
+@pytest.fixture(scope="module")
+def cut_and_kill(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Outcome:
+    """One run, two fault families at the same step: the leader's cable cut for good, replica
+    1's worker SIGKILLed (one recipe run fewer than a run each; each is judged on its own)."""
+    return run_recipe(tmp_path_factory.mktemp("multihost-cut-kill"), corpus, {0: "cut", 1: "kill"})
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_link_cut_and_kept_down(reference: Outcome, corpus: Path, tmp_path: Path) -> None:
+def test_link_cut_and_kept_down(reference: Outcome, cut_and_kill: Outcome,
+                                tmp_path: Path) -> None:
     """The leader's cable is cut for good: it gives up by itself; the others go on and save."""
-    o = run_recipe(tmp_path, corpus, "cut", victim=0)
+    o = cut_and_kill
     check_run(o, reference, tmp_path)
     err = o.replicas[0].stderr()
     assert "heard nothing from the coordinator" in err, err[-2000:]
@@ -364,7 +379,7 @@ def test_link_cut_and_brought_back(reference: Outcome, corpus: Path, tmp_path: P
     """The cable comes back as soon as the coordinator has dropped the replica: it learns that
     it was dropped (or, if TCP's retransmission timer is slower than its silence bound, gives
     up on its own), and changes nothing: trajectory, checkpoint and membership are the others'."""
-    o = run_recipe(tmp_path, corpus, "cut-back", victim=2)
+    o = run_recipe(tmp_path, corpus, {2: "cut-back"})
     check_run(o, reference, tmp_path)
     err = o.replicas[2].stderr()
     assert "fenced, exiting" in err or "heard nothing from the coordinator" in err, err[-2000:]
@@ -376,8 +391,8 @@ def test_link_cut_and_brought_back(reference: Outcome, corpus: Path, tmp_path: P
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_sigkill(reference: Outcome, corpus: Path, tmp_path: Path) -> None:
-    o = run_recipe(tmp_path, corpus, "kill", victim=1)
+def test_sigkill(reference: Outcome, cut_and_kill: Outcome, tmp_path: Path) -> None:
+    o = cut_and_kill
     check_run(o, reference, tmp_path)
     assert o.exits()[1].startswith("coordinator: lost: connection closed"), o.exits()
 
