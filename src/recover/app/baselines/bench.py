@@ -29,7 +29,7 @@ from recover.sim.calibrate import validation_rows
 log = logging.getLogger(__name__)
 QUICK = {"replicas": 4, "steps": 20}  # ~2-4 min on 2 cores
 # The smallest bench with every part (a kill, a checkpoint restart, a shrunk batch): ~30 s. CI
-# runs it (tests/test_bench_smoke.py), and checks its trajectories and the simulator against it.
+# runs it (tests/test_bench.py), and checks its trajectories and the simulator against it.
 SMOKE = {"replicas": 2, "steps": 20}
 SYSTEMS = ("recover", "ckpt-restart", "shrink-batch")
 
