@@ -57,11 +57,6 @@ def ports(store: Any) -> list[int]:
     return [int(p) for p in json.loads(raw)] if raw else []
 
 
-def connect_all(store: Any, host: str, timeout_s: float) -> list[Any]:
-    """A client of every shard (the metrics sink deletes old keys on each)."""
-    return [keys.connect_store(host, p, timeout_s) for p in ports(store)]
-
-
 class ShardTotals:
     """Per generation: how many ranks count on each shard, and how many shards count at all
     (cached: O(R P) once a generation, not once a step)."""
