@@ -121,7 +121,10 @@ class Sampler:
 
     def sample(self) -> None:
         now = time.monotonic()
-        if now - self._scan > 1.0:  # new processes: scanning /proc is the costly part
+        # New processes: scanning /proc is the costly part, so once a second; but every sample
+        # until a worker is known, or a fast run's first steps pass with no clock of its workers.
+        known = any(k == "worker" for k in self.kinds.values())
+        if not known or now - self._scan > 1.0:
             self._scan = now
             for pid in descendants(self.root):
                 if pid not in self.kinds:
@@ -148,6 +151,8 @@ class Sampler:
         a = next((x for x in self.samples if x[1] >= lo), None)
         b = next((x for x in self.samples if x[1] >= hi), None)
         if a is None or b is None or b[1] <= a[1]:
+            return float("nan"), 0
+        if not any(self.kinds[p] in kinds for p in a[2]):  # none was known yet: not measured
             return float("nan"), 0
         last: dict[int, float] = {}
         for _, _, cpu in self.samples[:self.samples.index(b) + 1]:

@@ -134,16 +134,21 @@ def main() -> int:
     for label, t in ref:
         say(f"  vs {label}: after/before = {median(after) / t:.3f} (ideal {ideal:.3f}) -> "
             f"efficiency {median(after) / (ideal * t):.3f}")
-    cpu_eff = smp.per_step(lo_after, steps)[0] / smp.per_step(a.warmup, f)[0]
-    say(f"CPU per step after/before = {cpu_eff:.3f} (ideal 1.0: the same N microbatches of work; "
-        f"robust to other load, unlike wall time when the load average exceeds {ncores})")
-    # Under other load the job gets fewer cores than the ideal assumes; its achieved parallelism
-    # P (CPU seconds per wall second before the loss) gives a load-adjusted ideal.
-    par = smp.per_step(a.warmup, f)[0] / median(before)
-    ideal_p = min(reps, par) / min(reps - k, par)
-    eff_p = median(after) / (ideal_p * median(before))
-    say(f"load-adjusted: the job kept {par:.2f} cores busy before the loss -> ideal "
-        f"min(R,P)/min(R-k,P) = {ideal_p:.3f}, efficiency {eff_p:.3f}")
+    cpu_before, cpu_after = smp.per_step(a.warmup, f)[0], smp.per_step(lo_after, steps)[0]
+    if math.isfinite(cpu_before) and cpu_before > 0 and math.isfinite(cpu_after):
+        say(f"CPU per step after/before = {cpu_after / cpu_before:.3f} (ideal 1.0: the same N "
+            f"microbatches of work; robust to other load, unlike wall time when the load average "
+            f"exceeds {ncores})")
+        # Under other load the job gets fewer cores than the ideal assumes; its achieved
+        # parallelism P (CPU seconds per wall second before the loss) gives a load-adjusted ideal.
+        par = cpu_before / median(before)
+        ideal_p = min(reps, par) / min(reps - k, par)
+        eff_p = median(after) / (ideal_p * median(before))
+        say(f"load-adjusted: the job kept {par:.2f} cores busy before the loss -> ideal "
+            f"min(R,P)/min(R-k,P) = {ideal_p:.3f}, efficiency {eff_p:.3f}")
+    else:
+        say("CPU per step: not measured (the sampler saw no replica's clock before the loss; "
+            "the run was faster than the process scan)")
     eff = median(after) / (ideal * median(before))
     say("goal <= 1.05 (1.0 = the survivors lose no time beyond doing the lost replicas' work)")
     print(f"degraded_efficiency={eff:.3f}", flush=True)
