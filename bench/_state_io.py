@@ -4,7 +4,7 @@ Each builds the same model (an nn.Sequential of 1024x1024 Linear layers, ~P para
 AdamW state materialized (params + exp_avg + exp_avg_sq + step), does one job, and writes one
 JSON result file. The donor and joiner move the state exactly as `recover.parallel.rejoin` does
 (`transfer.TrainingState` with a `rejoin.StepState`, `transfer.send` / `transfer.receive` over a
-loopback TCP socket); the loader saves the same state with `torch.distributed.checkpoint`
+`channel` session keyed by a token, on a loopback TCP socket); the loader saves the same state with `torch.distributed.checkpoint`
 (`no_dist`) and times loading it into a fresh model + optimizer.
 
 Invariant: every result carries the state's fingerprint (an order-fixed float64 sum of every
@@ -33,11 +33,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from recover.parallel import transfer
+from recover.parallel import channel, transfer
 from recover.parallel.rejoin import StepState
 
 WIDTH = 1024
 CONNECT_S = 120.0  # the peer imports torch and builds ~1 GB of state first on a loaded machine
+KEY, CTX = b"bench run token", channel.context(0, 0)  # as a run's: handshake + AES-GCM frames
 
 
 def build(params: float, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -75,13 +76,13 @@ def donor(a: argparse.Namespace) -> dict:
         tmp.write_text(str(srv.getsockname()[1]))
         tmp.rename(a.port_file)
         for _ in range(a.repeats):
-            conn, _ = srv.accept()
-            with conn:
-                conn.settimeout(CONNECT_S)
+            session = channel.accept(srv, KEY, CTX, CONNECT_S)
+            with session.sock:
+                session.sock.settimeout(CONNECT_S)
                 t0 = time.monotonic()  # as rejoin.serve: the state is gathered per donation
                 st = StepState(None)
                 state = transfer.TrainingState(model, opt, {"_recover": st})
-                sent = transfer.send(conn, state.tensors, state.meta)
+                sent = transfer.send(session, state.tensors, state.meta)
                 times.append(time.monotonic() - t0)
     return {"send_s": times, "bytes": sent, "fingerprint": fingerprint(model, opt),
             "params": sum(p.numel() for p in model.parameters())}
@@ -102,7 +103,7 @@ def joiner(a: argparse.Namespace) -> dict:
         t0 = time.monotonic()  # the same window as rejoin.receive's `transfer_s`
         with transfer.connect(addr, CONNECT_S) as sock:
             sock.settimeout(CONNECT_S)
-            meta, got = transfer.receive(sock, state.tensors, state.meta)
+            meta, got = transfer.receive(channel.join(sock, KEY, CTX), state.tensors, state.meta)
         times.append(time.monotonic() - t0)
         state.finish(meta)
     return {"receive_s": times, "bytes": got, "fingerprint": fingerprint(model, opt)}

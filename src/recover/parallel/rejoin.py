@@ -6,7 +6,10 @@ parameters, optimizer state, the step, RNG, exact-mode exponents and any user st
 step is t, on the failure-free trajectory; no running replica loses a step (the step t they are
 in waits for the admission, or for it to be given up, then goes on with whoever is a member).
 Donor side: the rank at the same position of the donor replica serves it (`serve`), called by
-the step engine when step t's plan says "join".
+the step engine when step t's plan says "join". Both sides key the transfer by the run token
+(`recover.parallel.channel`): a joiner never uses a state that a token holder did not send it in
+this join, and a donor sends nothing to a peer that did not prove the token. Without a token
+there is no join: the joiner raises `TokenRequired`, a donor logs it and serves nothing.
 """
 
 from __future__ import annotations
@@ -22,10 +25,24 @@ import torch
 from torch import nn
 
 from recover.collectives import CoordinatorGone, Member, keys
-from recover.parallel import transfer
+from recover.parallel import channel, transfer
 from recover.settings import Hooks
 
 CONNECT_S = 30.0  # a joiner is waiting when the join is announced: it connects at once
+
+
+class TokenRequired(RuntimeError):
+    """This process has no run token, and a state transfer is keyed by it."""
+
+
+def _key(member: Member) -> bytes:
+    """The transfer's key: the run token this rank showed at its hello."""
+    if member.token in ("", "-"):
+        raise TokenRequired(
+            f"replica {member.replica}: a live state transfer needs the run token, and this "
+            "process has none: give every process of the run the same one (RECOVER_RUN_TOKEN, "
+            "or ReplicaConfig(token=...); `recover train` writes DIR/run.token)")
+    return member.token.encode()
 
 
 class StepState:
@@ -56,27 +73,38 @@ def serve(member: Member, rank: int, step: int, join: dict, module: nn.Module,
           optimizer: torch.optim.Optimizer | None, extra: Mapping[str, Any],
           exact: Any | None, hooks: Hooks | None = None) -> None:
     """Donor rank: stream this rank's state (after `step` optimizer steps) to the joiner's rank
-    `rank`. Any failure is logged and given up: the coordinator then gives the join up too."""
-    epoch = int(join["epoch"])
+    `rank`, once it proved the run token. Any failure is logged and given up: the coordinator
+    then gives the join up too."""
+    epoch, replica = int(join["epoch"]), int(join["replica"])
+    ctx = channel.context(epoch, rank)
     t0 = time.monotonic()
+
+    seen = [False]  # the plan may be read before this rank's own "join" push arrives
+
+    def wanted() -> bool:  # the join is still on (not given up, e.g. for a forged address)
+        now = member.join_requests.get(replica, (None, 0))[0]
+        seen[0] = seen[0] or now == epoch
+        return now == epoch or (now is None and not seen[0])
+
     try:
+        key = _key(member)
         with socket.create_server((member.local_addr or "127.0.0.1", 0)) as srv:
-            srv.settimeout(CONNECT_S)
             host, port = srv.getsockname()[:2]
-            member.store.set(keys.donor_key(epoch, rank), f"{host}:{port}")
-            conn, _ = srv.accept()
-        with conn:
-            conn.settimeout(CONNECT_S)
+            member.store.set(keys.donor_key(epoch, rank),
+                             channel.sign_address(key, ctx, f"{host}:{port}"))
+            session = channel.accept(srv, key, ctx, CONNECT_S, wanted)
+        with session.sock:
+            session.sock.settimeout(CONNECT_S)
             st = StepState(exact)
             st.step = step
             state = transfer.TrainingState(module, optimizer, {**extra, "_recover": st})
             if hooks is not None:
                 hooks.phase("donate", step)  # fault injection: the donor dies mid-transfer
-            sent = transfer.send(conn, state.tensors, state.meta)
+            sent = transfer.send(session, state.tensors, state.meta)
         log.info(f"donated {sent / 1e6:.1f} MB of state at step {step} to replica "
-             f"{join['replica']} rank {rank} in {time.monotonic() - t0:.2f}s")
-    except (OSError, transfer.TransferError) as e:
-        log.warning(f"donation to replica {join['replica']} (join {epoch}) failed: {e}")
+                 f"{replica} rank {rank} in {time.monotonic() - t0:.2f}s")
+    except (OSError, TokenRequired, channel.ChannelError, transfer.TransferError) as e:
+        log.warning(f"donation to replica {replica} (join {epoch}) failed: {e}")
 
 
 def receive(member: Member, rank: int, module: nn.Module,
@@ -85,25 +113,29 @@ def receive(member: Member, rank: int, module: nn.Module,
             join_at: int = 0) -> tuple[int, float, int]:
     """Joiner rank: get the state from a donor (another one if a donor dies), tell the
     coordinator, wait for the admission. Returns (step to continue from, transfer s, bytes)."""
+    key = _key(member)
     if optimizer is not None:
         transfer.materialize_optimizer(optimizer)
     deadline = time.monotonic() + timeout_s
     while True:
         epoch = member.join_epoch
-        addr = _wait_key(member, keys.donor_key(epoch, rank), epoch, deadline)
-        if addr is None:  # a newer join epoch (the donor went away): try again
+        value = _wait_key(member, keys.donor_key(epoch, rank), epoch, deadline)
+        if value is None:  # a newer join epoch (the donor went away): try again
             continue
+        ctx, addr = channel.context(epoch, rank), "the donor"
         st = StepState(exact)
         state = transfer.TrainingState(module, optimizer, {**extra, "_recover": st})
         t0 = time.monotonic()
         try:
-            with transfer.connect(addr.decode(), CONNECT_S) as sock:
+            addr = channel.open_address(key, ctx, value)
+            with transfer.connect(addr, CONNECT_S) as sock:
                 sock.settimeout(CONNECT_S)
+                session = channel.join(sock, key, ctx)
                 if hooks is not None:  # fault injection: the joiner dies mid-transfer
                     hooks.phase("receive", join_at)
-                meta, got = transfer.receive(sock, state.tensors, state.meta)
-        except (OSError, transfer.TransferError) as e:
-            log.warning(f"state transfer from {addr.decode()} (join {epoch}) failed: {e}; "
+                meta, got = transfer.receive(session, state.tensors, state.meta)
+        except (OSError, channel.ChannelError, transfer.TransferError) as e:
+            log.warning(f"state transfer from {addr} (join {epoch}) failed: {e}; "
                         "asking for another donor")
             member.report_join_failed(epoch)
             _wait_epoch(member, epoch, deadline)

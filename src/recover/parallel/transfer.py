@@ -1,19 +1,21 @@
 """Live state transfer: a donor rank streams its training state to the same rank of a joiner.
 
-The wire carries tensors and JSON only, never a pickle: a length-prefixed JSON header (the
-state's non-tensor leaves, and each tensor's path, dtype and shape), the tensors' raw bytes in
-chunks, and a sha256 of those bytes that the joiner verifies before it uses anything. The
-joiner copies the values *in place* into its own module and optimizer (same layout, so the same
-local shard shapes; DTensor shards included), so nothing about sharding travels.
+The wire carries tensors and JSON only, never a pickle, as frames of a `channel.Session` (keyed
+by the run token: authenticated and encrypted, docs/DESIGN.md, "Checkpoints, rejoin and trust"):
+a JSON header (the state's non-tensor leaves, and each tensor's path, dtype and shape), the
+tensors' raw bytes in chunks of at most `CHUNK`, and an end frame with the byte count; the joiner
+answers one sealed frame, b"ok" or b"no". The joiner copies the values *in place* into its own
+module and optimizer (same layout, so the same local shard shapes; DTensor shards included), so
+nothing about sharding travels.
 
-Invariant: `receive` returns only a state whose every byte matched the donor's digest, with the
-same tensor paths, dtypes and shapes as the joiner's own; anything else raises `TransferError`
-and leaves the joiner to try another donor.
+Invariant: `receive` returns only a state whose every frame the session authenticated, in order
+and complete, with the same tensor paths, dtypes and shapes as the joiner's own, and copies
+nothing in before the last frame verified (values land in staging buffers first); anything else
+raises `TransferError` or `channel.ChannelError` and leaves the joiner to try another donor.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import socket
 import struct
@@ -24,10 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from recover.parallel.channel import Session
 from recover.parallel.grads import local_tensor
 
 CHUNK = 4 << 20
-MAGIC = b"RCVR-STATE-1"
+HEADER_MAX = 256 << 20  # the JSON header's frame (tensor paths and shapes, scalar leaves)
 _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16,
                                torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
                                torch.bool)}
@@ -124,62 +127,55 @@ def materialize_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 
 # -- the wire -------------------------------------------------------------------------------
-def send(sock: socket.socket, tensors: list[tuple[str, torch.Tensor]], meta: dict) -> int:
+def send(session: Session, tensors: list[tuple[str, torch.Tensor]], meta: dict) -> int:
     """Stream the state; return the bytes sent. The peer answers b'ok' once it verified."""
     header = {"meta": meta, "tensors": [(p, str(t.dtype), list(t.shape)) for p, t in tensors]}
-    raw = json.dumps(header).encode()
-    sock.sendall(MAGIC + struct.pack("!Q", len(raw)) + raw)
-    digest = hashlib.sha256()
+    session.send(json.dumps(header).encode())
     total = 0
     for _, t in tensors:
         data = _bytes(t)
         for i in range(0, len(data), CHUNK):
-            part = data[i: i + CHUNK]
-            digest.update(part)
-            sock.sendall(part)
+            session.send(data[i: i + CHUNK])
         total += len(data)
-    sock.sendall(digest.digest())
-    if _recv_exact(sock, 2) != b"ok":
+    session.send(b"end" + struct.pack("!Q", total))
+    if session.recv(2) != b"ok":
         raise TransferError("the joiner refused the state")
     return total
 
 
-def receive(sock: socket.socket, tensors: list[tuple[str, torch.Tensor]], meta: dict
+def receive(session: Session, tensors: list[tuple[str, torch.Tensor]], meta: dict
             ) -> tuple[dict, int]:
-    """Receive into the joiner's own live tensors (same paths, dtypes, shapes), verify the
-    digest, and return (the donor's JSON leaves, bytes received). On any mismatch nothing is
-    copied in: values land in staging buffers first."""
-    if _recv_exact(sock, len(MAGIC)) != MAGIC:
-        raise TransferError("not a recover state stream")
-    (n,) = struct.unpack("!Q", _recv_exact(sock, 8))
-    header = json.loads(_recv_exact(sock, n))
-    theirs = [(p, d, tuple(s)) for p, d, s in header["tensors"]]
+    """Receive into the joiner's own live tensors (same paths, dtypes, shapes) and return (the
+    donor's JSON leaves, bytes received). On any mismatch nothing is copied in: values land in
+    staging buffers first, copied once every frame is authenticated."""
+    try:
+        header = json.loads(session.recv(HEADER_MAX))
+        theirs = [(p, d, tuple(s)) for p, d, s in header["tensors"]]
+    except (ValueError, TypeError, KeyError) as e:  # authenticated, yet not a header
+        raise TransferError(f"not a recover state header: {e}") from None
     mine = [(p, str(t.dtype), tuple(t.shape)) for p, t in tensors]
     if theirs != mine:
         diff = next((a, b) for a, b in zip(theirs + [None], mine + [None], strict=False)
                     if a != b)
+        session.send(b"no")
         raise TransferError(f"the donor's state does not match this rank's layout: {diff}")
-    digest = hashlib.sha256()
     staged, total = [], 0
     for _, t in tensors:
         buf = torch.empty(t.shape, dtype=t.dtype)
         view = memoryview(_bytes(buf)).cast("B")
-        got = 0
-        while got < len(view):
-            k = sock.recv_into(view[got:], min(CHUNK, len(view) - got))
-            if k == 0:
-                raise TransferError("the donor went away during the transfer")
-            got += k
-        digest.update(view)
+        for i in range(0, len(view), CHUNK):
+            part = session.recv(CHUNK)
+            if len(part) != min(CHUNK, len(view) - i):
+                raise TransferError("a chunk of the wrong size")
+            view[i: i + len(part)] = part
         staged.append(buf)
         total += len(view)
-    if _recv_exact(sock, 32) != digest.digest():
-        sock.sendall(b"no")
-        raise TransferError("state checksum mismatch")
+    if session.recv(16) != b"end" + struct.pack("!Q", total):
+        raise TransferError("the stream did not end where the donor said")
     with torch.no_grad():
         for (_, t), buf in zip(tensors, staged, strict=True):
             t.copy_(buf)
-    sock.sendall(b"ok")
+    session.send(b"ok")
     return header["meta"], total
 
 
@@ -189,16 +185,6 @@ def _bytes(t: torch.Tensor) -> memoryview:
     if t.device.type != "cpu":
         t = t.cpu()
     return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        part = sock.recv(n - len(out))
-        if not part:
-            raise TransferError("the peer went away during the transfer")
-        out += part
-    return bytes(out)
 
 
 def _fill(sd: Any, prefix: str, meta: dict) -> None:

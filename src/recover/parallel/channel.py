@@ -1,0 +1,179 @@
+"""The state transfer's channel: a donor and a joiner that both hold the run token, and no one else.
+
+The store has no authentication (docs/DESIGN.md, "Checkpoints, rejoin and trust"): anyone who
+reaches it can read or replace the donor's published address, and connect to the donor's port.
+So nothing on this channel is trusted for being where it is; it is trusted for being keyed by
+the run token:
+
+- the published address carries an HMAC-SHA256 (`sign_address` / `open_address`), so a swapped
+  one is spotted before the joiner connects;
+- before any state byte, a handshake binds a proof of the token to the join (its `context`: the
+  join epoch and rank) and to two fresh nonces: the donor sends `MAGIC` and its nonce, the joiner
+  answers its nonce and its proof, the donor checks it (constant time) and answers its own proof;
+- the session keys (one AES-256-GCM key per direction) come from HKDF-SHA256 over the token with
+  both nonces as the salt; every frame is sealed under a counter nonce with its index and
+  direction bound in the associated data.
+
+Invariant: `Session.recv` returns a frame's plaintext only if a token holder sealed it in this
+session (these nonces, this join), in this direction, at exactly this index: a relay can neither
+read, modify, reorder, drop nor replay a frame, and anything else raises `ChannelError`. A peer
+without the token gets from a donor its random nonce and nothing else (`accept` closes it and
+keeps accepting until its deadline), and never a session.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import socket
+import struct
+import time
+from collections.abc import Callable
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+MAGIC = b"RCVR-STATE-2\x00\x00\x00\x00"
+LABEL = b"recover live state transfer v2"
+NONCE = 32
+PROOF = 32  # HMAC-SHA256
+TAG = 16  # AES-GCM
+HELLO_S = 5.0  # a connection that does not prove the token within this is dropped
+POLL_S = 0.2  # how often a waiting donor looks whether its join is still wanted
+
+log = logging.getLogger(__name__)
+
+
+class ChannelError(RuntimeError):
+    """The peer did not prove the run token, or a frame failed its authentication."""
+
+
+def context(epoch: int, rank: int) -> bytes:
+    """What a session is bound to: this purpose, this join epoch, this rank."""
+    return LABEL + struct.pack("!qq", epoch, rank)
+
+
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    return hmac.new(key, b"".join(struct.pack("!I", len(p)) + p for p in parts),
+                    hashlib.sha256).digest()
+
+
+# -- the published address -------------------------------------------------------------------
+def sign_address(key: bytes, ctx: bytes, addr: str) -> bytes:
+    """The store value that publishes `addr` ("host:port") for the join `ctx`."""
+    return f"{addr} {_mac(key, b'address', ctx, addr.encode()).hex()}".encode()
+
+
+def open_address(key: bytes, ctx: bytes, value: bytes) -> str:
+    """The address a store value publishes, if a token holder signed it for this join."""
+    addr, _, tag = value.partition(b" ")
+    if not hmac.compare_digest(tag, _mac(key, b"address", ctx, addr).hex().encode()):
+        raise ChannelError("the donor's published address is not signed with the run token "
+                           "(written by a process without it)")
+    return addr.decode("ascii", "replace")
+
+
+# -- the session -----------------------------------------------------------------------------
+class Session:
+    """Sealed frames over a connected socket (u32 length, then the AES-GCM ciphertext)."""
+
+    def __init__(self, sock: socket.socket, key: bytes, ctx: bytes, nonces: bytes,
+                 donor: bool) -> None:
+        okm = HKDF(algorithm=hashes.SHA256(), length=64, salt=nonces,
+                   info=b"session " + ctx).derive(key)
+        to_joiner, to_donor = AESGCM(okm[:32]), AESGCM(okm[32:])
+        self.sock, self.ctx = sock, ctx
+        self._out, self._in = (to_joiner, to_donor) if donor else (to_donor, to_joiner)
+        self._out_dir, self._in_dir = (b"J", b"D") if donor else (b"D", b"J")
+        self._sent = self._got = 0
+
+    def send(self, data: bytes | memoryview) -> None:
+        """Seal and send one frame."""
+        i, self._sent = self._sent, self._sent + 1
+        sealed = self._out.encrypt(struct.pack("!4xQ", i), data, self._aad(self._out_dir, i))
+        self.sock.sendall(struct.pack("!I", len(sealed)) + sealed)
+
+    def recv(self, limit: int) -> bytes:
+        """The next frame's plaintext (at most `limit` bytes), authenticated."""
+        (n,) = struct.unpack("!I", recv_exact(self.sock, 4))
+        if not TAG <= n <= limit + TAG:  # before allocating: a relay names any length
+            raise ChannelError(f"a frame of {n} bytes (at most {limit + TAG} expected)")
+        sealed = recv_exact(self.sock, n)
+        i, self._got = self._got, self._got + 1
+        try:
+            return self._in.decrypt(struct.pack("!4xQ", i), sealed, self._aad(self._in_dir, i))
+        except InvalidTag:  # forged, modified, reordered or replayed
+            raise ChannelError(f"frame {i} failed its authentication (modified, reordered or "
+                               "not sealed with the run token)") from None
+
+    def _aad(self, direction: bytes, i: int) -> bytes:
+        return self.ctx + direction + struct.pack("!Q", i)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytearray:
+    """Exactly `n` bytes (the socket's timeout bounds each read)."""
+    out = bytearray(n)
+    view, got = memoryview(out), 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ChannelError("the peer went away during the transfer")
+        got += k
+    return out
+
+
+# -- the handshake ---------------------------------------------------------------------------
+def greet(conn: socket.socket, key: bytes, ctx: bytes) -> Session:
+    """Donor side, on one accepted connection: the peer proves the token, then so do we."""
+    mine = os.urandom(NONCE)
+    conn.sendall(MAGIC + mine)
+    answer = recv_exact(conn, NONCE + PROOF)
+    theirs, proof = bytes(answer[:NONCE]), bytes(answer[NONCE:])
+    if not hmac.compare_digest(proof, _mac(key, b"joiner", ctx, mine, theirs)):
+        raise ChannelError("the peer did not prove the run token")
+    conn.sendall(_mac(key, b"donor", ctx, mine, theirs))
+    return Session(conn, key, ctx, mine + theirs, donor=True)
+
+
+def join(sock: socket.socket, key: bytes, ctx: bytes) -> Session:
+    """Joiner side, on a connection to the donor: prove the token, check the donor's proof."""
+    hello = recv_exact(sock, len(MAGIC) + NONCE)
+    if bytes(hello[:len(MAGIC)]) != MAGIC:
+        raise ChannelError("not a recover donor")
+    donor, mine = bytes(hello[len(MAGIC):]), os.urandom(NONCE)
+    sock.sendall(mine + _mac(key, b"joiner", ctx, donor, mine))
+    if not hmac.compare_digest(bytes(recv_exact(sock, PROOF)),
+                               _mac(key, b"donor", ctx, donor, mine)):
+        raise ChannelError("the donor did not prove the run token")
+    return Session(sock, key, ctx, donor + mine, donor=False)
+
+
+def accept(srv: socket.socket, key: bytes, ctx: bytes, timeout_s: float,
+           wanted: Callable[[], bool] = lambda: True) -> Session:
+    """Donor side: the first connection to `srv` that proves the token, within `timeout_s`.
+
+    A connection that fails the handshake, or says nothing for `HELLO_S`, is closed and the next
+    one is accepted; `wanted()` false (the join was given up) or the deadline raises
+    `ChannelError`. The session's socket is the caller's to close.
+    """
+    deadline = time.monotonic() + timeout_s
+    srv.settimeout(POLL_S)
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not wanted():
+            raise ChannelError("no joiner proved the run token in time" if left <= 0
+                               else "the join was given up")
+        try:
+            conn, peer = srv.accept()
+        except TimeoutError:
+            continue
+        conn.settimeout(min(HELLO_S, max(left, 0.01)))
+        try:
+            return greet(conn, key, ctx)
+        except (OSError, ChannelError) as e:
+            log.warning(f"refused a state-transfer connection from {peer[0]}: {e}")
+            conn.close()

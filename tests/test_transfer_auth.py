@@ -1,0 +1,310 @@
+"""The live state transfer against a process that reaches the store but holds no run token.
+
+The attack of issue 26, replayed on real sockets (threads): the intruder swaps the donor's
+published address for its own and relays the donor's stream to the joiner with bytes modified;
+or it connects to the donor's port first. The joiner refuses every forged stream with nothing
+copied in, the next attempt succeeds with the donor's state bitwise, and the intruder reads no
+state byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed import TCPStore
+
+from recover.collectives import keys
+from recover.parallel import channel, rejoin, transfer
+
+pytestmark = pytest.mark.timeout(60)
+TOKEN = "the run's token"
+KEY = TOKEN.encode()
+
+
+def _model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 300), nn.Linear(300, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    transfer.materialize_optimizer(opt)
+    with torch.no_grad():
+        for st in opt.state.values():
+            st["exp_avg"].normal_()
+    return model, opt
+
+
+def _state(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [t.clone() for _, t in transfer.TrainingState(model, opt, {}).tensors]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(
+        x.dtype == y.dtype and torch.equal(x.reshape(-1).view(torch.uint8),
+                                           y.reshape(-1).view(torch.uint8))
+        for x, y in zip(a, b, strict=True))
+
+
+def _store(port: int = 0) -> TCPStore:
+    """A real store (the first one serves), one client per party as in a run."""
+    return TCPStore("127.0.0.1", port, is_master=port == 0, wait_for_workers=False,
+                    timeout=timedelta(seconds=10))
+
+
+class Join:
+    """What `rejoin` sees of the membership: a donor member, a joiner member, and the
+    coordinator's part (a failed join is given up and announced again with a new epoch)."""
+
+    def __init__(self, store: TCPStore, token: str = TOKEN) -> None:
+        self.store, self.token, self.epoch, self.failed = store, token, 1, 0
+        self.lock = threading.Lock()
+
+    def member(self, replica: int) -> _Member:
+        return _Member(self, replica)
+
+
+class _Member:
+    local_addr, coordinator_lost, rank = "127.0.0.1", False, 0
+
+    def __init__(self, join: Join, replica: int) -> None:
+        self._join, self.replica, self.token = join, replica, join.token
+        self.store = _store(join.store.port)
+        self.joining, self._ready = True, False
+
+    @property
+    def join_epoch(self) -> int:
+        return self._join.epoch
+
+    @property
+    def join_requests(self) -> dict[int, tuple[int, int]]:
+        return {} if self._ready else {1: (self._join.epoch, 0)}
+
+    def report_join_failed(self, epoch: int) -> None:
+        with self._join.lock:
+            if epoch == self._join.epoch:
+                self._join.failed += 1
+                self._join.epoch += 1
+
+    def report_ready(self, epoch: int) -> None:
+        self._ready, self.joining = True, False
+
+
+def _get(store: TCPStore, key: str, timeout_s: float = 20.0) -> bytes:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (v := keys.try_get(store, key)) is not None:
+            return v
+        time.sleep(0.005)
+    raise TimeoutError(key)
+
+
+def _relay(listener: socket.socket, donor: str, tamper: Callable[[bytearray], None]) -> None:
+    """The intruder's relay: the handshake passes through untouched (it cannot make its own),
+    then `tamper` edits the donor's stream before the joiner sees it."""
+    joiner, _ = listener.accept()
+    host, port = donor.rsplit(":", 1)
+    with joiner, socket.create_connection((host, int(port)), timeout=10) as up:
+        joiner.settimeout(10)
+        up.settimeout(10)
+        hello = channel.recv_exact(up, len(channel.MAGIC) + channel.NONCE)
+        joiner.sendall(hello)
+        up.sendall(channel.recv_exact(joiner, channel.NONCE + channel.PROOF))
+        joiner.sendall(channel.recv_exact(up, channel.PROOF))
+        frames = []
+        for _ in range(4):  # the header and the first chunks
+            (n,) = struct.unpack("!I", channel.recv_exact(up, 4))
+            frames.append(bytearray(struct.pack("!I", n)) + channel.recv_exact(up, n))
+        stream = bytearray().join(frames)
+        tamper(stream)
+        joiner.sendall(stream)
+
+        def back() -> None:  # the joiner's reply (or its hang-up) goes on to the donor
+            with contextlib.suppress(OSError):
+                while data := joiner.recv(1 << 16):
+                    up.sendall(data)
+            with contextlib.suppress(OSError):
+                up.shutdown(socket.SHUT_RDWR)
+
+        replies = threading.Thread(target=back, daemon=True)
+        replies.start()
+        with contextlib.suppress(OSError):
+            while data := up.recv(1 << 20):
+                joiner.sendall(data)
+        replies.join(10)
+
+
+def _flip(stream: bytearray) -> None:
+    stream[len(stream) // 2] ^= 0x01  # inside a chunk: any bit of the ciphertext
+
+
+def _drop_second(stream: bytearray) -> None:
+    (n,) = struct.unpack("!I", stream[:4])
+    (m,) = struct.unpack("!I", stream[4 + n: 8 + n])
+    del stream[4 + n: 8 + n + m]  # a whole frame out: the next one is at the wrong index
+
+
+def _replay_first(stream: bytearray) -> None:
+    (n,) = struct.unpack("!I", stream[:4])
+    stream[4 + n: 4 + n] = stream[:4 + n]  # the header again, where chunk 1 belongs
+
+
+@pytest.mark.parametrize("tamper", [_flip, _drop_second, _replay_first])
+def test_a_relayed_stream_with_bytes_changed_is_refused(tamper: Callable[[bytearray], None]
+                                                        ) -> None:
+    """The intruder sits between donor and joiner (it was handed the joiner's connection): a
+    modified, truncated or replayed frame fails its authentication, nothing is copied in, and
+    the donor hears no "ok"; a direct connection then transfers the donor's state bitwise."""
+    donor_m, donor_o = _model(0)
+    joiner_m, joiner_o = _model(1)
+    before, want = _state(joiner_m, joiner_o), _state(donor_m, donor_o)
+    ctx = channel.context(1, 0)
+    outcome: list[object] = []
+
+    def donate(srv: socket.socket) -> None:
+        with srv:
+            try:
+                s = channel.accept(srv, KEY, ctx, 20)
+                with s.sock:
+                    s.sock.settimeout(10)
+                    st = transfer.TrainingState(donor_m, donor_o, {})
+                    outcome.append(transfer.send(s, st.tensors, st.meta))
+            except (OSError, channel.ChannelError, transfer.TransferError) as e:
+                outcome.append(e)
+
+    for attempt in ("relayed", "direct"):
+        srv = socket.create_server(("127.0.0.1", 0))
+        donor_addr = f"127.0.0.1:{srv.getsockname()[1]}"
+        threads = [threading.Thread(target=donate, args=(srv,), daemon=True)]
+        target = donor_addr
+        if attempt == "relayed":
+            bad = socket.create_server(("127.0.0.1", 0))
+            target = f"127.0.0.1:{bad.getsockname()[1]}"
+            threads.append(threading.Thread(target=_relay, args=(bad, donor_addr, tamper),
+                                            daemon=True))
+        for t in threads:
+            t.start()
+        state = transfer.TrainingState(joiner_m, joiner_o, {})
+        with transfer.connect(target, 10) as sock:
+            sock.settimeout(10)
+            session = channel.join(sock, KEY, ctx)
+            if attempt == "relayed":
+                with pytest.raises((channel.ChannelError, transfer.TransferError)):
+                    transfer.receive(session, state.tensors, state.meta)
+                assert _same(_state(joiner_m, joiner_o), before), "a forged byte was copied in"
+            else:
+                meta, got = transfer.receive(session, state.tensors, state.meta)
+                state.finish(meta)
+        for t in threads:
+            t.join(20)
+        if attempt == "relayed":
+            bad.close()
+            assert isinstance(outcome[-1], Exception), "the donor was told its state arrived"
+    assert outcome[-1] == got > 0
+    assert _same(_state(joiner_m, joiner_o), want)
+
+
+def test_a_reader_of_the_donors_port_gets_nothing() -> None:
+    """A tokenless process connects to the donor's port first (it read the address from the
+    store): it gets the donor's random nonce, never a state byte, and is dropped; the real
+    joiner, connected after it, still receives the whole state (`rejoin.serve` / `receive`)."""
+    join = Join(_store())
+    donor_m, donor_o = _model(0)
+    joiner_m, joiner_o = _model(1)
+    donor = threading.Thread(target=rejoin.serve, daemon=True, args=(
+        join.member(0), 0, 5, {"epoch": 1, "replica": 1}, donor_m, donor_o, {}, None))
+    donor.start()
+    intruder = _store(join.store.port)  # no token: only the store's port
+    host, port = _get(intruder, keys.donor_key(1, 0)).split(b" ")[0].decode().rsplit(":", 1)
+    stolen = bytearray()
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.settimeout(10)
+        s.sendall(b"\0" * (channel.NONCE + channel.PROOF))  # a guess at a proof
+        try:
+            while part := s.recv(1 << 16):
+                stolen.extend(part)
+        except ConnectionResetError:
+            pass
+    step, _, got = rejoin.receive(join.member(1), 0, joiner_m, joiner_o, {}, None, 30)
+    donor.join(20)
+    assert len(stolen) <= len(channel.MAGIC) + channel.NONCE, len(stolen)  # the nonce at most
+    assert step == 5 and got > 0 and join.failed == 0
+    assert _same(_state(joiner_m, joiner_o), _state(donor_m, donor_o))
+
+
+def test_a_swapped_address_is_refused_and_the_next_donor_serves() -> None:
+    """The intruder overwrites `join/{e}/donor/{rank}` with its own address (ready to relay the
+    donor's stream modified): the joiner sees the address is not signed with the token, gives
+    the join up (`report_join_failed`) without connecting to it, the donor stops waiting, and
+    the next epoch's donor transfers the state bitwise."""
+    join = Join(_store())
+    donor_m, donor_o = _model(0)
+    joiner_m, joiner_o = _model(1)
+
+    def donors() -> None:
+        for epoch in (1, 2):
+            while join.epoch < epoch:
+                time.sleep(0.01)
+            rejoin.serve(join.member(0), 0, 7, {"epoch": epoch, "replica": 1}, donor_m, donor_o,
+                         {}, None)
+
+    donor = threading.Thread(target=donors, daemon=True)
+    donor.start()
+    intruder = _store(join.store.port)
+    bad = socket.create_server(("127.0.0.1", 0))
+    genuine = _get(intruder, keys.donor_key(1, 0))
+    addr, _, tag = genuine.partition(b" ")
+    intruder.set(keys.donor_key(1, 0), f"127.0.0.1:{bad.getsockname()[1]} ".encode() + tag)
+    t0 = time.monotonic()
+    step, _, got = rejoin.receive(join.member(1), 0, joiner_m, joiner_o, {}, None, 30)
+    took = time.monotonic() - t0
+    donor.join(20)
+    assert join.failed == 1 and step == 7 and got > 0
+    assert _same(_state(joiner_m, joiner_o), _state(donor_m, donor_o))
+    with bad:  # nobody connected to the intruder
+        assert not select.select([bad], [], [], 0.2)[0]
+    assert took < 15  # the first donor stopped waiting once its join was given up
+
+
+def test_without_a_token_no_state_moves() -> None:
+    """A run without a token has no join: the joiner raises one clear error, and a donor
+    publishes nothing."""
+    join = Join(_store(), token="-")
+    joiner_m, joiner_o = _model(1)
+    with pytest.raises(rejoin.TokenRequired, match="RECOVER_RUN_TOKEN"):
+        rejoin.receive(join.member(1), 0, joiner_m, joiner_o, {}, None, 5)
+    donor_m, donor_o = _model(0)
+    rejoin.serve(join.member(0), 0, 3, {"epoch": 1, "replica": 1}, donor_m, donor_o, {}, None)
+    assert keys.try_get(join.store, keys.donor_key(1, 0)) is None
+
+
+def test_another_runs_token_is_refused_both_ways() -> None:
+    """A peer with another token fails the handshake on either side."""
+    ctx = channel.context(3, 0)
+    for donor_key, joiner_key in ((KEY, b"other"), (b"other", KEY)):
+        srv = socket.create_server(("127.0.0.1", 0))
+        errs: list[Exception] = []
+
+        def donate(srv: socket.socket = srv, k: bytes = donor_key,
+                   errs: list[Exception] = errs) -> None:
+            with srv:
+                try:
+                    channel.accept(srv, k, ctx, 1)
+                except channel.ChannelError as e:
+                    errs.append(e)
+
+        t = threading.Thread(target=donate, daemon=True)
+        t.start()
+        with socket.create_connection(srv.getsockname()[:2], timeout=5) as s:
+            s.settimeout(5)
+            with pytest.raises((channel.ChannelError, OSError)):
+                channel.join(s, joiner_key, ctx)
+        t.join(10)
+        assert errs, "the donor accepted a session"
