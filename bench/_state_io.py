@@ -4,8 +4,9 @@ Each builds the same model (an nn.Sequential of 1024x1024 Linear layers, ~P para
 AdamW state materialized (params + exp_avg + exp_avg_sq + step), does one job, and writes one
 JSON result file. The donor and joiner move the state exactly as `recover.parallel.rejoin` does
 (`transfer.TrainingState` with a `rejoin.StepState`, `transfer.send` / `transfer.receive` over a
-`channel` session keyed by a token, on a loopback TCP socket); the loader saves the same state with `torch.distributed.checkpoint`
-(`no_dist`) and times loading it into a fresh model + optimizer.
+`channel` session keyed by a token, on a loopback TCP socket); the loader saves the same state
+with `torch.distributed.checkpoint` (`no_dist`) and times loading it into a fresh model +
+optimizer.
 
 Invariant: every result carries the state's fingerprint (an order-fixed float64 sum of every
 tensor) as the receiving side holds it after the last receive or load; the loader refuses (exits

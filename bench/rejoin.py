@@ -4,8 +4,9 @@ What:
 1. Transfer, per size (~10M, 50M, 100M parameters; AdamW state materialized, so params + two
    moments = 12 bytes per parameter): a donor process and a joiner process (`_state_io.py`) move
    the state over loopback TCP exactly as `recover.parallel.rejoin` does (`TrainingState`,
-   `transfer.send` / `receive`: sha256 verified, staged, copied in place). Time = the joiner's
-   window of `transfer_s` (connect -> verified and copied in). Median of --repeats.
+   `transfer.send` / `receive`: token handshake, AES-GCM frames, staged, copied in place).
+   Time = the joiner's window of `transfer_s` (connect -> verified and copied in). Median of
+   --repeats.
 2. Checkpoint load of the same state: saved once with `torch.distributed.checkpoint`
    (`no_dist`) into a temp dir, then loaded into a fresh model + optimizer (get_state_dict,
    dcp.load, set_state_dict). The files were just written, so they are read from the page
@@ -171,7 +172,7 @@ def main() -> int:
                      f"{r['send_s']:.3f}", f"{r['load_s']:.3f}", f"{gb / r['load_s']:.2f}",
                      f"{r['load_s'] / r['transfer_s']:.2f}x", f"{r['save_s']:.2f}"))
         log.info("%s params done (load average %.1f)", rows[-1][0], loadavg())
-    say("\nstate transfer (loopback, sha256-verified, copied in place) vs DCP load (page cache "
+    say("\nstate transfer (loopback, AES-GCM, copied in place) vs DCP load (page cache "
         "warm: not dropped, see --help)")
     table(rows, ("params", "state MB", "transfer s", "GB/s", "donor s", "DCP load s", "GB/s",
                  "load/transfer", "DCP save s"))
