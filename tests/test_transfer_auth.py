@@ -10,6 +10,7 @@ state byte.
 from __future__ import annotations
 
 import contextlib
+import json
 import select
 import socket
 import struct
@@ -17,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +27,7 @@ from torch.distributed import TCPStore
 
 from recover.collectives import keys
 from recover.parallel import channel, rejoin, transfer
+from recover.testing.runs import BASE, Launch, Run, bitwise_equal, max_rel
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = "the run's token"
@@ -308,3 +311,61 @@ def test_another_runs_token_is_refused_both_ways() -> None:
                 channel.join(s, joiner_key, ctx)
         t.join(10)
         assert errs, "the donor accepted a session"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_run_admits_a_replacement_past_a_forged_donor(ref4: Run, corpus: Path,
+                                                        tmp_path: Path) -> None:
+    """End to end (`recover train`, real processes): a tokenless process with the store's port
+    plants its own address as join 1's donor and reads the next join's donor port first. The
+    joiner refuses the forged address (join 1 given up), the run admits the replacement from a
+    real donor, the reader gets no state byte, and every replica ends bitwise equal."""
+    out = tmp_path / "run"
+    launch = Launch(out, *BASE, "--replicas", "4", "--dump-final-params",
+                    "--fault", "kill:replica=2,step=3,phase=backward",
+                    "--fault", "restart:replica=2,step=6", data=corpus)
+    bad = socket.create_server(("127.0.0.1", 0))
+    stolen: list[int] = []
+
+    def intruder() -> None:
+        port_file, deadline = out / "coordinator.port", time.monotonic() + 60
+        while not port_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        store = _store(int(port_file.read_text()))
+        store.set(keys.donor_key(1, 0), f"127.0.0.1:{bad.getsockname()[1]} {'0' * 64}")
+        value = _get(store, keys.donor_key(2, 0), 60)  # the join announced again
+        host, port = value.split(b" ")[0].decode().rsplit(":", 1)
+        got = bytearray()
+        try:
+            s = socket.create_connection((host, int(port)), timeout=10)
+        except ConnectionRefusedError:  # the joiner was faster: the listener is closed
+            stolen.append(0)
+            return
+        with s:
+            s.settimeout(10)
+            s.sendall(b"\0" * (channel.NONCE + channel.PROOF))
+            with contextlib.suppress(OSError):
+                while part := s.recv(1 << 16):
+                    got.extend(part)
+        stolen.append(len(got))
+
+    spy = threading.Thread(target=intruder, daemon=True)
+    spy.start()
+    run = launch.finish(200)
+    spy.join(30)
+    assert run.returncode == 0, run.stderr[-3000:]
+    recs = run.metrics()
+    assert [r["step"] for r in recs] == list(range(len(ref4.metrics())))
+    assert max_rel(run.losses(), ref4.losses()) < 1e-5
+    finals = run.finals()
+    assert sorted(finals) == [0, 1, 2, 3]
+    assert all(bitwise_equal(finals[0], x) for x in finals.values()), "replicas diverged"
+    assert any(r.get("joined") == [2] for r in recs)
+    events = [json.loads(x) for x in (out / "coordinator.jsonl").read_text().splitlines()]
+    kinds = [e["event"] for e in events if e["event"] in ("join", "join-failed")]
+    assert kinds[:3] == ["join", "join-failed", "join"], kinds
+    assert "not signed with the run token" in run.log(2)
+    with bad:  # the joiner never connected to the forged address
+        assert not select.select([bad], [], [], 0.1)[0]
+    assert stolen and stolen[0] <= len(channel.MAGIC) + channel.NONCE, stolen
