@@ -1,7 +1,8 @@
 """Who the coordinator hears, and whom evidence convicts: its pure rules, apart from its loop.
 
 Invariants:
-- `refusal` accepts a hello only with valid ids, the run's token (when the run has one), the
+- `refusal` accepts a hello only with valid ids, proof of the run's token (when the run has one:
+  `proof(token)`, never the token itself, so any characters work and the secret is not sent), the
   run's config fingerprint (when known) and no live connection for the same (replica, rank);
   anything else gets one readable reason, and changes nothing.
 - `convicted` names a member only on evidence that tells a lost member from a slow one: named by
@@ -15,13 +16,24 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import time
 from dataclasses import dataclass, field
 
 
+def proof(token: str | None, purpose: str = "recover-hello") -> str:
+    """What a member shows for the run's token: hex HMAC-SHA256(token, purpose) ("-": no token).
+    One word whatever the token holds (the hello is split on whitespace), and a listener that
+    reads it learns nothing it could use for another purpose (another `purpose`: another key)."""
+    if not token:
+        return "-"
+    return hmac.new(token.encode(), purpose.encode(), hashlib.sha256).hexdigest()
+
+
 @dataclass
 class Hello:
-    """hello <replica> <rank> <nranks> <pid> [<token> <fingerprint> [<join at step>
+    """hello <replica> <rank> <nranks> <pid> [<proof of the token> <fingerprint> [<join at step>
     [<steps applied> <generation>]]]: the last two from a process that was running when its
     coordinator died (-1 otherwise), so a restarted coordinator can resume the run."""
 
@@ -51,7 +63,7 @@ def refusal(h: Hello, expected: int, token: str | None, fingerprint: str | None,
     for (replica, rank); `known_nranks`: the replica's rank count as a member, if it is one."""
     if not (0 <= h.replica < expected and h.nranks >= 1 and 0 <= h.rank < h.nranks):
         return f"replica {h.replica} rank {h.rank}/{h.nranks} is outside this run's {expected}"
-    if token is not None and h.token != token:
+    if token is not None and not hmac.compare_digest(h.token.encode(), proof(token).encode()):
         return "wrong run token (another run's worker, or RECOVER_RUN_TOKEN is not this run's)"
     if fingerprint not in (None, "-") and h.fingerprint not in ("-", fingerprint):
         return ("its config differs from this run's (seed, N, model, data or optimizer): "

@@ -10,15 +10,23 @@ PING_S (and every stale_s / 4), so a member that hears nothing for 3 x stale_s k
 (recover.collectives.member); time the loop itself was stalled is not counted as a member's
 silence. Ports: the store's, and the liveness listener's (store port + 1 when the store port is
 fixed, so a firewall can be opened for both ahead of time).
+
+A connection that has not said an accepted hello (a stranger) costs the coordinator a descriptor
+and nothing else, and not for long: it is dropped HELLO_S after it was accepted, and strangers
+from one address hold at most a quarter of the process's descriptors (`stranger_cap`; the
+oldest is dropped to make room). So idle or slow connections can neither exhaust the descriptors
+nor keep a member's hello from being heard.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import logging
 import os
+import resource
 import selectors
 import signal
 import socket
@@ -30,8 +38,8 @@ from pathlib import Path
 
 from torch.distributed import TCPStore
 
-from recover.collectives import keys, shards
-from recover.collectives.admission import Hello
+from recover.collectives import keys, listen, shards
+from recover.collectives.admission import Hello, proof
 from recover.collectives.coordconfig import CoordinatorConfig
 from recover.collectives.membership import DEBOUNCE_S, Membership
 from recover.errors import ExitCode
@@ -43,9 +51,12 @@ HB_CHECK_S = 0.05  # judge silence at most this often (heartbeats are lines on t
 STALL_S = 0.5  # a gap between two turns of the loop longer than this is the coordinator's own
 PING_S = 0.25  # longest gap between two bytes to a member (members fence after 3 x stale_s)
 MAX_LINE = 4096  # a longer line is not ours: the connection is closed
+# A member sends its hello in the same call that connects (recover.collectives.member): a
+# connection silent this long after its accept is not a member's.
+HELLO_S = 10.0
 # Events worth a line in the process's log (every event goes to the JSON event log, --log).
 _NOTABLE = {"start", "generation", "refused", "join", "join-failed", "resumed", "resume-failed",
-            "join-timeout", "all-left", "malformed"}
+            "join-timeout", "all-left", "malformed", "stranger-dropped"}
 
 
 @dataclass
@@ -53,9 +64,11 @@ class _Conn:
     """One liveness connection's socket side; what it said of itself is the membership's."""
 
     sock: socket.socket
+    addr: str = ""  # the peer's address
     buf: bytes = b""
     accepted: bool = False  # its hello was accepted: only then may it say more
     heard: float = field(default_factory=time.monotonic)
+    since: float = field(default_factory=time.monotonic)  # accepted by the listener
 
 
 class EventLog:
@@ -94,6 +107,8 @@ class Coordinator:
         self._sel = selectors.DefaultSelector()
         self._conns: dict[int, _Conn] = {}  # fd -> conn
         self.heard: dict[int, _Conn] = {}  # fd -> accepted conn, least recently heard first
+        self._strangers: dict[int, _Conn] = {}  # fd -> conn without an accepted hello, oldest first
+        self.stranger_cap = stranger_cap()
         self.membership: Membership | None = None  # made by start(), with the store
 
     # The membership's state, for tests and tools (read-only).
@@ -121,7 +136,7 @@ class Coordinator:
     def start(self) -> int:
         """Start the store and the liveness listener; return the store's port."""
         self.store = keys.serve_store(self.host, self.port)
-        local = self.host if self.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
+        local = self.store.host  # the address it bound, numeric (loopback for every interface)
         self.client = keys.connect_store(local, self.store.port, 30.0)
         # Fixed ports follow the store's (liveness + 1, shards + 2...) only when the liveness
         # port is derived too; otherwise (a restarted coordinator: --liveness-port 0) any.
@@ -130,7 +145,7 @@ class Coordinator:
         if want is None:
             want = self.port + 1 if self.port else 0
         try:
-            self._listener = socket.create_server((self.host, want), backlog=1024)
+            self._listener = listen.listen(self.host, want, backlog=1024)  # exactly --host
         except OSError as e:
             raise OSError(f"liveness port {want} (store port + 1 unless --liveness-port is "
                           f"given): {e.strerror or e}") from None
@@ -147,6 +162,7 @@ class Coordinator:
         if self.shards:
             shards.publish(self.client, [int(s.port) for s in self.shards])
         self.client.set(keys.COORD_PID, str(os.getpid()))
+        self.client.set(keys.RUN_PROOF, proof(self.config.token, keys.RUN_PURPOSE))
         self.client.set(keys.LIVENESS_ADDR, f"{socket.gethostname()}:{lport}")
         self.membership = Membership(self.config, self.client, self, self._log,
                                      started=time.monotonic())
@@ -170,6 +186,7 @@ class Coordinator:
                 # be heard meanwhile, so that time is not their silence.
                 for conn in self._conns.values():
                     conn.heard += now - last
+                    conn.since += now - last
             last = now
             # Sleep until an event or the next thing due (a silence check, a debounced
             # publication), not on a fixed 10 ms tick: idle turns cost the store server's cores.
@@ -182,6 +199,7 @@ class Coordinator:
                 else:
                     self._read(key.data)
             now = time.monotonic()
+            self._drop_silent_strangers(now)
             if now - self._pinged >= self.ping_s:
                 self._pinged = now
                 self.send_all("ping\n")
@@ -199,13 +217,34 @@ class Coordinator:
 
     def _accept(self) -> None:
         try:
-            sock, _ = self._listener.accept()
-        except OSError:
+            sock, addr = self._listener.accept()
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE) and self._strangers:
+                # Out of descriptors: a stranger's is the one to give back, not a member's.
+                self._drop_stranger(next(iter(self._strangers.values())), "out of descriptors")
             return
         sock.setblocking(False)
-        conn = _Conn(sock)
-        self._conns[sock.fileno()] = conn
+        conn = _Conn(sock, addr=str(addr[0]))
+        same = [c for c in self._strangers.values() if c.addr == conn.addr]
+        if len(same) >= self.stranger_cap:
+            self._drop_stranger(same[0], f"over {self.stranger_cap} connections without a hello "
+                                         f"from {conn.addr}")
+        fd = sock.fileno()
+        self._conns[fd] = conn
+        self._strangers[fd] = conn
         self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _drop_silent_strangers(self, now: float) -> None:
+        """Drop the connections that said no accepted hello within HELLO_S (oldest first, so
+        this looks at the expired ones only)."""
+        for conn in list(self._strangers.values()):
+            if now - conn.since <= HELLO_S:
+                break
+            self._drop_stranger(conn, f"no hello within {HELLO_S:g}s")
+
+    def _drop_stranger(self, conn: _Conn, why: str) -> None:
+        self._log({"event": "stranger-dropped", "peer": conn.addr, "why": why})
+        self._drop_conn(conn)
 
     def _read(self, conn: _Conn) -> None:
         try:
@@ -255,6 +294,7 @@ class Coordinator:
                 raise ValueError("a second hello on one connection")
             if m.hello(fd, h):
                 conn.accepted = True
+                self._strangers.pop(fd, None)
                 self.heard[fd] = conn
             else:
                 self._drop_conn(conn)
@@ -283,6 +323,7 @@ class Coordinator:
     def _drop_conn(self, conn: _Conn) -> None:
         self._conns.pop(conn.sock.fileno(), None)
         self.heard.pop(conn.sock.fileno(), None)
+        self._strangers.pop(conn.sock.fileno(), None)
         try:
             self._sel.unregister(conn.sock)
         except (KeyError, ValueError):
@@ -318,7 +359,8 @@ class Coordinator:
             self._send(c, msg)
 
     def send_all(self, msg: str) -> None:
-        for c in list(self._conns.values()):
+        """To every member whose hello was accepted (a stranger hears nothing, pings included)."""
+        for c in list(self.heard.values()):
             self._send(c, msg)
 
     def _send(self, conn: _Conn, msg: str) -> None:
@@ -326,6 +368,24 @@ class Coordinator:
             conn.sock.sendall(msg.encode())
         except OSError:
             pass  # its death is seen by the selector
+
+
+def stranger_cap() -> int:
+    """How many connections without an accepted hello one address may hold: a quarter of this
+    process's descriptors (at least 8), so strangers never starve the members' connections."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 4096 if soft == resource.RLIM_INFINITY else max(8, soft // 4)
+
+
+def raise_descriptor_limit() -> None:
+    """Lift this process's soft limit on open files to the hard one: a coordinator holds a
+    liveness connection per rank and the store's connections (three per rank)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as e:
+            log.warning("could not raise the open-files limit from %d: %s", soft, e)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -340,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("flag", True))
     signal.signal(signal.SIGINT, lambda *_: stop.__setitem__("flag", True))
+    raise_descriptor_limit()
     coord = Coordinator(config)
     try:
         port = coord.start()

@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import datetime
 import json
-import socket
 
 from torch.distributed import TCPStore
+
+from recover.collectives import listen
 
 GEN_COUNT = "gen/count"
 LIVENESS_ADDR = "coord/liveness"
@@ -44,6 +45,10 @@ COORD_STALE_S = "coord/stale_s"  # the coordinator's --stale-s: members derive t
 COORD_PID = "coord/pid"  # the coordinator's process id (a `coordinator` fault kills it)
 SHARDS = "coord/shards"  # JSON [port, ...] of the store shards (collectives/shards.py)
 COORD_EXITS = "coord/exits"  # JSON {replica: how the coordinator saw it end} (launcher summary)
+# The coordinator's proof of its run token (admission.proof(token, RUN_PURPOSE); "-": none): a
+# process checks it before it touches anything of the run's (recover.parallel.mesh).
+RUN_PROOF = "coord/run"
+RUN_PURPOSE = "recover-run"
 
 
 # -- membership (written by the coordinator) --------------------------------------------------
@@ -149,31 +154,25 @@ def record_key(step: int) -> str:
 
 # -- access ----------------------------------------------------------------------------------
 def serve_store(host: str, port: int) -> TCPStore:
-    """A TCPStore server on `port` (0: any), on an IPv4 listener of ours when `host` is IPv4.
+    """A TCPStore server on `port` (0: any) of exactly `host` (collectives/listen.py: a name is
+    resolved, IPv4 first; IPv6 is IPv6 only; never every interface unless `host` says so), or
+    `listen.ListenError` (one line).
 
-    Why our own listener: torch's server listens dual-stack, so it sees a local client as
-    ::ffff:127.0.0.1, and its one thread resolves every new peer's name; /etc/hosts does not answer
-    a v4-mapped address, so each connection cost a DNS query, and one that got no reply stalled the
-    server for everyone for the resolver's 5 s (docs/MEASUREMENTS.md, "TCPStore"). An AF_INET
-    listener shows peers as plain IPv4, which /etc/hosts answers for loopback. An IPv6 host keeps
-    torch's.
+    Why our own listener, whatever the host: torch's server, given a host, listens on every
+    interface (`*`) and dual-stack, so it sees a local client as ::ffff:127.0.0.1, and its one
+    thread resolves every new peer's name; /etc/hosts does not answer a v4-mapped address, so each
+    connection cost a DNS query, and one that got no reply stalled the server for everyone for the
+    resolver's 5 s (docs/MEASUREMENTS.md, "TCPStore"). An AF_INET listener shows peers as plain
+    IPv4, which /etc/hosts answers for loopback. torch 2.13's libuv server takes an AF_INET6
+    descriptor too (measured); its peers' names are then looked up as IPv6, which /etc/hosts may
+    not answer (here it has no ::1): an IPv6 store can pay that cost.
     """
-    host = host or "0.0.0.0"
-    try:
-        socket.inet_pton(socket.AF_INET, host)
-    except OSError:  # an IPv6 address or a name
-        return TCPStore(host, port, is_master=True, wait_for_workers=False, use_libuv=True)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own listener
-        sock.bind((host, port))
-        sock.listen(4096)
-    except OSError:
-        sock.close()
-        raise
+    sock = listen.listen(host, port, backlog=4096)
     bound = sock.getsockname()[1]
+    # The server's own client connects to the bound address, numeric: no name lookup.
+    local = listen.bound_host(sock)
     # The store takes the descriptor over (it closes it when it stops): detach it from Python.
-    return TCPStore(host, bound, is_master=True, wait_for_workers=False,
+    return TCPStore(local, bound, is_master=True, wait_for_workers=False,
                     master_listen_fd=sock.detach(), use_libuv=True)
 
 

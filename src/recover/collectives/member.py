@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from recover.collectives import keys, shards
+from recover.collectives.admission import proof
 from recover.collectives.netif import is_loopback
 from recover.errors import ExitCode
 from recover.settings import FaultTolerance
@@ -92,7 +93,7 @@ class Member:
         ft, identity = ft or FaultTolerance(), identity or Identity()
         handlers = handlers or FenceHandlers()
         self.host, self.port = host, port
-        self.token = identity.token or "-"
+        self.token = identity.token  # None: no token; shown as proof(token) only, never sent
         self.fingerprint = identity.fingerprint
         self.join_at = identity.join_at
         self.refused: str | None = None  # the coordinator's reason, if it refused this process
@@ -168,9 +169,9 @@ class Member:
         self._sock.settimeout(READ_TICK_S)
         self._heard = time.monotonic()
         # A replacement may ask not to be admitted before a step (the `restart` fault's step).
-        hello = (f"hello {self.replica} {self.rank} {self.nranks} {os.getpid()} {self.token} "
-                 f"{self.fingerprint} {max(0, int(self.join_at))} {self.applied} "
-                 f"{self.last_generation}\n")
+        hello = (f"hello {self.replica} {self.rank} {self.nranks} {os.getpid()} "
+                 f"{proof(self.token)} {self.fingerprint} {max(0, int(self.join_at))} "
+                 f"{self.applied} {self.last_generation}\n")
         self._sock.sendall(hello.encode())
         for target, name in ((self._heartbeat_loop, "recover-heartbeat"),
                              (self._reader_loop, "recover-liveness"),
