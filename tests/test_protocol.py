@@ -133,3 +133,15 @@ def test_a_decision_on_evidence_costs_each_rank_o1_round_trips(tmp_path: Path) -
     survivors = [r for r in h.ranks.values() if r.replica != 2]
     per_rank = [r.ops[1] for r in survivors]
     assert max(per_rank) <= 6, per_rank  # count, decision wait, evidence, its wait, decide
+
+
+def test_a_rank_whose_reduce_failed_never_applies_a_commit(tmp_path: Path) -> None:
+    """Replica 1's reduce raises; then `commit` is forged into the step's decision key before it
+    decides. The protocol never decides so; the rank refuses loudly (CommitRefused) instead of
+    applying a sum it holds no verified copy of, and step 1 is not in its results."""
+    h = Harness(tmp_path, 2, steps=2, faults=[Fault(1, 1, "reduce", action="raise"),
+                                             Fault(1, 1, "commit", action="forge")])
+    with pytest.raises(AssertionError, match="CommitRefused"):
+        h.run()
+    assert sorted(h.ranks[(1, 0)].results) == [0]
+    assert sorted(h.ranks[(0, 0)].results) == [0, 1]

@@ -1,7 +1,8 @@
 """Layer 2: in-step recovery (uses layer 1 for the reduction and layer 3 for the plan).
 
 Public API: `StepEngine` (one replica's side of a step), `StepResult`, `GradAccess`,
-`TensorGrad`, `ExactGrads` (exact mode), `BelowMinReplicas`, `RecoveryError`, `REDUCE_DTYPES`
+`TensorGrad`, `ExactGrads` (exact mode), `BelowMinReplicas`, `RecoveryError`, `CommitRefused`,
+`REDUCE_DTYPES`
 (the names of `Numerics.reduce_dtype`), and the strategy interface `StepStrategy` with recover's
 own `InStepRecovery` and the helper `chain_owners` (for other strategies). Modules: `step` (the
 step loop), `chain` (the ownership chain), `decide` (the commit decision), `lifetime` (deleting
@@ -10,11 +11,11 @@ the keys of old steps), `trailer` (the reduce's verification), `grads`, `exact`,
 """
 
 from recover.recovery.exact import ExactGrads
-from recover.recovery.failures import BelowMinReplicas, RecoveryError
+from recover.recovery.failures import BelowMinReplicas, CommitRefused, RecoveryError
 from recover.recovery.grads import GradAccess, TensorGrad
 from recover.recovery.step import MAX_ATTEMPTS, REDUCE_DTYPES, StepEngine, StepResult
 from recover.recovery.strategy import Chain, InStepRecovery, StepStrategy, chain_owners
 
-__all__ = ["MAX_ATTEMPTS", "REDUCE_DTYPES", "BelowMinReplicas", "Chain", "ExactGrads",
-           "GradAccess", "InStepRecovery", "RecoveryError", "StepEngine", "StepResult",
-           "StepStrategy", "TensorGrad", "chain_owners"]
+__all__ = ["MAX_ATTEMPTS", "REDUCE_DTYPES", "BelowMinReplicas", "Chain", "CommitRefused",
+           "ExactGrads", "GradAccess", "InStepRecovery", "RecoveryError", "StepEngine",
+           "StepResult", "StepStrategy", "TensorGrad", "chain_owners"]

@@ -78,10 +78,12 @@ class CommitDecision:
 
         Failure-free this costs two round trips: count our verified result; the rank whose
         count completes the set writes `commit` (or `commit-plan`), the others block on the
-        decision. A failure writes `redo` at once. If the membership changes while we wait (a
-        member died, maybe after its reduce completed: its part is then inside the sum, as the
-        trailer proves), the survivors decide on evidence instead: each writes its outcome and
-        the commit needs every still-live member's `ok`.
+        decision. A failure writes `redo` at once (and returns whatever was decided first: the
+        caller never applies a commit it holds no verified sum for, `CommitRefused`). If the
+        membership changes while we wait (a member died, maybe after its reduce completed: its
+        part is then inside the sum, as the trailer proves), the survivors decide on evidence
+        instead: each counts itself once per newer generation it learns, and the rank whose count
+        covers every surviving position writes `commit-plan`.
         """
         dkey = keys.decision_key(tag, g)
         if not ok:

@@ -34,7 +34,7 @@ from recover.collectives.waiter import KeyWaiter
 from recover.recovery.chain import OwnershipChain
 from recover.recovery.counting import CountingStore
 from recover.recovery.decide import CommitDecision
-from recover.recovery.failures import BelowMinReplicas, RecoveryError
+from recover.recovery.failures import BelowMinReplicas, CommitRefused, RecoveryError
 from recover.recovery.grads import GradAccess, TensorGrad
 from recover.recovery.lifetime import Committed, KeyLifetime
 from recover.recovery.strategy import Chain, InStepRecovery, StepStrategy
@@ -231,6 +231,12 @@ class StepEngine:
                 decision = self.decision.decide(step, p.tag, entry_gen, ok)
             self.stats["decide_s"] += time.monotonic() - t0
             if decision in keys.COMMITS:
+                if not ok:  # unreachable by the protocol: see CommitRefused
+                    raise CommitRefused(
+                        f"replica {self.me} position {self.position}: step {p.tag} in "
+                        f"generation {entry_gen} was decided {decision.decode(errors='replace')!r}"
+                        " but this rank's reduce failed; it never applies a step it holds no "
+                        "verified sum for (a decision key written outside the protocol?)")
                 return self._commit(step, p, decision, out, trailer, owners, attempt)
             p.t_fault = p.t_fault or time.monotonic()
             log.warning("replica %d position %d: step %s attempt %d in generation %d: reduce "

@@ -19,6 +19,8 @@ Faults are scripted at (replica, rank, step, phase, j):
   on (a rank that is late and skips a generation).
 - `raise`: the rank's reduce completes (its part is in everyone's sum) and then raises
   `ReplicaFault` and reports the failure, as a ring neighbour of a killed peer does: a split.
+- `forge`: someone outside the protocol writes `commit` into this step's decision keys, for every
+  generation up to the newest this rank knows (a forged store key, or a protocol slip).
 - `outcome` phase: the fault fires right after the rank wrote its outcome for the step.
 Phases: `compute` (before microbatch j is added), `reduce` (the collective is in flight), `commit`
 (reduced, outcome not yet written), `outcome`, `optimizer` (after the step committed here).
@@ -73,7 +75,7 @@ class Fault:
     step: int
     phase: str  # compute | reduce | commit | outcome | optimizer
     j: int = 0  # compute: the rank's j-th microbatch of the step
-    action: str = "kill"  # kill | hang | hold | raise
+    action: str = "kill"  # kill | hang | hold | raise | forge
     rank: int = 0
     fired: bool = False
 
@@ -206,6 +208,10 @@ class Rank:
         elif f.action == "hold":
             assert self.member is not None
             self.member.wait_newer(self.member.generation(), self.h.timeout_s)
+        elif f.action == "forge":
+            assert self.member is not None
+            for g in range(self.member.generation() + 1):  # the reduce's, or a newer one
+                self.h.store().compare_set(keys.decision_key(self.step, g), "", "commit")
 
     def should_raise(self) -> bool:
         """A `raise` fault is due now (the reduce just completed here)."""
