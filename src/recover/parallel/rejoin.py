@@ -36,8 +36,8 @@ class TokenRequired(RuntimeError):
 
 
 def _key(member: Member) -> bytes:
-    """The transfer's key: the run token this rank showed at its hello."""
-    if member.token in ("", "-"):
+    """The transfer's key: the run token this rank proved at its hello."""
+    if not member.token or member.token == "-":
         raise TokenRequired(
             f"replica {member.replica}: a live state transfer needs the run token, and this "
             "process has none: give every process of the run the same one (RECOVER_RUN_TOKEN, "
