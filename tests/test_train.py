@@ -8,14 +8,22 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from recover.testing.runs import BASE, Launch, Run, bitwise_equal, max_rel, recover_train, rel_l2
+from recover.testing.runs import (
+    BASE,
+    Launch,
+    Run,
+    bitwise_equal,
+    max_rel,
+    recover_train,
+    rel_l2,
+    two_free_ports,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -83,25 +91,9 @@ def test_resume_matches_uninterrupted(ref4: Run, corpus: Path, tmp_path: Path) -
     assert rel_l2(second.final(0), ref4.final(0)) < 1e-4
 
 
-def _two_free_ports() -> int:
-    """A port P with P and P + 1 both free right now (the coordinator binds both)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("0.0.0.0", port))
-                b.bind(("0.0.0.0", port + 1))
-            return port
-        except OSError:
-            continue
-    raise AssertionError("no two consecutive free ports")
-
-
 def test_torchrun_workers_match(ref4: Run, corpus: Path, tmp_path: Path) -> None:
     """One `torchrun` per replica against `recover train --external-workers`: same trajectory."""
-    port = _two_free_ports()  # the coordinator's store port, and + 1 for its liveness listener
+    port = two_free_ports()  # the coordinator's store port, and + 1 for its liveness listener
     out = tmp_path / "run"
     torchrun = str(Path(sys.executable).parent / "torchrun")
     server = Launch(out, *BASE, "--replicas", "2", "--external-workers", "--port", str(port),

@@ -20,9 +20,18 @@ from pathlib import Path
 import pytest
 
 from faults.conftest import Row, check_run, fault_args, measure
+from recover.collectives.admission import proof
 from recover.procs import Process
 from recover.testing.processes import session
-from recover.testing.runs import Launch, Run
+from recover.testing.runs import (
+    LAYOUT_ARGS,
+    LAYOUT_FLAGS,
+    LAYOUT_STEPS,
+    Launch,
+    Run,
+    max_rel,
+    two_free_ports,
+)
 
 pytestmark = pytest.mark.timeout(240)
 SLOW = [f"slow:replica={r},factor=8" for r in range(4)]
@@ -59,8 +68,8 @@ def _fuzz(port: int, token: str, seed: int = 0) -> None:
     rng = random.Random(seed)
     lines = [b"hb\n", b"fail 0 1,2\n", b"lost x\n", b"bye\n", b"ready 1\n", b"hello\n",
              b"hello x y z w\n", b"hello 99 0 1 1\n", b"hello 0 0 1 1 wrongtoken -\n",
-             f"hello 1 0 1 1 {token} -\n".encode(),  # right token, but replica 1 is connected
-             f"hello 0 0 1 1 {token} notthefingerprint\n".encode(),
+             f"hello 1 0 1 1 {proof(token)} -\n".encode(),  # right run, replica 1 is connected
+             f"hello 0 0 1 1 {proof(token)} notthefingerprint\n".encode(),
              b"\xff\xfe\x00garbage\n", b"A" * 10000, b"\n\n\n"]
     lines += [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200))) + b"\n"
               for _ in range(20)]
@@ -102,3 +111,53 @@ def test_foreign_worker_and_fuzzed_input(ref4: Run, corpus: Path, tmp_path: Path
     assert kinds.count("refused") >= 5 and kinds.count("malformed") >= 10, kinds
     assert any("already connected" in e.get("why", "") for e in events)
     assert any("config differs" in e.get("why", "") for e in events)
+
+
+def _worker(out: Path, port_file: Path, replica: int, rank: int, log: Path,
+            token: str) -> Process:
+    """One rank of an hsdp replica, started by hand as a cluster's launcher would."""
+    argv = ["--run-dir", str(out), "--replica", str(replica), "--rank", str(rank),
+            "--coordinator", f"127.0.0.1:{port_file.read_text().strip()}"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "RECOVER_RUN_TOKEN": token}
+    return session().start("recover.app.train.worker:main", argv, log, env=env, new_session=True)
+
+
+def test_a_wrong_run_worker_never_touches_an_hsdp_replica(single_replica: Run, corpus: Path,
+                                                         tmp_path: Path) -> None:
+    """A run keyed by RECOVER_RUN_TOKEN (spaces and all: only proofs of it travel) with hsdp
+    replicas launched by hand. A worker with another token, aimed at replica 1's rank 0 before
+    the real ranks start, stops with one line and never reaches the replica's own rendezvous
+    (its prefix is keyed by the token); the run trains to its end on the reference trajectory.
+    """
+    token = "this run's token, with spaces"
+    out = tmp_path / "run"
+    launch = Launch(out, *LAYOUT_ARGS, *LAYOUT_FLAGS["hsdp"], "--replicas", "2",
+                    "--external-workers", "--port", str(two_free_ports()), data=corpus,
+                    env={**os.environ, "RECOVER_RUN_TOKEN": token})
+    port_file = out / "coordinator.port"
+    workers: list[Process] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert time.monotonic() < deadline and launch.running(), launch.stderr()[-2000:]
+            time.sleep(0.05)
+        assert not (out / "run.token").exists()  # the env is the token: no file is written
+        intruder = _worker(out, port_file, 1, 0, tmp_path / "intruder.log", "another run's")
+        assert intruder.wait(60) == 2
+        said = [x for x in (tmp_path / "intruder.log").read_text().splitlines() if x.strip()]
+        assert len(said) == 1 and "wrong run token" in said[0], said
+        workers = [_worker(out, port_file, r, k, tmp_path / f"w{r}.{k}.log", token)
+                   for r in range(2) for k in range(2)]
+        run = launch.finish(180)
+    finally:
+        if launch.running():
+            launch.end()
+        for w in workers:
+            if w.poll() is None:
+                w.kill()  # by its PID
+    assert run.returncode == 0, run.stderr[-3000:]
+    recs = run.metrics()
+    assert [r["step"] for r in recs] == list(range(LAYOUT_STEPS))
+    assert all(r["live_replicas"] == 2 for r in recs)
+    assert max_rel(run.losses(), single_replica.losses()) < 1e-5
+    assert all(w.wait(30) == 0 for w in workers)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -50,6 +51,23 @@ def fresh_dir(path: Path) -> Path:
         shutil.rmtree(path)
     path.mkdir(parents=True)
     return path
+
+
+def two_free_ports() -> int:
+    """A port P with P and P + 1 both free right now (a coordinator on a fixed port binds both:
+    `--external-workers` needs one the replicas are told ahead of time)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("0.0.0.0", port))
+                b.bind(("0.0.0.0", port + 1))
+            return port
+        except OSError:
+            continue
+    raise AssertionError("no two consecutive free ports")
 
 
 @dataclass

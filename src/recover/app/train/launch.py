@@ -33,6 +33,7 @@ from recover.app.train.metrics import MetricsSink, truncate_metrics
 from recover.collectives import CoordinatorConfig, connect_store, keys, try_get
 from recover.errors import CheckpointError, ConfigError, ExitCode, RecoverError
 from recover.procs import Process, Spawner, stop_all, wait_exit
+from recover.settings import LaunchEnv
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +198,10 @@ class _Launch:
         coord = CoordinatorConfig.from_fault_tolerance(
             cfg.ft.to_library(), cfg.layout.replicas, host=self.host, port=port,
             port_file=str(port_file), store_shards=cfg.ft.store_shards,
-            log_path=str(out / "coordinator.jsonl"), token_file=str(out / "run.token"),
+            log_path=str(out / "coordinator.jsonl"),
+            # RECOVER_RUN_TOKEN, when set, is the run's token (runtoken.run_token) and no file
+            # is written: the coordinator reads the same variable from its environment.
+            token_file=None if LaunchEnv.from_env().token else str(out / "run.token"),
             fingerprint=fingerprint(cfg), recover=recover, liveness_port=0 if recover else None)
         proc = self.coord = self.spawner.start("recover.collectives.coordinator:main",
                                                coord.to_argv(), out / "logs" / "coordinator.log")

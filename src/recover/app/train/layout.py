@@ -55,8 +55,10 @@ def autocast(cfg: RunConfig, device: torch.device) -> Amp:
     return lambda: torch.autocast(device.type, dtype=AMP[cfg.compute.dtype])
 
 
-def build(cfg: RunConfig, host: str, port: int, replica: int, rank: int) -> RankModel:
-    """This rank's model in the run's layout (multi-rank layouts: joins the replica's group)."""
+def build(cfg: RunConfig, host: str, port: int, replica: int, rank: int,
+          token: str | None = None) -> RankModel:
+    """This rank's model in the run's layout (multi-rank layouts: joins the replica's group,
+    checked against the run's `token` first)."""
     device = device_of(cfg, replica, rank)
     model = build_model(cfg.model, cfg.run.seed).to(device)
     n, amp = cfg.data.microbatches, autocast(cfg, device)
@@ -68,7 +70,7 @@ def build(cfg: RunConfig, host: str, port: int, replica: int, rank: int) -> Rank
 
     lay = cfg.layout
     init_replica_group(host, port, replica, rank, lay.ranks_per_replica(), cfg.ft.reduce_timeout_s,
-                       LaunchEnv.from_env().incarnation)
+                       LaunchEnv.from_env().incarnation, token)
     mesh = replica_mesh(lay.name, lay.shards, lay.tp, lay.stages)
     parts = cfg.layout.name.split(",")
     if "tp" in parts:

@@ -48,7 +48,11 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
     if not 0 <= rank < nranks:
         log.error(f"rank {rank} is not in [0, {nranks}) for --layout {cfg.layout.name}")
         return ExitCode.USAGE
-    trainer = Trainer(run_dir, cfg, replica, rank, f"{host}:{port}")
+    try:
+        trainer = Trainer(run_dir, cfg, replica, rank, f"{host}:{port}")
+    except CoordinatorLost as e:  # another run's coordinator, or this rank runs already
+        log.error(f"cannot join: {e}")
+        return ExitCode.USAGE
     if not trainer.join():
         return ExitCode.USAGE
     end = cfg.run.stop_at or cfg.run.steps
@@ -82,7 +86,8 @@ class Trainer:
         self.nranks = cfg.layout.ranks_per_replica()
         self.corpus = load_data(run_dir / "data")
         host, port = coordinator.rsplit(":", 1)
-        self.rm = layout.build(cfg, host, int(port), replica, rank)
+        self.token = run_token(run_dir).decode()
+        self.rm = layout.build(cfg, host, int(port), replica, rank, self.token)
         self.opt = build_optimizer(self.rm.module, cfg)
         # Before Replica: both build groups of the replica's ranks, in the same order on every rank.
         self.ckpts = RankCheckpoints(run_dir, cfg, self.rm, self.opt)
@@ -105,8 +110,7 @@ class Trainer:
         """Join the run as this replica's rank (a replacement receives a donor's state); False
         (logged) if the coordinator refused it or never answered."""
         ft = self.cfg.ft
-        config = replica_config(self.cfg, self.coordinator, self.replica,
-                                run_token(self.run_dir).decode())
+        config = replica_config(self.cfg, self.coordinator, self.replica, self.token)
         wait_until = time.monotonic() + ft.coordinator_wait_s
         while True:
             try:
