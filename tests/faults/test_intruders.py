@@ -161,3 +161,27 @@ def test_a_wrong_run_worker_never_touches_an_hsdp_replica(single_replica: Run, c
     assert all(r["live_replicas"] == 2 for r in recs)
     assert max_rel(run.losses(), single_replica.losses()) < 1e-5
     assert all(w.wait(30) == 0 for w in workers)
+
+
+def test_a_duplicate_rank_or_a_wrong_run_stops_before_the_rendezvous() -> None:
+    """The checks `init_replica_group` makes before it rendezvous, on a real store: the
+    coordinator's proof must match the worker's token, and each (replica, incarnation, rank) is
+    claimed once; the group's prefix is the token's, and says nothing of it."""
+    from recover.collectives import CoordinatorLost, connect_store, keys
+    from recover.parallel import mesh
+
+    server = keys.serve_store("127.0.0.1", 0)
+    store = connect_store("127.0.0.1", server.port, 10)
+    store.set(keys.RUN_PROOF, proof("tok", keys.RUN_PURPOSE))
+    mesh.check_run(store, "tok", 5)
+    with pytest.raises(CoordinatorLost, match="wrong run token"):
+        mesh.check_run(store, "another", 5)
+    with pytest.raises(CoordinatorLost, match="wrong run token"):
+        mesh.check_run(store, None, 5)
+    prefix = mesh.group_prefix(1, "0", "tok")
+    assert "tok" not in prefix and prefix != mesh.group_prefix(1, "0", "another")
+    mesh.claim_rank(store, prefix, 0)
+    mesh.claim_rank(store, prefix, 1)
+    with pytest.raises(CoordinatorLost, match=f"rank 0 of this replica .* already running .*"
+                                              f"pid {os.getpid()}"):
+        mesh.claim_rank(connect_store("127.0.0.1", server.port, 10), prefix, 0)
