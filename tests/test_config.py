@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import typing
 from pathlib import Path
 
 import pytest
@@ -56,14 +58,15 @@ def test_every_flagged_field_is_in_help(capsys: pytest.CaptureFixture[str],
 def test_flags_set_nested_fields(tmp_path: Path) -> None:
     corpus = tmp_path / "c.txt"
     corpus.write_text("hello world\n" * 50)
+    faults = ["kill:replica=0,step=1", "slow:replica=1,factor=2"]
     cfg = _cfg("--microbatch-size", "4", "--data", str(corpus), "--layout", "hsdp",
-               "--shards", "2", "--replicas", "2", "--no-speed-aware", "--fault", "a",
-               "--fault", "b", "--reference", "--dump-final-params", "--lr", "0.002",
+               "--shards", "2", "--replicas", "2", "--no-speed-aware", "--fault", faults[0],
+               "--fault", faults[1], "--reference", "--dump-final-params", "--lr", "0.002",
                "--n-layer", "3", "--out", str(tmp_path / "o"), "--stale-s", "3.5")
     assert (cfg.data.microbatch_size, cfg.data.path) == (4, str(corpus))
     assert (cfg.layout.name, cfg.layout.shards, cfg.layout.replicas) == ("hsdp", 2, 2)
     assert cfg.layout.ranks_per_replica() == 2
-    assert cfg.ft.speed_aware is False and cfg.ft.faults == ["a", "b"] and cfg.ft.stale_s == 3.5
+    assert cfg.ft.speed_aware is False and cfg.ft.faults == faults and cfg.ft.stale_s == 3.5
     assert cfg.run.reference and cfg.run.dump_final and not cfg.run.resume
     assert cfg.optim.lr == 0.002 and cfg.model.n_layer == 3
     assert cfg.run.out == str(tmp_path / "o")
@@ -146,3 +149,145 @@ def test_launch_env_is_read_in_one_place() -> None:
     assert ReplicaConfig(replica=0, launch=env).resolved().replica == 0  # explicit wins
     with pytest.raises(ValueError, match="RECOVER_COORDINATOR"):
         ReplicaConfig(launch=LaunchEnv()).resolved()
+
+
+def test_every_number_declares_its_bounds() -> None:
+    """Each int and float setting (the run config's, the library's FaultTolerance, the
+    coordinator's) carries the Bounds its validation checks: a new number cannot skip them."""
+    from recover.collectives.coordconfig import CoordinatorConfig
+    from recover.settings import Bounds, FaultTolerance
+
+    hinted = [(cls, f) for cls in (FaultTolerance, CoordinatorConfig)
+              for f in dataclasses.fields(cls)]
+    cfg = preset("debug")
+    hinted += [(type(getattr(cfg, sec.name)), f) for sec in dataclasses.fields(RunConfig)
+               for f in dataclasses.fields(getattr(cfg, sec.name))]
+    numbers = 0
+    for cls, f in hinted:
+        typ = typing.get_type_hints(cls)[f.name]
+        if typ in (int, float) or set(typing.get_args(typ)) & {int, float}:
+            numbers += 1
+            assert isinstance(f.metadata.get("bounds"), Bounds), f"{cls.__name__}.{f.name}"
+    assert numbers >= 35
+
+
+def test_bounds_name_the_range() -> None:
+    from recover.settings import Bounds
+
+    assert Bounds(1).describe() == ">= 1" and Bounds(0.0, 0.5, True, True).describe() == \
+        "in (0, 0.5)"
+    b = Bounds(0.0, 10.0, lo_open=True)
+    for bad, why in ((0.0, "in (0, 10]"), (float("nan"), "finite"), (float("inf"), "finite"),
+                     (11, "in (0, 10]"), ("3", "a number"), (True, "a number")):
+        with pytest.raises(ConfigError, match=re.escape(why)):
+            b.check("--x", bad, integer=False)
+    with pytest.raises(ConfigError, match="an integer"):
+        Bounds(0).check("--n", 2.0, integer=True)
+    b.check("--x", 10, integer=False)  # an int is a number; the closed end is in
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"reduce_timeout_s": 0.0}, "reduce_timeout_s must be in (0, 604800]"),
+    ({"join_timeout_s": float("nan")}, "join_timeout_s must be a finite number"),
+    ({"stale_s": float("inf")}, "stale_s must be a finite number"),
+    ({"heartbeat_s": -1.0}, "heartbeat_s must be in (0, "),
+    ({"coordinator_wait_s": -1.0}, "coordinator_wait_s must be in [0, "),
+    ({"min_replicas": 0}, "min_replicas must be >= 1"),
+    ({"stale_s": 0.15}, "stale_s (0.15) must exceed twice heartbeat_s (0.1)"),
+    ({"reduce_timeout_s": 1.0}, "reduce_timeout_s (1) must exceed stale_s (2)"),
+    ({"speed_aware": "yes"}, "speed_aware must be true or false"),
+])
+def test_the_library_refuses_bad_fault_tolerance(kwargs: dict, needle: str) -> None:
+    """A `Replica` user's FaultTolerance is checked at construction, not at its first wait."""
+    from recover.settings import FaultTolerance, Numerics
+
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        FaultTolerance(**kwargs)
+    with pytest.raises(ConfigError, match="backend 'mpi'"):
+        Numerics(backend="mpi")
+    with pytest.raises(ConfigError, match="reduce_dtype 'fp8'"):
+        Numerics(reduce_dtype="fp8")
+    assert FaultTolerance(stale_s=5.0, reduce_timeout_s=6.0).stale_s == 5.0
+
+
+def test_the_library_bounds_agree_with_the_engine() -> None:
+    """The bounds settings and the coordinator declare are the step engine's own limits."""
+    from recover.collectives.coordconfig import MAX_REPLICAS
+    from recover.recovery.step import REDUCE_DTYPES
+    from recover.recovery.trailer import MAX_REPLICAS as TRAILER_MAX_REPLICAS
+    from recover.settings import REDUCE_DTYPE_NAMES
+
+    assert MAX_REPLICAS == TRAILER_MAX_REPLICAS
+    assert set(REDUCE_DTYPE_NAMES) == set(REDUCE_DTYPES)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"replicas": 0}, "--replicas must be in [1, 65536] (got 0)"),
+    ({"stale_s": 0.0}, "--stale-s must be in (0, "),
+    ({"join_timeout_s": float("nan")}, "--join-timeout-s must be a finite number"),
+    ({"port": 70000}, "--port must be in [0, 65535]"),
+    ({"port": 65535}, "leaves no room"),
+    ({"store_shards": 300}, "--store-shards must be in [0, 256]"),
+    ({"host": ""}, "--host must not be empty"),
+    ({"fingerprint": "a b"}, "holds whitespace"),
+])
+def test_coordinator_config_refuses_bad_settings(kwargs: dict, needle: str) -> None:
+    from recover.collectives.coordconfig import CoordinatorConfig
+
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        CoordinatorConfig(**{"replicas": 2, **kwargs})
+
+
+def test_coordinator_files(tmp_path: Path) -> None:
+    from recover.collectives.coordconfig import CoordinatorConfig
+
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    for name, needle in (("/nonexistent/token", "cannot read it"), (str(empty), "is empty"),
+                         (str(tmp_path), "cannot read it")):
+        with pytest.raises(ConfigError, match=needle):
+            CoordinatorConfig(replicas=1, token_file=name).file_token()
+    with pytest.raises(ConfigError, match="no such directory"):
+        CoordinatorConfig(replicas=1, log_path="/nonexistent/c.jsonl").check_outputs()
+    with pytest.raises(ConfigError, match="is a directory"):
+        CoordinatorConfig(replicas=1, port_file=str(tmp_path)).check_outputs()
+    CoordinatorConfig(replicas=1, log_path=str(tmp_path / "c.jsonl")).check_outputs()
+
+
+def test_launch_env_strict_names_the_variable() -> None:
+    from recover.settings import LaunchEnv, parse_address
+
+    for env, needle in (({"RECOVER_REPLICA": "abc"}, "RECOVER_REPLICA='abc'"),
+                        ({"RANK": "-1"}, "RANK='-1'"),
+                        ({"RECOVER_REPLICA": "²"}, "RECOVER_REPLICA"),  # a digit int() refuses
+                        ({"RECOVER_COORDINATOR": "host:abc"}, "RECOVER_COORDINATOR 'host:abc'"),
+                        ({"RECOVER_LOG_LEVEL": "loud"}, "RECOVER_LOG_LEVEL='loud'")):
+        lenient = LaunchEnv.from_env(env)  # the default, a coordinator address as given
+        assert lenient == LaunchEnv(coordinator=env.get("RECOVER_COORDINATOR"))
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            LaunchEnv.from_env(env, strict=True)
+    assert LaunchEnv.from_env({"RECOVER_REPLICA": " 3 "}, strict=True).replica == 3
+    assert parse_address("[::1]:29600", "x") == ("[::1]", 29600)
+    for bad in ("127.0.0.1", "host:abc", ":29600", "h:0", "h:65536", "h:"):
+        with pytest.raises(ConfigError, match="is not host:port"):
+            parse_address(bad, "--coordinator")
+
+
+def test_config_json_of_wrong_types_is_one_line(tmp_path: Path) -> None:
+    """config.json is read by every worker: a value of the wrong type, or JSON nested past the
+    parser's depth, is a ConfigError, never a TypeError or RecursionError."""
+    path = tmp_path / "config.json"
+    for section, changes, needle in (("data", {"microbatches": "8"}, "--microbatches must be an "
+                                      "integer (got '8')"),
+                                     ("run", {"steps": True}, "--steps must be an integer"),
+                                     ("ft", {"faults": "kill"}, "--fault must be a list"),
+                                     ("model", {"bias": 1}, "bias must be true or false"),
+                                     ("optim", {"lr": None}, "--lr must be a number")):
+        d = json.loads(preset("debug").to_json())
+        d[section].update(changes)
+        path.write_text(json.dumps(d))
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            RunConfig.load(path).validate()
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ConfigError, match="not a valid recover config"):
+        RunConfig.load(path)

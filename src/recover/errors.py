@@ -2,12 +2,17 @@
 
 Invariant: every error a user can cause (bad config, missing file, impossible world size, corrupt
 checkpoint) is raised as a `RecoverError` whose message is one readable line; the CLI prints it
-without a traceback and exits non-zero. Internal bugs are left as ordinary exceptions.
+without a traceback and exits non-zero. Internal bugs are left as ordinary exceptions. Every
+entry point (`recover`, `recover coordinator`, the worker) reports such an error, and a bad
+command line, the one way: `usage_line`, one line on stderr, `ExitCode.USAGE`.
 """
 
 from __future__ import annotations
 
+import argparse
 import enum
+import sys
+from typing import NoReturn
 
 
 class ExitCode(enum.IntEnum):
@@ -49,3 +54,20 @@ class DataError(RecoverError):
 
 class CheckpointError(RecoverError):
     """A checkpoint is missing, incompatible, or corrupt."""
+
+
+def usage_line(prog: str, error: object) -> int:
+    """Report a user's mistake: `<prog>: error: <message>` as one line on stderr (a message's own
+    line breaks are joined, so it stays one line); the exit code to end with, `ExitCode.USAGE`."""
+    message = " ".join(str(error).splitlines()).strip() or type(error).__name__
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    return ExitCode.USAGE
+
+
+class UsageParser(argparse.ArgumentParser):
+    """argparse's parser whose command-line errors (unknown flag, missing or malformed value)
+    end like every other user error, in `usage_line` and exit 2; argparse's own also prints the
+    usage block. `--help` is unchanged."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.exit(usage_line(self.prog, message))

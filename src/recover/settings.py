@@ -6,42 +6,175 @@ the coordinator, the member, the communicator and the step engine; no layer re-d
 keyword of its own. Fault injection reaches the library only through one `Hooks` object, and the
 launcher's environment variables are read in one place (`LaunchEnv.from_env`). A replica's
 settings travel together as one `ReplicaConfig` (where and who, `FaultTolerance`, `Numerics`).
+A settings object that exists holds usable values: each is checked where it enters, against
+the bounds declared beside its field (`Bounds`), and a bad one is a `ConfigError` of one line.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
 import os
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
+
+from recover.errors import ConfigError
 
 # (phase, step, microbatch index): called at each point of the step protocol where a fault may
 # be injected ("forward", "backward", "reduce", "commit", "donate", "receive", ...).
 PhaseHook = Callable[[str, int, int], None]
 
 
+# The longest wait any setting may ask for. A longer one is a mistake (seconds typed for
+# minutes), and every wait must stay a finite number far inside what `threading` and `time`
+# accept (an infinite one never returns, a NaN one never fires, a huge one overflows).
+MAX_WAIT_S = 7 * 24 * 3600.0
+MAX_PORT = 65535
+# Numerics' names (recover.recovery.step.REDUCE_DTYPES maps the dtype names to torch's).
+REDUCE_DTYPE_NAMES = ("", "fp32", "bf16", "fp16")  # "": the gradient's own dtype
+BACKENDS = ("gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The values a numeric setting accepts: finite, of its field's type, in [lo, hi] (None: no
+    bound on that side; an open side excludes its bound)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def contains(self, x: float) -> bool:
+        if self.lo is not None and (x <= self.lo if self.lo_open else x < self.lo):
+            return False
+        return self.hi is None or (x < self.hi if self.hi_open else x <= self.hi)
+
+    def describe(self) -> str:
+        """The accepted values in words: `>= 1`, `in (0, 0.5)`."""
+        lo, hi = _num(self.lo), _num(self.hi)
+        if self.hi is None:
+            return f"{'>' if self.lo_open else '>='} {lo}"
+        if self.lo is None:
+            return f"{'<' if self.hi_open else '<='} {hi}"
+        return f"in {'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}"
+
+    def check(self, name: str, value: object, integer: bool) -> None:
+        """ConfigError naming `name` unless `value` is a finite number (an int if `integer`;
+        never a bool) inside these bounds."""
+        kind = "an integer" if integer else "a number"
+        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+            raise ConfigError(f"{name} must be {kind} (got {value!r})")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{name} must be a finite number (got {value!r})")
+        if not self.contains(value):
+            raise ConfigError(f"{name} must be {self.describe()} (got {value!r})")
+
+
+def _num(x: float | None) -> str:
+    """A bound as written: 1, 0.5, 604800 (never 6.048e+05 or 1.0)."""
+    if isinstance(x, float) and x.is_integer():
+        return str(int(x))
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+SECONDS = Bounds(0.0, MAX_WAIT_S, lo_open=True)  # a wait: > 0, finite, at most MAX_WAIT_S
+PORT = Bounds(0, MAX_PORT)  # 0: any free port
+
+
+class Number:
+    """The command-line type of a numeric setting: it converts the text (argparse reports text
+    that is no number) and carries the setting's `Bounds`, which its validation checks."""
+
+    def __init__(self, kind: type, bounds: Bounds) -> None:
+        self.kind, self.bounds = kind, bounds
+        self.__name__ = kind.__name__  # argparse names the type in its message: "invalid int"
+
+    def __call__(self, text: str) -> Any:
+        return self.kind(text)
+
+
+def bounded(default: Any, bounds: Bounds) -> Any:
+    """A dataclass field with its bounds (checked by `check_fields`)."""
+    return field(default=default, metadata={"bounds": bounds})
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def check_fields(obj: Any, label: Callable[[str], str] = str) -> None:
+    """ConfigError (one line, naming the setting by `label(field name)`) unless every field of
+    the dataclass `obj` holds a value of its type: a bool field a bool, a str field a str, a
+    numeric field a finite number within the `Bounds` in its metadata."""
+    hints = _hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, typ = getattr(obj, f.name), hints[f.name]
+        bounds, optional = f.metadata.get("bounds"), type(None) in typing.get_args(typ)
+        if value is None and optional:
+            continue
+        if bounds is not None:
+            bounds.check(label(f.name), value, typ is int or int in typing.get_args(typ))
+        elif typ in (bool, str) and not isinstance(value, typ):
+            kind = "true or false" if typ is bool else "a string"
+            raise ConfigError(f"{label(f.name)} must be {kind} (got {value!r})")
+
+
+def check_timeouts(ft: Any, label: Callable[[str], str] = str) -> None:
+    """The relations between the protocol's bounds, on any object with `FaultTolerance`'s field
+    names (the library's, or the app's config, whose `label` names its flags)."""
+    if not ft.stale_s > 2 * ft.heartbeat_s:
+        raise ConfigError(f"{label('stale_s')} ({ft.stale_s:g}) must exceed twice "
+                          f"{label('heartbeat_s')} ({ft.heartbeat_s:g}): one late heartbeat "
+                          "would declare a live replica lost")
+    if not ft.reduce_timeout_s > ft.stale_s:
+        raise ConfigError(f"{label('reduce_timeout_s')} ({ft.reduce_timeout_s:g}) must exceed "
+                          f"{label('stale_s')} ({ft.stale_s:g}): it is the backstop behind hang "
+                          "detection, and the protocol's waits for a new generation after a "
+                          "hang take stale_s")
+
+
 @dataclass(frozen=True)
 class FaultTolerance:
-    """Detection bounds and timeouts of the protocol (every wait in it has one of these)."""
+    """Detection bounds and timeouts of the protocol (every wait in it has one of these).
+    Constructing one with a value out of its bounds raises `ConfigError`."""
 
-    heartbeat_s: float = 0.1  # a member's heartbeat period
+    heartbeat_s: float = bounded(0.1, SECONDS)  # a member's heartbeat period
     # Heartbeat silence that declares a member lost. Crashes are seen in ms (the liveness socket
     # closes); this bounds only hang detection, so a generous value costs little.
-    stale_s: float = 2.0
-    reduce_timeout_s: float = 60.0  # backstop of one cross-replica reduction
-    join_timeout_s: float = 120.0  # how long members wait for each other to join
+    stale_s: float = bounded(2.0, SECONDS)
+    # Backstop of one cross-replica reduction, and of each of the step protocol's waits.
+    reduce_timeout_s: float = bounded(60.0, SECONDS)
+    join_timeout_s: float = bounded(120.0, SECONDS)  # how long members wait for each other to join
     # > 0: members keep their state this long for a coordinator that died to come back.
-    coordinator_wait_s: float = 0.0
-    min_replicas: int = 1  # below this many live replicas the run stops (BelowMinReplicas)
+    coordinator_wait_s: float = bounded(0.0, Bounds(0.0, MAX_WAIT_S))
+    # Below this many live replicas the run stops (BelowMinReplicas).
+    min_replicas: int = bounded(1, Bounds(1))
     speed_aware: bool = True  # quotas follow measured replica speed
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        check_timeouts(self)
 
 
 @dataclass(frozen=True)
 class Numerics:
-    """How the cross-replica reduction travels."""
+    """How the cross-replica reduction travels. Unknown names raise `ConfigError`."""
 
     backend: str = "gloo"  # gloo, or nccl (CUDA tensors)
     reduce_dtype: str = ""  # "" (the gradient's), fp32, bf16 or fp16
     exact: bool = False  # fixed-point sums: bitwise independent of grouping and faults
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        for name, value, names in (("backend", self.backend, BACKENDS),
+                                   ("reduce_dtype", self.reduce_dtype, REDUCE_DTYPE_NAMES)):
+            if value not in names:
+                raise ConfigError(f"{name} {value!r} is not one of {', '.join(map(repr, names))}")
 
 
 @dataclass
@@ -81,22 +214,45 @@ class LaunchEnv:
     log_level: str = "info"  # RECOVER_LOG_LEVEL: one of LOG_LEVELS (`recover --log-level`)
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> LaunchEnv:
+    def from_env(cls, env: Mapping[str, str] | None = None, strict: bool = False) -> LaunchEnv:
+        """The launcher's variables; one that is unset or malformed takes its default, or with
+        `strict` (a worker's entry point) a malformed one is a `ConfigError` naming it."""
         env = os.environ if env is None else env
-        level = env.get("RECOVER_LOG_LEVEL", "").lower()
-        return cls(coordinator=env.get("RECOVER_COORDINATOR") or None,
-                   replica=_int(env.get("RECOVER_REPLICA", "")),
-                   rank=_int(env.get("RANK", "")) or 0,
+        level = env.get("RECOVER_LOG_LEVEL", "").strip().lower()
+        if strict and level and level not in LOG_LEVELS:
+            raise ConfigError(f"RECOVER_LOG_LEVEL={env['RECOVER_LOG_LEVEL']!r} is not one of "
+                              f"{', '.join(LOG_LEVELS)}")
+        coordinator = env.get("RECOVER_COORDINATOR") or None
+        if strict and coordinator is not None:
+            parse_address(coordinator, "RECOVER_COORDINATOR")
+        return cls(coordinator=coordinator,
+                   replica=_int(env, "RECOVER_REPLICA", strict),
+                   rank=_int(env, "RANK", strict) or 0,
                    token=env.get("RECOVER_RUN_TOKEN", "").strip() or None,
-                   join_at=_int(env.get("RECOVER_JOIN_AT", "")) or 0,
+                   join_at=_int(env, "RECOVER_JOIN_AT", strict) or 0,
                    incarnation=(env.get("RECOVER_INCARNATION")
                                 or env.get("TORCHELASTIC_RESTART_COUNT", "0")),
                    log_level=level if level in LOG_LEVELS else "info")
 
 
-def _int(text: str) -> int | None:
-    """A non-negative integer variable; None when unset or not a number."""
-    return int(text) if text.isdigit() else None
+def _int(env: Mapping[str, str], name: str, strict: bool) -> int | None:
+    """The non-negative integer variable `name`; None when unset or (unless `strict`) not one."""
+    text = env.get(name, "").strip()
+    if text.isascii() and text.isdigit():  # ascii: "²".isdigit() too, and int() refuses it
+        return int(text)
+    if strict and text:
+        raise ConfigError(f"{name}={env[name]!r} is not an integer >= 0")
+    return None
+
+
+def parse_address(text: str, name: str) -> tuple[str, int]:
+    """(host, port) of `host:port`; ConfigError naming `name` unless the host is non-empty and
+    the port a number in [1, MAX_PORT] (a port to connect to: 0 is none)."""
+    host, colon, port = text.strip().rpartition(":")
+    if not (colon and host and port.isascii() and port.isdigit()
+            and 1 <= int(port) <= MAX_PORT):
+        raise ConfigError(f"{name} {text!r} is not host:port (a port in [1, {MAX_PORT}])")
+    return host, int(port)
 
 
 @dataclass(frozen=True)
@@ -132,5 +288,4 @@ class ReplicaConfig:
         """The coordinator's (host, port); the config must be `resolved()`."""
         if not self.coordinator:
             raise ValueError("recover: no coordinator address (ReplicaConfig.resolved() first)")
-        host, port = self.coordinator.rsplit(":", 1)
-        return host, int(port)
+        return parse_address(self.coordinator, "the coordinator address")

@@ -1,9 +1,10 @@
 """The `recover` command line: train | coordinator | simulate | bench.
 
 Invariant: a user mistake ends in one readable line on stderr and a non-zero exit, never a
-traceback; `recover train`'s flags are generated from `RunConfig`'s field metadata (one flag
-per field, so a field is named and described once), and presets only set defaults that flags
-override.
+traceback (`recover.errors.usage_line`, exit 2 for a bad flag, value or path, checked before any
+process, socket or file of the run is made); `recover train`'s flags are generated from
+`RunConfig`'s field metadata (one flag per field, so a field is named and described once), and
+presets only set defaults that flags override.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import dataclasses
 import signal
 import sys
+import tempfile
 import time
 import types
 import typing
@@ -21,8 +23,9 @@ from typing import Any
 from recover import __version__
 from recover.app import logs
 from recover.app.config import RunConfig, flag_of, preset
-from recover.errors import ExitCode, RecoverError
-from recover.settings import LOG_LEVELS
+from recover.collectives.coordconfig import CoordinatorConfig
+from recover.errors import ConfigError, ExitCode, RecoverError, UsageParser, usage_line
+from recover.settings import LOG_LEVELS, PORT, Number
 
 LOG_HELP = "log level of this process and of every process it starts (default: info)"
 
@@ -58,9 +61,10 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
         elif typing.get_origin(typ) is list:  # repeatable: --fault A --fault B
             g.add_argument(flag, dest=dest, action="append", default=None,
                            metavar=metavar, help=hlp)
-        else:  # None = not given: the preset's value stays
-            g.add_argument(flag, dest=dest, type=typ, default=None,
-                           metavar=metavar, help=hlp)
+        else:  # None = not given: the preset's value stays; validate() checks the bounds
+            bounds = f.metadata.get("bounds")
+            g.add_argument(flag, dest=dest, type=typ if bounds is None else Number(typ, bounds),
+                           default=None, metavar=metavar, help=hlp)
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
@@ -70,7 +74,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--external-workers", action="store_true",
                    help="start no replicas here: serve the coordinator on --port and wait for "
                         "replicas launched elsewhere (torchrun), writing metrics")
-    p.add_argument("--port", type=int, default=0, help="coordinator store port (0 = any)")
+    p.add_argument("--port", type=Number(int, PORT), default=0,
+                   help="coordinator store port (0 = any)")
     p.add_argument("--host", default=None,
                    help="address the coordinator's store and liveness listener bind (default: "
                         "127.0.0.1, or every interface with --external-workers)")
@@ -88,10 +93,43 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             setattr(getattr(cfg, sec), f.name, v)
     if getattr(args, "run.out") is None:
         cfg.run.out = f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    path = cfg.data.path
-    if path is not None and not Path(path).exists():
-        raise RecoverError(f"--data {path}: no such file or directory")
-    return cfg.validate()
+    cfg.validate()
+    try:
+        if cfg.data.path is not None and not Path(cfg.data.path).exists():
+            raise ConfigError(f"--data {cfg.data.path}: no such file or directory")
+        check_out(cfg.run.out)
+    except OSError as e:  # a name too long for the file system, a path through a locked folder
+        raise ConfigError(f"{e.filename or cfg.run.out}: {e.strerror or e}") from None
+    return cfg
+
+
+def check_out(out: str) -> None:
+    """ConfigError unless the run directory `out` is a directory or can be made one: no file in
+    its place or on its path, and a directory can be created where it goes (tried, and removed:
+    nothing of the run is made here). OSError where the path itself cannot be looked at."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a directory")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"--out {out}: {existing} is a file, not a directory")
+    try:
+        tempfile.TemporaryDirectory(dir=existing, prefix=".recover-probe-").cleanup()
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot create a directory in {existing}: "
+                          f"{e.strerror or e}") from None
+
+
+def check_coordinator(cfg: RunConfig, args: argparse.Namespace) -> str:
+    """The address the coordinator will bind, checked with the coordinator's own validation
+    (`CoordinatorConfig`), as the launcher will build it; ConfigError on a bad --port/--host."""
+    if args.external_workers and not args.port:
+        raise ConfigError("--external-workers needs a fixed --port for the replicas to reach")
+    host = args.host if args.host is not None else (
+        "0.0.0.0" if args.external_workers else "127.0.0.1")
+    CoordinatorConfig.from_fault_tolerance(cfg.ft.to_library(), cfg.layout.replicas, host=host,
+                                           port=args.port, store_shards=cfg.ft.store_shards)
+    return host
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -102,11 +140,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     console = Console(stderr=True)
     cfg = config_from_args(args)
+    host = check_coordinator(cfg, args)
     if cfg.run.reference:
         cfg.run.dump_final = True  # the final parameters are compared with the reference's too
-    if args.external_workers and not args.port:
-        raise RecoverError("--external-workers needs a fixed --port for the replicas to reach")
-    host = args.host or ("0.0.0.0" if args.external_workers else "127.0.0.1")
     res = launch(cfg, console, external_workers=args.external_workers, port=args.port,
                  host=host)
     if not res.ok:
@@ -163,7 +199,7 @@ def _raise_interrupt(*_: object) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser (coordinator, simulate and bench parse their own arguments)."""
-    ap = argparse.ArgumentParser(prog="recover", description=__doc__.splitlines()[0])
+    ap = UsageParser(prog="recover", description=__doc__.splitlines()[0])
     ap.add_argument("--version", action="version", version=f"recover {__version__}")
     ap.add_argument("--log-level", choices=LOG_LEVELS, default="info", help=LOG_HELP)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -187,9 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     level, rest = _leading_log_level(argv)
     if level is not None and level not in LOG_LEVELS:
-        print(f"recover: error: --log-level {level!r}: choose from {', '.join(LOG_LEVELS)}",
-              file=sys.stderr)
-        return ExitCode.USAGE
+        return usage_line("recover", f"--log-level {level!r}: choose from {', '.join(LOG_LEVELS)}")
     logs.setup(level or "info", export=True)  # worker processes inherit the level
     if rest and rest[0] in ("coordinator", "simulate", "bench"):
         return _run_tool(rest[0], rest[1:])
@@ -201,8 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "train":
             return cmd_train(args)
     except RecoverError as e:
-        print(f"recover {args.cmd}: error: {e}", file=sys.stderr)
-        return ExitCode.USAGE
+        return usage_line(f"recover {args.cmd}", e)
     except KeyboardInterrupt:
         print("recover: interrupted", file=sys.stderr)
         return 130

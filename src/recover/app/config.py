@@ -5,27 +5,57 @@ failure-free run's trajectory depends on (model, data, seed, N, B, optimizer, sc
 marked `trajectory=True` beside the field, and is saved as `DIR/config.json` (nested by
 sub-config), so a resumed run or a reference run reproduces it exactly. Each field carries its own
 help text, CLI flag name and choices (`setting(...)` metadata): `recover.app.cli` generates the
-`recover train` flags from them, so a field is documented in one place only.
+`recover train` flags from them, so a field is documented in one place only. Every field is
+checked by `validate()`: its type, and a number finite and inside the `Bounds` declared beside it
+(`setting(bounds=...)`), so a value that would break a run (a zero timeout, a NaN, a huge count)
+is a one-line `ConfigError` before anything starts.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
+import typing
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from recover.app.faults import validate_faults
+from recover.collectives.coordconfig import MAX_REPLICAS, MAX_STORE_SHARDS
 from recover.errors import ConfigError
 from recover.parallel.mesh import LAYOUTS
-from recover.settings import FaultTolerance, Numerics, ReplicaConfig
+from recover.recovery.step import MAX_MICROBATCHES
+from recover.settings import (
+    MAX_WAIT_S,
+    SECONDS,
+    Bounds,
+    FaultTolerance,
+    Numerics,
+    ReplicaConfig,
+    check_fields,
+    check_timeouts,
+)
 
 T = TypeVar("T")
 
 POLICIES = ("recover", "shrink-batch")  # reactions to a lost replica (see `ft.policy`)
 DTYPES = ("fp32", "bf16", "fp16")  # autocast / reduce dtypes (see `compute`)
+# The step mark, (step + 1) x replicas, stays exact in float64 (< 2^53) for any run this short
+# (recover.recovery.step, MAX_REPLICAS); and step x N, the ids, stays far inside int64.
+MAX_STEPS = 1 << 36
+# Model sizes and counts with no bound of their own: far past what one rank of this reference
+# trainer can hold; a larger value is a typo, and index arithmetic stays far from overflow.
+MAX_SIZE = 1 << 20
+# Optimizer scalars with no natural ceiling (learning rate, weight decay, clip norm): far past any
+# meaningful one, so a mistyped exponent is refused instead of training on NaN.
+MAX_SCALAR = 1e6
+POSITIVE = Bounds(0.0, MAX_SCALAR, lo_open=True)
+FRACTION = Bounds(0.0, 1.0, hi_open=True)  # [0, 1): dropout, Adam's betas
+STEPS = Bounds(0, MAX_STEPS)  # a count of steps, 0 allowed (0 = never / only at the end)
+SIZE = Bounds(1, MAX_SIZE)
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     # Seconds on a laptop CPU: the preset the tests and the quick start use.
@@ -41,15 +71,19 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 
 def setting(default: Any = None, help: str = "", *, flag: str | None = "",
             choices: tuple[str, ...] = (), trajectory: bool = False, const: Any = True,
-            factory: Callable[[], Any] | None = None, metavar: str | None = None) -> Any:
+            factory: Callable[[], Any] | None = None, metavar: str | None = None,
+            bounds: Bounds | None = None) -> Any:
     """A config field with its CLI metadata.
 
     flag: "" = derived from the name (`microbatch_size` -> `--microbatch-size`), None = no flag.
     A bool field's flag takes no value and stores `const`; a list field's flag repeats (append).
     trajectory: the loss trajectory depends on this field (resume and reference must match it).
+    bounds: a numeric field's accepted values (every int and float field declares them).
     """
     meta: dict[str, Any] = {"help": help, "flag": flag, "choices": choices,
                             "trajectory": trajectory, "const": const, "metavar": metavar}
+    if bounds is not None:
+        meta["bounds"] = bounds
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -70,48 +104,77 @@ def _check_choices(sub: Any) -> None:
     for f in dataclasses.fields(sub):
         choices, v = f.metadata.get("choices", ()), getattr(sub, f.name)
         _need(not choices or v in choices,
-              f"unknown {flag_of(f)} {v!r}; choose from {', '.join(choices)}")
+              f"unknown {flag_of(f)} {v!r}; choose from {', '.join(c or repr(c) for c in choices)}")
+
+
+_hints = functools.cache(typing.get_type_hints)  # a sub-config class's field types
+
+
+def _label(sub: Any) -> Callable[[str], str]:
+    """How errors name a field of `sub`: its flag, or `section.field` for one without."""
+    fields = {f.name: f for f in dataclasses.fields(sub)}
+    return lambda name: flag_of(fields[name]) or f"{type(sub).__name__}.{name}"
+
+
+def _check_fields(sub: Any) -> None:
+    """Every field of a sub-config of its type: numbers finite and in their bounds
+    (`recover.settings.check_fields`), a string non-empty unless "" is one of its choices, a
+    list a list of strings, a choice one of its choices."""
+    label = _label(sub)
+    check_fields(sub, label)
+    hints = _hints(type(sub))
+    for f in dataclasses.fields(sub):
+        v, typ = getattr(sub, f.name), hints[f.name]
+        if typing.get_origin(typ) is list:
+            _need(isinstance(v, list) and all(isinstance(x, str) for x in v),
+                  f"{label(f.name)} must be a list of strings (got {v!r})")
+        elif typ is str or str in typing.get_args(typ):  # str, or str | None
+            _need(v is None or isinstance(v, str), f"{label(f.name)} must be a string (got {v!r})")
+            _need(v is None or v.strip() != "" or "" in f.metadata.get("choices", ()),
+                  f"{label(f.name)} must not be empty")
+    _check_choices(sub)
 
 
 @dataclass
 class ModelConfig:
     """Shape of the decoder-only transformer (nanoGPT-style)."""
 
-    vocab_size: int = setting(256, "vocabulary size (bytes: 256)", trajectory=True)
-    block_size: int = setting(64, "sequence length", trajectory=True)
-    n_layer: int = setting(2, "transformer blocks", trajectory=True)
-    n_head: int = setting(4, "attention heads", trajectory=True)
-    n_embd: int = setting(64, "model width", trajectory=True)
+    vocab_size: int = setting(256, "vocabulary size (bytes: 256)", trajectory=True,
+                              bounds=Bounds(1, 65536))  # tokens are stored as uint16
+    block_size: int = setting(64, "sequence length", trajectory=True, bounds=Bounds(2, MAX_SIZE))
+    n_layer: int = setting(2, "transformer blocks", trajectory=True, bounds=SIZE)
+    n_head: int = setting(4, "attention heads", trajectory=True, bounds=SIZE)
+    n_embd: int = setting(64, "model width", trajectory=True, bounds=SIZE)
     dropout: float = setting(0.0, "dropout probability (seeded per microbatch id)",
-                             trajectory=True)
+                             trajectory=True, bounds=FRACTION)
     bias: bool = setting(True, "biases in linear layers and norms", flag=None, trajectory=True)
 
     def validate(self) -> None:
-        _need(self.n_layer >= 1 and self.n_head >= 1 and self.n_embd >= 1,
-              "model sizes must be >= 1")
+        _check_fields(self)
         _need(self.n_embd % self.n_head == 0,
               f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        _need(self.block_size >= 2, "block size must be >= 2")
-        _need(0.0 <= self.dropout < 1.0, "dropout must be in [0, 1)")
-        _need(1 <= self.vocab_size <= 65536, "vocab size must be in [1, 65536] (uint16 tokens)")
 
 
 @dataclass
 class OptimConfig:
     """AdamW, linear warmup then cosine decay to min_lr, global-norm clipping."""
 
-    lr: float = setting(3e-3, "peak learning rate", trajectory=True)
-    min_lr: float = setting(3e-4, "final learning rate of the cosine decay", trajectory=True)
-    warmup_steps: int = setting(5, "linear warmup steps", trajectory=True)
-    weight_decay: float = setting(0.1, "AdamW weight decay", trajectory=True)
-    beta1: float = setting(0.9, "AdamW beta1", trajectory=True)
-    beta2: float = setting(0.95, "AdamW beta2", trajectory=True)
-    grad_clip: float = setting(1.0, "global gradient-norm clip", trajectory=True)
+    lr: float = setting(3e-3, "peak learning rate", trajectory=True, bounds=POSITIVE)
+    min_lr: float = setting(3e-4, "final learning rate of the cosine decay", trajectory=True,
+                            bounds=Bounds(0.0, MAX_SCALAR))
+    warmup_steps: int = setting(5, "linear warmup steps", trajectory=True, bounds=STEPS)
+    weight_decay: float = setting(0.1, "AdamW weight decay", trajectory=True,
+                                  bounds=Bounds(0.0, MAX_SCALAR))
+    beta1: float = setting(0.9, "AdamW beta1", trajectory=True, bounds=FRACTION)
+    beta2: float = setting(0.95, "AdamW beta2", trajectory=True, bounds=FRACTION)
+    # 0 would scale every gradient to nothing: a run that trains nothing.
+    grad_clip: float = setting(1.0, "global gradient-norm clip", trajectory=True,
+                               bounds=POSITIVE)
 
     def validate(self) -> None:
-        _need(self.lr > 0, f"--lr must be > 0 (got {self.lr})")
-        _need(0 <= self.min_lr <= self.lr, "--min-lr must be in [0, lr]")
-        _need(self.warmup_steps >= 0, "--warmup-steps must be >= 0")
+        _check_fields(self)
+        _need(self.min_lr <= self.lr, f"--min-lr must be in [0, lr={self.lr:g}] "
+              f"(got {self.min_lr:g})")
 
 
 @dataclass
@@ -121,28 +184,27 @@ class DataConfig:
     path: str | None = setting(None, "text file/folder or uint16 .bin (default: embedded "
                                "Shakespeare)", flag="--data", trajectory=True)
     val_fraction: float = setting(0.1, "fraction of tokens held out for validation",
-                                  trajectory=True)
+                                  trajectory=True, bounds=Bounds(0.0, 0.5, True, True))
+    # The step's verification (count, id checksum) is exact for at most MAX_MICROBATCHES.
     microbatches: int = setting(8, "N: microbatches per step, the invariant's unit",
-                                trajectory=True)
-    microbatch_size: int = setting(8, "B: sequences per microbatch", trajectory=True)
+                                trajectory=True, bounds=Bounds(1, MAX_MICROBATCHES))
+    microbatch_size: int = setting(8, "B: sequences per microbatch", trajectory=True,
+                                   bounds=SIZE)
     eval_every: int = setting(10, "steps between validation losses (0 = only at the end)",
-                              trajectory=True)
-    eval_microbatches: int = setting(4, "microbatches of each validation loss", trajectory=True)
+                              trajectory=True, bounds=STEPS)
+    eval_microbatches: int = setting(4, "microbatches of each validation loss", trajectory=True,
+                                     bounds=SIZE)
 
     def validate(self) -> None:
-        _need(self.microbatches >= 1, f"--microbatches must be >= 1 (got {self.microbatches})")
-        _need(self.microbatch_size >= 1,
-              f"--microbatch-size must be >= 1 (got {self.microbatch_size})")
-        _need(self.eval_every >= 0, "--eval-every must be >= 0")
-        _need(0.0 < self.val_fraction < 0.5, "--val-fraction must be in (0, 0.5)")
-        _need(self.eval_microbatches >= 1, "--eval-microbatches must be >= 1")
+        _check_fields(self)
 
 
 @dataclass
 class FaultToleranceConfig:
     """Detection, timeouts, the reaction to a lost replica, and injected faults."""
 
-    min_replicas: int = setting(1, "stop (with a checkpoint) below this many replicas")
+    min_replicas: int = setting(1, "stop (with a checkpoint) below this many replicas",
+                                bounds=Bounds(1, MAX_REPLICAS))
     speed_aware: bool = setting(True, "equal quotas instead of quotas that follow measured "
                                 "replica speed", flag="--no-speed-aware", const=False)
     # "recover" (in-step recovery, batch stays N) or "shrink-batch" (baseline,
@@ -150,33 +212,34 @@ class FaultToleranceConfig:
     # which gradients are applied, so it is part of the trajectory.
     policy: str = setting("recover", "reaction to a lost replica: recover, or shrink-batch "
                           "(baseline)", choices=POLICIES, trajectory=True)
-    heartbeat_s: float = setting(0.1, "seconds between a replica's heartbeats")
+    heartbeat_s: float = setting(0.1, "seconds between a replica's heartbeats", bounds=SECONDS)
     # Crashes are seen in ms (the liveness socket closes); this only bounds hang detection.
     # 1.0 s raised false alarms at load average 14 on 2 cores; 2.0 s has not.
-    stale_s: float = setting(2.0, "heartbeat silence that declares a replica lost")
-    reduce_timeout_s: float = setting(60.0, "backstop timeout of one reduction")
-    join_timeout_s: float = setting(120.0, "how long replicas wait for each other to join")
+    stale_s: float = setting(2.0, "heartbeat silence that declares a replica lost",
+                             bounds=SECONDS)
+    reduce_timeout_s: float = setting(60.0, "backstop timeout of one reduction", bounds=SECONDS)
+    join_timeout_s: float = setting(120.0, "how long replicas wait for each other to join",
+                                    bounds=SECONDS)
     # A coordinator that dies is restarted (`recover coordinator --recover`); meanwhile the
     # replicas keep their state. Past this bound the last leader checkpoints and all stop.
     coordinator_wait_s: float = setting(60.0, "how long replicas wait, keeping their state, for a"
-                                        " coordinator that died to come back (0: stop at once)")
+                                        " coordinator that died to come back (0: stop at once)",
+                                        bounds=Bounds(0.0, MAX_WAIT_S))
     coordinator_restarts: int = setting(3, "times `recover train` restarts a coordinator that "
-                                        "died (0: never; the replicas then checkpoint and stop)")
+                                        "died (0: never; the replicas then checkpoint and stop)",
+                                        bounds=Bounds(0, MAX_SIZE))
     # One store server handles every request on one thread: past ~1,000 ranks its serial work
     # per step outgrows the step's control plane (collectives/shards.py;
     # docs/DESIGN.md, "Scaling the control plane").
     store_shards: int = setting(0, "store servers the coordinator also hosts for the step "
-                                "decision's counts (0 or 1: none; ~1 per 1,000 ranks)")
+                                "decision's counts (0 or 1: none; ~1 per 1,000 ranks)",
+                                bounds=Bounds(0, MAX_STORE_SHARDS))
     faults: list[str] = setting(help="inject a fault, e.g. kill:replica=2,step=10,"
                                 "phase=backward", flag="--fault", factory=list, metavar="SPEC")
 
     def validate(self) -> None:
-        _check_choices(self)
-        _need(self.heartbeat_s > 0 and self.stale_s > 2 * self.heartbeat_s,
-              "--stale-s must exceed twice the heartbeat interval")
-        _need(self.coordinator_wait_s >= 0 and self.coordinator_restarts >= 0,
-              "--coordinator-wait-s and --coordinator-restarts must be >= 0")
-        _need(0 <= self.store_shards <= 256, "--store-shards must be in [0, 256]")
+        _check_fields(self)
+        check_timeouts(self, _label(self))  # the library's rules, in this config's flags
 
     def to_library(self) -> FaultTolerance:
         """The library's `FaultTolerance`: every one of its settings, taken from this config's
@@ -190,16 +253,14 @@ class LayoutConfig:
 
     name: str = setting("plain", "replica layout: plain, hsdp, tp, pp or tp,pp (see README)",
                         flag="--layout", choices=LAYOUTS)
-    replicas: int = setting(4, "R: replica processes (default 4)")
-    shards: int = setting(1, "hsdp: FSDP2 shard ranks per replica")
-    stages: int = setting(1, "pp, tp,pp: pipeline stages per replica")
-    tp: int = setting(1, "tp, tp,pp: tensor-parallel ranks per replica (per stage)")
+    replicas: int = setting(4, "R: replica processes (default 4)",
+                            bounds=Bounds(1, MAX_REPLICAS))
+    shards: int = setting(1, "hsdp: FSDP2 shard ranks per replica", bounds=SIZE)
+    stages: int = setting(1, "pp, tp,pp: pipeline stages per replica", bounds=SIZE)
+    tp: int = setting(1, "tp, tp,pp: tensor-parallel ranks per replica (per stage)", bounds=SIZE)
 
     def validate(self) -> None:
-        _need(self.replicas >= 1, f"--replicas must be >= 1 (got {self.replicas})")
-        _check_choices(self)
-        _need(self.shards >= 1 and self.stages >= 1 and self.tp >= 1,
-              "--shards, --stages and --tp must be >= 1")
+        _check_fields(self)
 
     def ranks_per_replica(self) -> int:
         """Processes per replica: 1 (plain), shards (hsdp), tp, stages, or tp x stages."""
@@ -224,7 +285,7 @@ class ComputeConfig:
                            choices=("gloo", "nccl"))
 
     def validate(self) -> None:
-        _check_choices(self)
+        _check_fields(self)
         _need(self.backend == "gloo" or self.device == "cuda",
               "--backend nccl needs --device cuda")
         _need(not (self.exact and self.reduce_dtype),
@@ -240,13 +301,17 @@ class RunSettings:
     """Length, seed, outputs and checkpoints of one run."""
 
     preset: str = setting("debug", f"named defaults that other flags override: "
-                          f"{', '.join(PRESETS)}")
+                          f"{', '.join(PRESETS)}", choices=tuple(PRESETS))
     # Also the horizon of the LR schedule, so part of the trajectory.
-    steps: int = setting(40, "optimizer steps", trajectory=True)
-    stop_at: int = setting(0, "stop after this many steps (checkpointed; --resume goes on)")
-    seed: int = setting(1337, "run seed (data order, init, dropout)", trajectory=True)
+    steps: int = setting(40, "optimizer steps", trajectory=True, bounds=Bounds(1, MAX_STEPS))
+    stop_at: int = setting(0, "stop after this many steps (checkpointed; --resume goes on)",
+                           bounds=STEPS)
+    # torch.manual_seed takes 64 bits; the microbatch seeds mix it into 63 (workload.ids).
+    seed: int = setting(1337, "run seed (data order, init, dropout)", trajectory=True,
+                        bounds=Bounds(0, (1 << 63) - 1))
     out: str = setting("runs/recover", "run directory (default runs/<preset>-<time>)")
-    ckpt_every: int = setting(0, "steps between DCP checkpoints (0 = only at the end)")
+    ckpt_every: int = setting(0, "steps between DCP checkpoints (0 = only at the end)",
+                              bounds=STEPS)
     resume: bool = setting(False, "continue from DIR's latest checkpoint")
     dump_final: bool = setting(False, "each finishing replica saves DIR/final/replica<i>.pt (to "
                                "compare them)", flag="--dump-final-params")
@@ -254,9 +319,9 @@ class RunSettings:
                               "trajectories")
 
     def validate(self) -> None:
-        _need(self.steps >= 1, f"--steps must be >= 1 (got {self.steps})")
-        _need(0 <= self.stop_at <= self.steps, f"--stop-at must be in [0, steps={self.steps}]")
-        _need(self.ckpt_every >= 0, "--ckpt-every must be >= 0")
+        _check_fields(self)
+        _need(self.stop_at <= self.steps,
+              f"--stop-at must be in [0, steps={self.steps}] (got {self.stop_at})")
 
 
 @dataclass
@@ -303,7 +368,9 @@ class RunConfig:
             return cls.from_dict(json.loads(p.read_text()))
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {p}") from None
-        except (json.JSONDecodeError, TypeError, AttributeError) as e:
+        except OSError as e:
+            raise ConfigError(f"cannot read the config file {p}: {e.strerror or e}") from None
+        except (ValueError, TypeError, AttributeError, RecursionError) as e:  # JSON, UTF-8, shape
             raise ConfigError(f"config file {p} is not a valid recover config: {e}") from None
         except ConfigError as e:
             raise ConfigError(f"config file {p}: {e}") from None
@@ -329,6 +396,9 @@ class RunConfig:
         return key
 
     def validate(self) -> RunConfig:
+        """This config, if every field is of its type and in its bounds and the fields agree
+        with each other (faults aimed at replicas, ranks and steps the run has); else the first
+        problem as a one-line ConfigError."""
         lay, data, ft = self.layout, self.data, self.ft
         lay.validate()
         data.validate()
@@ -350,6 +420,8 @@ class RunConfig:
         _need(ft.policy == "recover" or lay.name == "plain",
               f"--policy {ft.policy} supports --layout plain only")
         self._validate_layout()
+        validate_faults(ft.faults, lay.replicas, self.run.steps, lay.ranks_per_replica(),
+                        data.microbatches)
         return self
 
     def _validate_layout(self) -> None:

@@ -19,6 +19,8 @@ named point of the step protocol; nothing else about the run changes. Spec gramm
                                                              `recover train` restarts it)
 
 `rank=K` picks one rank of a multi-rank replica (hsdp/tp/pp layouts); default: its last rank.
+Every number is finite: X in (0, a week], F in [1, 1e5], R, S, J, K >= 0 and inside the run; a
+spec that breaks any rule (or names a key twice) is refused in one line before the run starts.
 
 phases: forward, backward (at local microbatch J, default 0), reduce (while the collective is in
 flight), commit (after the reduce, before the agreement), optimizer (after the commit decision),
@@ -39,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from recover.errors import ConfigError
-from recover.settings import Hooks
+from recover.settings import SECONDS, Bounds, Hooks
 
 log = logging.getLogger(__name__)
 
@@ -72,25 +74,27 @@ class Fault:
         return nranks - 1 if self.rank is None else self.rank
 
 
+# A `slow` factor above this is no slower replica but a stopped one (a 10 ms microbatch takes
+# 17 minutes at 1e5); past it, `factor x` a microbatch's time overflows the timer's clock.
+MAX_SLOW_FACTOR = 1e5
+ALLOWED = {"kill": {"replica", "step", "phase", "microbatch", "rank"},
+           "hang": {"replica", "step", "phase", "microbatch", "seconds", "rank"},
+           "slow": {"replica", "factor", "step", "rank"},
+           "deadlock": {"replica", "step", "phase", "microbatch", "rank"},
+           "partition": {"replica", "step", "rank"},
+           "restart": {"replica", "step"},
+           "coordinator": {"replica", "step", "phase", "microbatch", "rank"}}
+
+
 def parse_fault(spec: str) -> Fault:
-    """Parse one `--fault` spec; ConfigError with the offending text on any mistake."""
+    """Parse one `--fault` spec; ConfigError with the offending text on any mistake: an unknown
+    kind, phase or key, a key given twice, a number that is malformed, not finite or out of range
+    (`hang` seconds in SECONDS, `slow` factor in [1, MAX_SLOW_FACTOR], ids >= 0)."""
     kind, _, rest = spec.partition(":")
     if kind not in KINDS:
         raise ConfigError(f"bad --fault {spec!r}: kind must be one of {', '.join(KINDS)}")
-    fields: dict[str, str] = {}
-    for part in filter(None, rest.split(",")):
-        k, eq, v = part.partition("=")
-        if not eq:
-            raise ConfigError(f"bad --fault {spec!r}: expected key=value, got {part!r}")
-        fields[k.strip()] = v.strip()
-    allowed = {"kill": {"replica", "step", "phase", "microbatch", "rank"},
-               "hang": {"replica", "step", "phase", "microbatch", "seconds", "rank"},
-               "slow": {"replica", "factor", "step", "rank"},
-               "deadlock": {"replica", "step", "phase", "microbatch", "rank"},
-               "partition": {"replica", "step", "rank"},
-               "restart": {"replica", "step"},
-               "coordinator": {"replica", "step", "phase", "microbatch", "rank"}}[kind]
-    unknown = sorted(set(fields) - allowed)
+    fields = _fields(spec, rest)
+    unknown = sorted(set(fields) - ALLOWED[kind])
     if unknown:
         raise ConfigError(f"bad --fault {spec!r}: unknown key(s) {', '.join(unknown)}")
     try:
@@ -107,16 +111,36 @@ def parse_fault(spec: str) -> Fault:
         raise ConfigError(f"bad --fault {spec!r}: missing step=")
     if f.phase not in PHASES:
         raise ConfigError(f"bad --fault {spec!r}: phase must be one of {', '.join(PHASES)}")
-    if kind == "hang" and f.seconds <= 0:
-        raise ConfigError(f"bad --fault {spec!r}: hang needs seconds > 0")
-    if kind == "slow" and f.factor < 1:
-        raise ConfigError(f"bad --fault {spec!r}: slow needs factor >= 1")
+    checks = [("seconds=", f.seconds, SECONDS, "hang"),
+              ("factor=", f.factor, Bounds(1.0, MAX_SLOW_FACTOR), "slow")]
+    for name, value, bounds, applies in checks:
+        if kind == applies:
+            try:
+                bounds.check(name, value, integer=False)
+            except ConfigError as e:
+                raise ConfigError(f"bad --fault {spec!r}: {e}") from None
     if f.replica < 0 or f.step < 0 or f.microbatch < 0 or (f.rank is not None and f.rank < 0):
         raise ConfigError(f"bad --fault {spec!r}: replica, step, microbatch and rank must be >= 0")
     return f
 
 
-def validate_faults(specs: list[str], replicas: int, steps: int, nranks: int = 1) -> list[Fault]:
+def _fields(spec: str, rest: str) -> dict[str, str]:
+    """The key=value pairs of a spec, each key once."""
+    fields: dict[str, str] = {}
+    for part in filter(None, rest.split(",")):
+        k, eq, v = part.partition("=")
+        if not eq:
+            raise ConfigError(f"bad --fault {spec!r}: expected key=value, got {part!r}")
+        if k.strip() in fields:
+            raise ConfigError(f"bad --fault {spec!r}: {k.strip()}= given twice")
+        fields[k.strip()] = v.strip()
+    return fields
+
+
+def validate_faults(specs: list[str], replicas: int, steps: int, nranks: int = 1,
+                    microbatches: int | None = None) -> list[Fault]:
+    """Every spec parsed, and aimed at a replica, rank, step (and, given N = `microbatches`, a
+    local microbatch index < N) the run has; ConfigError (one line) on the first that is not."""
     faults = [parse_fault(s) for s in specs]
     for f in faults:
         if f.rank is not None and f.rank >= nranks:
@@ -127,6 +151,9 @@ def validate_faults(specs: list[str], replicas: int, steps: int, nranks: int = 1
                               f"(--replicas {replicas})")
         if f.step >= steps:
             raise ConfigError(f"--fault {f}: step {f.step} is past the last step ({steps - 1})")
+        if microbatches is not None and f.microbatch >= microbatches:
+            raise ConfigError(f"--fault {f}: microbatch {f.microbatch} does not exist (a replica "
+                              f"computes at most --microbatches {microbatches} per step)")
     return faults
 
 

@@ -4,7 +4,9 @@ Invariant: each field that has a flag is `recover coordinator`'s flag of that na
 help, generated from the field (`add_arguments`, `from_args`), and `to_argv` writes the argv that
 parses back to the same config; so a launcher, a test and the command line never spell the
 coordinator's options twice. The run's secret (`token`) has no flag: a secret does not belong on a
-command line (`--token-file` names a file that holds it).
+command line (`--token-file` names a file that holds it). A `CoordinatorConfig` that exists holds
+values a coordinator can serve with: each is checked at construction (`validate`), against the
+bounds declared beside its field, and a bad one is a `ConfigError` of one line naming its flag.
 """
 
 from __future__ import annotations
@@ -15,30 +17,44 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recover.settings import FaultTolerance
+from recover.errors import ConfigError
+from recover.settings import MAX_PORT, PORT, SECONDS, Bounds, FaultTolerance, Number, check_fields
+
+# The most replicas a run can have: the step's verification is exact for at most this many
+# (recover.recovery.trailer.MAX_REPLICAS; tests/test_config.py checks that they agree).
+MAX_REPLICAS = 1 << 16
+# Store servers beyond the main one; ~1 per 1,000 ranks (collectives/shards.py), so 256 is far
+# past any run MAX_REPLICAS allows, and every shard takes a port of its own.
+MAX_STORE_SHARDS = 256
 
 
-def _flag(flag: str, help: str | None = None, type: Any = None) -> dict[str, Any]:
-    return {"flag": flag, "help": help, "type": type}
+def _flag(flag: str, help: str | None = None, type: Any = None,
+          bounds: Bounds | None = None) -> dict[str, Any]:
+    meta = {"flag": flag, "help": help, "type": type}
+    if bounds is not None:  # a numeric flag: `check_fields` checks it, argparse only converts
+        meta |= {"bounds": bounds, "type": Number(type, bounds)}
+    return meta
 
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
     """What a coordinator serves and how it judges its members (one field per flag)."""
 
-    replicas: int = field(metadata=_flag("--replicas", "replicas expected to join", int))
+    replicas: int = field(metadata=_flag("--replicas", "replicas expected to join", int,
+                                         Bounds(1, MAX_REPLICAS)))
     host: str = field(default="0.0.0.0", metadata=_flag("--host"))
     port: int = field(default=29600, metadata=_flag("--port", "store port (0 = any free port)",
-                                                    int))
+                                                    int, PORT))
     # None: store port + 1 for a fixed store port (predictable for firewalls), else any.
     liveness_port: int | None = field(default=None, metadata=_flag(
         "--liveness-port", "liveness listener port (default: store port + 1; any if --port 0)",
-        int))
+        int, PORT))
     port_file: str | None = field(default=None, metadata=_flag(
         "--port-file", "write the chosen store port to this file"))
     stale_s: float = field(default=2.0, metadata=_flag("--stale-s", "heartbeat silence = lost",
-                                                       float))
-    join_timeout_s: float = field(default=120.0, metadata=_flag("--join-timeout-s", None, float))
+                                                       float, SECONDS))
+    join_timeout_s: float = field(default=120.0, metadata=_flag("--join-timeout-s", None, float,
+                                                                SECONDS))
     log_path: str | None = field(default=None, metadata=_flag(
         "--log", "append one JSON line per event to this file"))
     exit_when_done: bool = field(default=False, metadata=_flag(
@@ -54,13 +70,36 @@ class CoordinatorConfig:
     # main store does it all.
     store_shards: int = field(default=0, metadata=_flag(
         "--store-shards", "also host this many store servers for the step decision's counts "
-        "(ports: store port + 2 on, unless --port 0 or --liveness-port: any); 0 or 1: none", int))
+        "(ports: store port + 2 on, unless --port 0 or --liveness-port: any); 0 or 1: none", int,
+        Bounds(0, MAX_STORE_SHARDS)))
     # This coordinator replaces one that died: the replicas that kept running re-register with
     # the steps they applied, and its first generation resumes the run (membership.py).
     recover: bool = field(default=False, metadata=_flag(
         "--recover", "replace a coordinator of this run that died (same address): the replicas "
         "re-register and the run resumes from their last committed step"))
     token: str | None = field(default=None, repr=False)  # the run's secret itself (no flag)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """ConfigError (one line, naming the flag) unless every field holds a value of its type
+        in its bounds, every name a non-empty string, and a fixed store port leaves room for the
+        ports derived from it."""
+        check_fields(self, _label)
+        for name in ("host", "port_file", "log_path", "token_file", "fingerprint"):
+            value = getattr(self, name)
+            if value is not None and not str(value).strip():
+                raise ConfigError(f"{_label(name)} must not be empty")
+        if self.fingerprint is not None and len(self.fingerprint.split()) != 1:
+            raise ConfigError(f"{_label('fingerprint')} {self.fingerprint!r} holds whitespace: "
+                              "a member's hello could never match it")
+        if self.port and self.liveness_port is None:
+            last = self.port + 1 + (self.store_shards if self.store_shards > 1 else 0)
+            if last > MAX_PORT:
+                raise ConfigError(f"--port {self.port} leaves no room for the ports derived from "
+                                  f"it (liveness, shards: up to {last} > {MAX_PORT}); choose a "
+                                  "lower --port or give --liveness-port")
 
     # -- the command line ------------------------------------------------------------------------
     @classmethod
@@ -106,9 +145,43 @@ class CoordinatorConfig:
                    **fields)
 
     def file_token(self) -> str | None:
-        """The secret `token_file` holds (None: no file, or an empty one)."""
-        return (Path(self.token_file).read_text().strip() or None) if self.token_file else None
+        """The secret `token_file` holds (None: no `token_file`); ConfigError (one line) when the
+        file cannot be read or holds nothing: a token file that was named but is empty would
+        otherwise admit any member."""
+        if not self.token_file:
+            return None
+        try:
+            token = Path(self.token_file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--token-file {self.token_file}: cannot read it: "
+                              f"{getattr(e, 'strerror', None) or e}") from None
+        if not token:
+            raise ConfigError(f"--token-file {self.token_file} is empty")
+        return token
+
+    def check_outputs(self) -> None:
+        """ConfigError (one line) unless each file this coordinator writes (`port_file`,
+        `log_path`) can be made: its folder exists and the path is no folder. Checked by
+        `recover coordinator` before it starts anything."""
+        for name in ("port_file", "log_path"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            path = Path(value)
+            try:
+                if path.is_dir():
+                    raise ConfigError(f"{_label(name)} {value} is a directory, not a file")
+                if not path.parent.is_dir():
+                    raise ConfigError(f"{_label(name)} {value}: no such directory {path.parent}")
+            except OSError as e:  # a name too long for the file system
+                raise ConfigError(f"{_label(name)} {value}: {e.strerror or e}") from None
 
 
 def _flagged() -> list[dataclasses.Field[Any]]:
     return [f for f in dataclasses.fields(CoordinatorConfig) if "flag" in f.metadata]
+
+
+def _label(name: str) -> str:
+    """A field's flag (`--stale-s`), as errors name it; the field's name if it has none."""
+    flag = CoordinatorConfig.__dataclass_fields__[name].metadata.get("flag")
+    return flag or name

@@ -391,10 +391,17 @@ def raise_descriptor_limit() -> None:
 def main(argv: list[str] | None = None) -> int:
     """`recover coordinator` / `python -m recover.collectives.coordinator`: run a coordinator
     until stopped (SIGTERM, SIGINT), or until every replica is done with --exit-when-done."""
-    ap = argparse.ArgumentParser(prog="recover coordinator")
+    # Every bad flag, value or file ends here in one line and exit 2, before anything starts.
+    from recover.errors import RecoverError, UsageParser, usage_line
+
+    ap: argparse.ArgumentParser = UsageParser(prog="recover coordinator")
     CoordinatorConfig.add_arguments(ap)
-    config = CoordinatorConfig.from_args(ap.parse_args(argv))
-    token = config.file_token() if config.token_file else LaunchEnv.from_env().token
+    try:
+        config = CoordinatorConfig.from_args(ap.parse_args(argv))  # validated as it is built
+        config.check_outputs()
+        token = config.file_token() if config.token_file else LaunchEnv.from_env().token
+    except RecoverError as e:
+        return usage_line(ap.prog, e)
     config = dataclasses.replace(config, token=token)
     _log_to_stderr()
     stop = {"flag": False}

@@ -3,53 +3,136 @@
 Invariant: the process ends with the loop's exit code and without interpreter teardown, which can
 abort a process whose gloo group a dead peer left mid-operation. Launched by `recover train` (one
 process per rank) or by one `torchrun` per replica (env `RECOVER_COORDINATOR=host:port`,
-`RECOVER_REPLICA=i`, `RANK` = rank within the replica).
+`RECOVER_REPLICA=i`, `RANK` = rank within the replica). A bad flag or variable, or a run directory
+without a valid config.json or run token, ends in one line and exit 2 (`usage_line`, as
+`recover train`) before the loop starts: nothing is joined, nothing is written.
 """
 
 from __future__ import annotations
 
-import argparse
 import faulthandler
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from recover.app import logs
-from recover.errors import ExitCode
-from recover.settings import LaunchEnv
+from recover.errors import ConfigError, RecoverError, UsageParser, usage_line
+from recover.settings import Bounds, LaunchEnv, Number, parse_address
 
 log = logging.getLogger(__name__)
 
+PROG = "python -m recover.app.train.worker"
+ID = Bounds(0)  # a replica id or a rank: >= 0 (the run's config.json bounds them above)
 
-def main(argv: list[str] | None = None) -> int:
-    env = LaunchEnv.from_env()
-    logs.setup(env.log_level)
-    ap = argparse.ArgumentParser(prog="python -m recover.app.train.worker")
-    ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--replica", type=int, default=-1 if env.replica is None else env.replica)
-    ap.add_argument("--coordinator", default=env.coordinator)
-    ap.add_argument("--rank", type=int, default=env.rank,
+
+class Where(NamedTuple):
+    """Which rank of which replica this process is, of which run, and where its coordinator is."""
+
+    run_dir: Path
+    replica: int
+    rank: int
+    host: str
+    port: int
+
+
+def parser() -> UsageParser:
+    ap = UsageParser(prog=PROG, description="One rank of one replica of a `recover train` run.")
+    ap.add_argument("--run-dir", required=True, metavar="DIR",
+                    help="the run directory (its config.json and run.token; recover train "
+                         "writes them)")
+    ap.add_argument("--replica", type=Number(int, ID), default=None,
+                    help="this replica's id, in [0, R) (default: RECOVER_REPLICA)")
+    ap.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                    help="the coordinator's store address (default: RECOVER_COORDINATOR)")
+    ap.add_argument("--rank", type=Number(int, ID), default=None,
                     help="rank within a multi-rank replica (torchrun: RANK, one torchrun per "
                          "replica)")
     ap.add_argument("--gloo-ifname", default=None, metavar="IF",
                     help="network interface for cross-replica traffic (default: the one that "
                          "reaches the coordinator; same as GLOO_SOCKET_IFNAME)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    logs.setup(LaunchEnv.from_env().log_level)
+    ap = parser()
     args = ap.parse_args(argv)
-    if args.gloo_ifname:
+    try:
+        where = check(args.run_dir, args.replica, args.rank, args.coordinator, args.gloo_ifname)
+    except RecoverError as e:
+        return usage_line(ap.prog, e)
+    if args.gloo_ifname is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = args.gloo_ifname
-    if args.replica < 0 or not args.coordinator:
-        log.error("recover worker: need --replica/RECOVER_REPLICA and --coordinator/"
-                  "RECOVER_COORDINATOR")
-        return ExitCode.USAGE
     from recover.app.train.loop import run  # after argument checks: importing torch takes seconds
 
     # `kill -USR1 <pid>` prints every thread's stack into the replica's log (a stuck rank).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    try:
+        return run(*where)
+    except RecoverError as e:  # the run's data or checkpoint, found wanting as the rank sets up
+        return usage_line(ap.prog, e)
 
-    host, port = args.coordinator.rsplit(":", 1)
-    return run(Path(args.run_dir), args.replica, args.rank, host, int(port))
+
+def check(run_dir: str, replica: int | None, rank: int | None, coordinator: str | None,
+          gloo_ifname: str | None) -> Where:
+    """The flags, the launcher's variables (those given as flags win) and the run directory,
+    checked; ConfigError (one line) on the first that is wrong."""
+    env = LaunchEnv.from_env(strict=True)
+    replica = env.replica if replica is None else replica
+    if replica is None:
+        raise ConfigError("need --replica (or RECOVER_REPLICA): this replica's id")
+    rank = env.rank if rank is None else rank
+    ID.check("--replica", replica, integer=True)
+    ID.check("--rank", rank, integer=True)
+    coordinator = env.coordinator if coordinator is None else coordinator
+    if coordinator is None:
+        raise ConfigError("need --coordinator HOST:PORT (or RECOVER_COORDINATOR)")
+    host, port = parse_address(coordinator, "--coordinator")
+    if gloo_ifname is not None:
+        _check_interfaces(gloo_ifname)
+    where = Where(Path(run_dir), replica, rank, host, port)
+    _check_run_dir(where)
+    return where
+
+
+def _check_interfaces(names: str) -> None:
+    """Each of the comma-separated interfaces (gloo takes a list) exists on this host."""
+    have = sorted(name for _, name in socket.if_nameindex())
+    for name in names.split(","):
+        if name not in have:
+            raise ConfigError(f"--gloo-ifname {names!r}: no interface {name!r} on this host "
+                              f"(it has {', '.join(have)})")
+
+
+def _check_run_dir(where: Where) -> None:
+    """The run directory holds a valid config.json, which this replica and rank belong to, and
+    the run's token (the file, or RECOVER_RUN_TOKEN)."""
+    from recover.app.runtoken import run_token
+
+    d = where.run_dir
+    try:
+        if not str(d).strip() or not d.is_dir():
+            raise ConfigError(f"--run-dir {str(d)!r}: no such directory")
+        if not (d / "config.json").is_file():
+            raise ConfigError(f"--run-dir {d} holds no config.json: start the workers once "
+                              "recover train (--external-workers) has written it")
+    except OSError as e:  # a name too long for the file system, a folder it may not enter
+        raise ConfigError(f"--run-dir {d}: {e.strerror or e}") from None
+    run_token(d)  # a ConfigError that names the missing token and where it was looked for
+    from recover.app.config import RunConfig  # imports torch: after the checks that do not
+
+    cfg = RunConfig.load(d / "config.json").validate()
+    if where.replica >= cfg.layout.replicas:
+        raise ConfigError(f"--replica {where.replica} is not in [0, {cfg.layout.replicas}): the "
+                          "run's replica ids (config.json)")
+    nranks = cfg.layout.ranks_per_replica()
+    if where.rank >= nranks:
+        raise ConfigError(f"--rank {where.rank} is not in [0, {nranks}): --layout "
+                          f"{cfg.layout.name} has {nranks} rank(s) per replica")
 
 
 if __name__ == "__main__":
