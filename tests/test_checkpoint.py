@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import os
 import random
 import shutil
 import socket
@@ -10,26 +13,30 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
+from recover.app.cli import main
 from recover.app.config import (
     DataConfig,
     ModelConfig,
     OptimConfig,
     RunConfig,
     RunSettings,
+    preset,
 )
 from recover.app.runtoken import run_token
+from recover.app.train import ckpt_files
 from recover.app.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from recover.app.train.ckpt_files import advance_latest, find_latest, write_manifest
 from recover.app.train.data import microbatch
 from recover.app.train.model import GPT, build_model
 from recover.app.train.optim import build_optimizer, lr_at, set_lr
-from recover.errors import CheckpointError, ConfigError
+from recover.errors import CheckpointError, ConfigError, ExitCode
 from recover.testing.runs import (
     LAYOUT_ARGS,
     LAYOUT_FLAGS,
@@ -342,3 +349,82 @@ def test_layout_stop_and_resume(single_replica: Run, corpus: Path, tmp_path: Pat
     other = LAYOUT["tp" if layout == "hsdp" else "hsdp"]
     third = recover_train(out, *args[:-len(other)], *other, "--resume", data=corpus)
     assert third.returncode != 0 and "resume with the same layout" in third.stderr
+
+
+# -- crafted meta.json: skipped as a tampered checkpoint is, never a crash ---------------------
+def _signed(manifest_text: str, key: bytes = KEY) -> str:
+    """An outer meta.json around `manifest_text`, with a valid HMAC (as only the key holder can)."""
+    return json.dumps({"manifest": manifest_text,
+                       "hmac": hmac.new(key, manifest_text.encode(), hashlib.sha256).hexdigest()})
+
+
+@pytest.mark.parametrize("craft, why", [
+    (lambda m: m.write_text("[" * 100_000 + "]" * 100_000), "nested too deeply"),
+    (lambda m: m.write_text(_signed("[" * 100_000 + "]" * 100_000)), "not a format-2"),
+    (lambda m: m.write_bytes(b" " * (ckpt_files.MAX_META_BYTES + 1)), "oversized meta.json"),
+    (lambda m: m.write_bytes(b"\xff\xfe{}"), "unreadable meta.json"),
+    (lambda m: (m.unlink(), os.mkfifo(m)), "not a regular file"),
+    (lambda m: (m.unlink(), m.mkdir()), "unreadable meta.json"),
+], ids=["nested", "nested-but-signed", "oversized", "not-utf8", "fifo", "a-folder"])
+def test_crafted_meta_json_is_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                      craft: Any, why: str) -> None:
+    # A cap this small keeps the oversized file small (the real manifests here are ~20 KB).
+    monkeypatch.setattr(ckpt_files, "MAX_META_BYTES", 1 << 18)
+    model, opt = _fresh()
+    good = save_checkpoint(tmp_path, 1, model, opt, {}, key=KEY)
+    newest = save_checkpoint(tmp_path, 2, model, opt, {}, key=KEY)
+    craft(newest / "meta.json")
+    path, skipped = find_latest(tmp_path, KEY)
+    assert path == good, skipped
+    assert len(skipped) == 1 and "step_00000002" in skipped[0] and why in skipped[0], skipped
+    assert why in _load_error(newest)
+
+
+# -- --resume: what it needs is checked before anything is written ------------------------------
+def _stopped_run(tmp_path: Path, step: int = 12) -> Path:
+    """A run directory as `recover train --steps 20 --stop-at 12` leaves it (a checkpoint at 12),
+    with the run's own token."""
+    out = tmp_path / "run"
+    cfg = preset("debug")
+    cfg.run.steps, cfg.run.out = 20, str(out)
+    out.mkdir()
+    (out / "config.json").write_text(cfg.to_json())
+    model, opt = _fresh()
+    save_checkpoint(out / "ckpt", step, model, opt, {}, key=run_token(out, create=True))
+    return out
+
+
+def _tree(out: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(out)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(out.rglob("*"))}
+
+
+def _resume(capsys: pytest.CaptureFixture[str], out: Path, *args: str) -> tuple[int, str]:
+    code = main(["train", "--out", str(out), "--steps", "20", "--resume", *args])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return code, err
+
+
+def test_resume_without_the_token(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RECOVER_RUN_TOKEN", raising=False)
+    out = _stopped_run(tmp_path)
+    (out / "run.token").unlink()  # or: the run was started with RECOVER_RUN_TOKEN, unset now
+    before = _tree(out)
+    code, err = _resume(capsys, out)
+    assert code == ExitCode.USAGE
+    assert "no run token" in err and "run.token" in err and "RECOVER_RUN_TOKEN" in err, err
+    assert "tamper" not in err
+    assert _tree(out) == before  # no new token (it would authenticate nothing), nothing else
+
+
+@pytest.mark.parametrize("stop_at", [8, 12])
+def test_resume_stop_at_behind_the_checkpoint(capsys: pytest.CaptureFixture[str],
+                                              tmp_path: Path, stop_at: int) -> None:
+    out = _stopped_run(tmp_path, step=12)
+    before = _tree(out)
+    code, err = _resume(capsys, out, "--stop-at", str(stop_at))
+    assert code == ExitCode.USAGE
+    assert f"--stop-at {stop_at} is not after step 12" in err and "step_00000012" in err, err
+    assert _tree(out) == before  # refused before any process started or file was written

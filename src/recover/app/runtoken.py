@@ -4,8 +4,9 @@ Invariant: every process of one run gets the same token from `run_token(run_dir)
 `RECOVER_RUN_TOKEN` if set (a cluster whose nodes share no filesystem, or a secret manager), else
 `run_dir/run.token`, which `recover train` creates once (mode 0600, never rewritten). A process
 without either gets a `ConfigError`, never a made-up token: a wrong key must fail loudly, not
-silently mark every checkpoint as tampered. This is the only place that knows where the token
-comes from.
+silently mark every checkpoint as tampered. A resumed run never makes a token (`resume_token`):
+a new one would authenticate none of the run's files. This is the only place that knows where the
+token comes from.
 """
 
 from __future__ import annotations
@@ -41,6 +42,17 @@ def run_token(run_dir: str | Path, create: bool = False) -> bytes:
     if not token:
         raise ConfigError(f"the run token {path} is empty")
     return token.encode()
+
+
+def resume_token(run_dir: str | Path) -> bytes:
+    """The token of a run being resumed: `run_token` without `create`, and a missing one named
+    as what `--resume` needs (one line), never made up."""
+    path = Path(run_dir) / FILE
+    if not LaunchEnv.from_env().token and not path.exists():
+        raise ConfigError(f"--resume: no run token: {path} is missing and {ENV} is not set; the "
+                          "run's checkpoints are signed with the token it started with: restore "
+                          f"{FILE}, or set {ENV} to that token")
+    return run_token(run_dir)
 
 
 def _create(path: Path) -> None:

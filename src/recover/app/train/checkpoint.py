@@ -6,15 +6,19 @@ replica layout that wrote it), published atomically by one writer (`ckpt_files`:
 rename, authenticated manifest, `latest` never moves back). A multi-rank replica saves with DCP's
 collective save over its own process group: every rank writes its shards into the writer's temp
 folder, and the replica's rank 0 publishes it once DCP's final collective says every rank finished.
-Loading verifies the manifest (HMAC with the run token) and every file's sha256 before DCP reads
-anything, refuses another layout, and continues training bitwise as if never stopped. Any problem
-is a `CheckpointError` with one line naming the path.
+A save the storage refuses (a full disk, no permission, an I/O error), on any rank, fails on every
+rank of the replica alike, publishes nothing and leaves no temp folder: the caller decides what a
+failed save means (the trainer logs it and goes on). Loading verifies the manifest (HMAC with the
+run token) and every file's sha256 before DCP reads anything, refuses another layout, and
+continues training bitwise as if never stopped. Any problem is a `CheckpointError` with one line
+naming the path.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import os
 import random
 import shutil
 import warnings
@@ -111,6 +115,10 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
     call this together (None: this process alone). `scope`: this rank's namespace (pipeline
     stages). `layout`: recorded (None: plain), and required to match on load. If another writer
     already published this step (and it verifies), theirs is kept and ours dropped.
+
+    If the storage fails on any rank (a full disk or quota, no permission, an I/O error) every
+    rank raises `CheckpointError` together: nothing was published, `latest` did not move and the
+    temp folder is gone. Only a failure of the group itself (a rank that died) is raised as is.
     """
     root = Path(root)
     rank = dist.get_rank(group) if group is not None else 0
@@ -124,31 +132,62 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
     # optimizer is saved as "no state" and restored as such, never passed to get_state_dict.
     state = _state_for(model, optimizer, bool(optimizer.state), scope)
     meta["optimizer_state"] = "optim" in _unscoped(state, scope)
-    tmp = root / f".tmp_{final.name}_{files.writer_tag()}"
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # our own leftover: the tag holds our PID
-        tmp.mkdir()
-    if group is not None:
-        tmp = root / _bcast_text(tmp.name, group)  # the writer's folder, on every rank
+    tmp = _writer_folder(root, final, rank, group)
+    failed: CheckpointError | None = None
     try:
-        # With a group, DCP's last collective returns only after every rank's files and
-        # .metadata exist.
+        # With a group, DCP gathers every rank's outcome and raises on all of them if any
+        # failed; its last collective returns only after every rank's files and .metadata exist.
         _dcp(dcp.save, state, tmp, group)
-    except CheckpointException as e:  # a BaseException: callers' `except Exception` miss it
-        raise CheckpointError(f"cannot save checkpoint {final}: {_cause(e)}") from None
-    failed: Exception | None = None
-    if rank == 0:
+    except (CheckpointException, OSError) as e:  # a BaseException: `except Exception` misses it
+        failed = CheckpointError(f"cannot save checkpoint {final}: {_cause(e)}{_space(tmp)}")
+    bug: Exception | None = None  # not the storage's fault: raised as is, once agreed on
+    if rank == 0 and failed is None:
         try:
             files.write_manifest(tmp, meta, key)
             files.publish(root, tmp, final, key)
-        except Exception as e:  # raised after the barrier: the other ranks must not wait for us
-            failed = e
-    if group is not None:
-        dist.barrier(group=group)  # on return, the step is published for every rank
+        except (OSError, CheckpointError) as e:  # agreed on below: the others must not wait
+            failed = CheckpointError(f"cannot save checkpoint {final}: {_cause(e)}{_space(tmp)}")
+        except Exception as e:
+            bug, failed = e, CheckpointError(f"cannot save checkpoint {final}: {_cause(e)}")
+    # On return every rank knows the same outcome: the step published, or nothing was.
+    if group is not None and not _agree(failed is None, step, group) and failed is None:
+        failed = CheckpointError(f"cannot save checkpoint {final}: another rank of this replica "
+                                 "failed to write its part (see its log)")
     if failed is not None:
-        raise failed
+        if rank == 0:  # the writer's own folder: nobody else may remove it while it lives
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise bug if bug is not None else failed
     return final
+
+
+def _space(folder: Path) -> str:
+    """What is left on `folder`'s file system, as the failure happened: torch's writer reports a
+    full disk as an "unexpected pos" RuntimeError, without the errno."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return ""
+    return f" ({st.f_bavail * st.f_frsize / 2**20:.1f} MiB free on its file system)"
+
+
+def _writer_folder(root: Path, final: Path, rank: int, group: dist.ProcessGroup | None) -> Path:
+    """The writer's empty temp folder for `final`, made by rank 0 and named to every rank of
+    `group`; a `CheckpointError` on every rank if it cannot be made."""
+    name, why = "", "rank 0 of this replica could not create its folder (see its log)"
+    if rank == 0:
+        tmp = root / f".tmp_{final.name}_{files.writer_tag()}"
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # our own leftover: the tag holds our PID
+            tmp.mkdir()
+            name = tmp.name
+        except OSError as e:
+            why = _cause(e) + _space(root)
+    if group is not None:
+        name = _bcast_text(name, group)  # "": it failed, and every rank says so
+    if not name:
+        raise CheckpointError(f"cannot save checkpoint {final}: {why}")
+    return root / name
 
 
 def latest_checkpoint(root: Path, key: bytes) -> Path | None:

@@ -12,20 +12,26 @@ believed they led around a membership change):
   one it names (or when what it names is gone).
 - `meta.json` holds the manifest (step, RNG, every file's sha256, ...) and its HMAC-SHA256 keyed
   by the run token; it is authenticated before any field is used and before any DCP file (whose
-  metadata is a pickle) is opened. Every failure is a one-line `CheckpointError` naming the file.
+  metadata is a pickle) is opened. Every failure is a one-line `CheckpointError` naming the file,
+  whatever a crafted folder holds (a huge, deeply nested or non-regular meta.json included).
+- A publish that fails (a full disk, no permission, an I/O error) leaves no temp file of its own
+  behind and `latest` where it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
 import hmac
 import json
+import logging
 import os
 import re
 import shutil
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +46,11 @@ _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _LEFTOVER = re.compile(r"^\.(?:tmp|bad)_step_\d{8,}_(?:(?P<host>.+)_)?(?P<pid>\d+)$|"
                        r"^\.latest\.(?:(?P<lhost>.+)_)?(?P<lpid>\d+)\.tmp$")
 _LOCK_S = 30.0
+# A manifest holds the RNG states and one digest per file (one file per rank): ~25 KB for a
+# 1-rank replica, ~100 bytes more per rank. Anything far bigger is not ours, and is not read.
+MAX_META_BYTES = 64 << 20
+
+log = logging.getLogger(__name__)
 
 
 def writer_tag() -> str:
@@ -72,11 +83,18 @@ def sha256(path: Path) -> str:
 def write_atomic(path: Path, text: str) -> None:
     # fsync before the rename: after a power loss the new name must not point at empty contents.
     tmp = path.with_name(f".{path.name}.{writer_tag()}.tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # A full disk fails the write or the fsync: a half-written temp file must not stay
+        # behind holding the space (and `path` still holds its old contents).
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
 
 
 # -- the manifest ------------------------------------------------------------------------------
@@ -92,16 +110,43 @@ def write_manifest(folder: Path, manifest: dict[str, Any], key: bytes) -> None:
     write_atomic(folder / "meta.json", json.dumps({"manifest": text, "hmac": _mac(key, text)}))
 
 
+def _read_meta(meta_file: Path) -> Any:
+    """meta.json's outer JSON: a regular file (a FIFO would block the read), at most
+    `MAX_META_BYTES` (nothing bigger is read into memory), nested shallowly enough to parse."""
+    path = meta_file.parent
+    try:
+        fd = os.open(meta_file, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} is incomplete: meta.json is missing") from None
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path} has an unreadable meta.json: "
+                              f"{e.strerror or type(e).__name__}") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise CheckpointError(f"checkpoint {path} has an unreadable meta.json: not a "
+                                      "regular file")
+            raw = f.read(MAX_META_BYTES + 1)
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path} has an unreadable meta.json: "
+                              f"{e.strerror or type(e).__name__}") from None
+    if len(raw) > MAX_META_BYTES:
+        raise CheckpointError(f"checkpoint {path} has an oversized meta.json (over "
+                              f"{MAX_META_BYTES:,} bytes): not a recover manifest")
+    try:
+        return json.loads(raw.decode())
+    except RecursionError:
+        raise CheckpointError(f"checkpoint {path} has an unreadable meta.json: nested too deeply "
+                              "to be a recover manifest") from None
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise CheckpointError(f"checkpoint {path} has an unreadable meta.json: "
+                              f"{type(e).__name__}") from None
+
+
 def read_manifest(path: Path, key: bytes) -> dict[str, Any]:
     """The authenticated manifest of checkpoint `path`; its files are not checked here."""
     meta_file = path / "meta.json"
-    try:
-        outer = json.loads(meta_file.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path} is incomplete: meta.json is missing") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path} has an unreadable meta.json: "
-                              f"{type(e).__name__}") from None
+    outer = _read_meta(meta_file)
     if not (isinstance(outer, dict) and isinstance(outer.get("manifest"), str)
             and isinstance(outer.get("hmac"), str)):
         raise CheckpointError(f"checkpoint {meta_file} is not an authenticated recover manifest "
@@ -109,7 +154,10 @@ def read_manifest(path: Path, key: bytes) -> dict[str, Any]:
     if not hmac.compare_digest(_mac(key, outer["manifest"]), outer["hmac"]):
         raise CheckpointError(f"checkpoint {meta_file} fails authentication: tampered, or "
                               "written by another run (its HMAC does not match this run's token)")
-    m = json.loads(outer["manifest"])  # authentic: written by this run's code
+    try:
+        m = json.loads(outer["manifest"])  # authentic: written by this run's code
+    except (ValueError, RecursionError):
+        m = None  # only the token's holder could have signed it: still not a manifest
     ok = (isinstance(m, dict) and m.get("format") == FORMAT and isinstance(m.get("step"), int)
           and isinstance(m.get("files"), dict) and ".metadata" in m["files"])
     if not ok:
@@ -156,7 +204,12 @@ def find_latest(root: Path, key: bytes) -> tuple[Path | None, list[str]]:
 # -- publishing --------------------------------------------------------------------------------
 def publish(root: Path, tmp: Path, final: Path, key: bytes) -> bool:
     """Move a complete `tmp` to `final`, then advance `latest` and prune. False if another
-    writer's verified copy of the step was already there (then `tmp` is dropped, theirs kept)."""
+    writer's verified copy of the step was already there (then `tmp` is dropped, theirs kept).
+
+    The rename is the commit: an OSError before it is raised (nothing published, `latest` not
+    moved; `tmp` is the caller's to remove); once the step is in place, a failure to move
+    `latest` or to prune is logged, not raised (a resume finds the step by listing the folder).
+    """
     mine = _rename_into_place(tmp, final)
     if not mine:
         try:
@@ -169,12 +222,18 @@ def publish(root: Path, tmp: Path, final: Path, key: bytes) -> bool:
                 os.rename(final, bad)
             except FileNotFoundError:
                 pass  # another writer moved it first
-            mine = _rename_into_place(tmp, final)
-            shutil.rmtree(bad, ignore_errors=True)
+            try:
+                mine = _rename_into_place(tmp, final)
+            finally:
+                shutil.rmtree(bad, ignore_errors=True)
     if not mine:
         shutil.rmtree(tmp, ignore_errors=True)
-    advance_latest(root, final.name)
-    prune(root, keep=final)
+    try:
+        advance_latest(root, final.name)
+        prune(root, keep=final)
+    except (OSError, CheckpointError) as e:
+        log.warning(f"published {final.name}, but could not update `latest` or prune "
+                    f"{root}: {e}")
     return mine
 
 

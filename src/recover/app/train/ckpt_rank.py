@@ -67,26 +67,40 @@ class RankCheckpoints:
         log.info(f"resumed from {path.name} at step {meta['step']}")
         return int(meta["step"])
 
-    def save(self, step: int, leader: bool, extra: dict[str, Any]) -> bool:
+    def save(self, step: int, leader: bool, extra: dict[str, Any]) -> dict[str, Any]:
         """Every rank of every replica calls this at the same save point; the leader replica's
-        ranks write `step`. `leader` counts on the replica's rank 0 only. True if we wrote."""
+        ranks write `step`. `leader` counts on the replica's rank 0 only.
+
+        Returns the save's outcome, for the step's metrics record: `{"ckpt": step}` once written;
+        `{"ckpt_error": why}` if the storage refused it (a full disk, no permission, an I/O
+        error: nothing published, no temp folder left, every rank of the replica agrees, and
+        training goes on: a storage fault is not a replica fault); `{"ckpt_pending": True}` on a
+        replica that does not write. Only a failure of the replica itself (a rank that died
+        mid-save) is raised.
+        """
         if self.group is not None:
             flag = torch.tensor([int(leader)], dtype=torch.int64)
             dist.broadcast(flag, group_src=0, group=self.group)
             leader = bool(flag[0])
-        if leader:
-            from recover.app.train.checkpoint import save_checkpoint
+        if not leader:
+            return {"ckpt_pending": True}
+        from recover.app.train.checkpoint import save_checkpoint
 
+        try:
             save_checkpoint(self.root, step, self.rm.module, self.opt, extra, key=self.key,
                             group=self.group, scope=self.scope, layout=self.layout)
-        return leader
+        except (CheckpointError, OSError) as e:
+            why = " ".join(str(e).split())[:400]
+            log.error(f"checkpoint at step {step} not saved (training goes on): {why}")
+            return {"ckpt_error": why}
+        return {"ckpt": step}
 
-    def save_on_exit(self, step: int, leader: bool, extra: dict[str, Any]) -> bool:
-        """`save`, when the run is stopping: a failure (a sibling that never arrives, a full
-        disk) is logged, not raised, so the process still ends with its own exit code."""
+    def save_on_exit(self, step: int, leader: bool, extra: dict[str, Any]) -> dict[str, Any]:
+        """`save`, when the run is stopping: nothing is raised (a sibling that never arrives is
+        an `ckpt_error` too), so the process still ends with its own exit code."""
         try:
             return self.save(step, leader, extra)
         except Exception as e:
-            log.error(f"no checkpoint at step {step}: {type(e).__name__}: "
-                      f"{' '.join(str(e).split())[:200]}")
-            return False
+            why = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+            log.error(f"no checkpoint at step {step}: {why}")
+            return {"ckpt_error": why}

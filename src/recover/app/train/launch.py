@@ -27,7 +27,7 @@ from rich.console import Console
 
 from recover.app.config import RunConfig, fingerprint, flatten
 from recover.app.faults import validate_faults
-from recover.app.runtoken import run_token
+from recover.app.runtoken import resume_token, run_token
 from recover.app.train.data import prepare_data
 from recover.app.train.metrics import MetricsSink, truncate_metrics
 from recover.collectives import CoordinatorConfig, connect_store, keys, try_get
@@ -88,7 +88,8 @@ def prepare_run(cfg: RunConfig, console: Console | None = None) -> tuple[RunConf
     start = 0
     if cfg.run.resume:
         start = _resume_point(cfg, out, console or Console(stderr=True))
-    elif (out / "metrics.jsonl").exists() or (out / "ckpt").exists():
+    elif (out / "metrics.jsonl").exists() or _holds_files(out / "ckpt"):
+        # An empty DIR/ckpt is not a run: it may be a volume mounted there for the checkpoints.
         raise ConfigError(f"{out} already holds a run; use --resume to continue it or choose "
                           "another --out")
     out.mkdir(parents=True, exist_ok=True)
@@ -103,6 +104,10 @@ def prepare_run(cfg: RunConfig, console: Console | None = None) -> tuple[RunConf
     return cfg, start
 
 
+def _holds_files(folder: Path) -> bool:
+    return folder.exists() and (not folder.is_dir() or any(folder.iterdir()))
+
+
 def _resume_point(cfg: RunConfig, out: Path, console: Console) -> int:
     """The step `--resume` continues from: the newest checkpoint that verifies, if the settings
     and the layout match the saved run. Says which checkpoint and why newer ones were skipped."""
@@ -112,7 +117,7 @@ def _resume_point(cfg: RunConfig, out: Path, console: Console) -> int:
 
     if not (out / "ckpt").is_dir():
         raise CheckpointError(f"--resume: no checkpoint found in {out / 'ckpt'}")
-    key = run_token(out, create=True)
+    key = resume_token(out)  # never a new one: it would authenticate none of the run's files
     ckpt, skipped = find_latest(out / "ckpt", key)
     for line in skipped:
         _say(console, f"recover: --resume {line}")
@@ -133,6 +138,10 @@ def _resume_point(cfg: RunConfig, out: Path, console: Console) -> int:
     start = int(meta["step"])
     if start >= cfg.run.steps:
         raise ConfigError(f"--resume: the run in {out} already completed all {start} steps")
+    if 0 < cfg.run.stop_at <= start:
+        raise ConfigError(f"--resume: --stop-at {cfg.run.stop_at} is not after step {start}, "
+                          f"where the run would continue ({ckpt.name}): nothing would be "
+                          "trained (give a later --stop-at, or none)")
     _say(console, f"recover: --resume from {ckpt.name} (step {start})"
          + (f", skipping {len(skipped)} newer that did not verify" if skipped else ""))
     return start
@@ -412,9 +421,11 @@ def _supervise(store: Any, sink: MetricsSink, end: int, procs: dict[tuple[int, i
                external: bool, stall_limit: float, restarts: dict[int, int] | None = None,
                restart: Any = None) -> str:
     """Write records as they arrive until the last step, or until the run cannot go on; start a
-    replica again once step S-1 committed for a `restart:replica=R,step=S` fault (if it died)."""
+    replica again once step S-1 committed for a `restart:replica=R,step=S` fault (if it died).
+    A fault is removed from `restarts` once done: supervising again after a coordinator restart
+    must not restart a replica that has since finished (the last line waits for the final save)."""
     last_progress = time.monotonic()
-    restarts = dict(restarts or {})
+    restarts = {} if restarts is None else restarts
     while sink.next < end:
         for r, at in list(restarts.items()):
             # Started again as soon as it is gone (a replacement takes seconds to start); it is

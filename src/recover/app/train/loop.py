@@ -145,7 +145,7 @@ class Trainer:
     # -- the loop --------------------------------------------------------------------------------
     def train(self, end: int) -> None:
         """Steps `applied` .. end-1: compute, reduce and commit (`Replica.step`), then the
-        optimizer, the step's record, evaluation and checkpoints."""
+        optimizer, evaluation, the checkpoint (at a save point) and the step's record."""
         cfg, rep = self.cfg, self.rep
         for step in range(self.applied, end):
             self.timer.start()
@@ -164,11 +164,14 @@ class Trainer:
                 with rep.guard():  # a multi-rank evaluation is an intra-replica collective
                     rec["val_loss"] = rep.replica_sum(layout.evaluate(self.rm, self.evals)
                                                       * rep.loss_weight)
+            if (cfg.run.ckpt_every and self.applied % cfg.run.ckpt_every == 0) or last:
+                # Before the record is offered: the writer's record carries the save's outcome.
+                # A failed save is not a failed replica: it is reported and the loop goes on.
+                with rep.guard():  # every rank: the leader replica's ranks save together
+                    rec.update(self.ckpts.save(self.applied, rep.is_leader,
+                                               self.extra(self.applied)))
             self.publish(step, rec)
             self.progress(res, rec, last)
-            if (cfg.run.ckpt_every and self.applied % cfg.run.ckpt_every == 0) or last:
-                with rep.guard():  # every rank: the leader replica's ranks save together
-                    self.ckpts.save(self.applied, rep.is_leader, self.extra(self.applied))
 
     def compute(self, mb_id: int, j: int) -> float:
         """This rank's part of microbatch `mb_id`: gradients += its share of grad(loss)/N."""
@@ -191,11 +194,20 @@ class Trainer:
         client: before it counts its next step, so before the sink can have read step + 2 and
         deleted this key. Only the leader, from a background thread, was tried: a leader killed
         before its offer left, with every other replica killed in the next step, lost a line
-        (CHANGELOG.md, 0.3.1).
+        (CHANGELOG.md, 0.3.1). At a save point the writer offers its record after the save, with
+        the outcome; the others' records say `ckpt_pending` and the sink waits for the writer's
+        (`MetricsSink`).
         """
         if self.rank == 0:
             self.recent.append((step, json.dumps(rec)))
-            self.rep.member.store.set(keys.record_key(step), self.recent[-1][1])
+            store, key = self.rep.member.store, keys.record_key(step)
+            if rec.get("ckpt_pending"):
+                # A save point's record from a replica that did not write: only added where no
+                # record is (the writer's, with the save's outcome, must not be overwritten);
+                # one round trip per checkpoint interval.
+                store.compare_set(key, "", self.recent[-1][1])
+            else:
+                store.set(key, self.recent[-1][1])
 
     def progress(self, res: StepResult, rec: dict, last: bool) -> None:
         """An INFO line per committed step (every `log_every` for long runs, and every step that
@@ -226,10 +238,11 @@ class Trainer:
         log.error(f"stopping: {e}")
         # committed steps only: the failed step was never applied
         rep = self.rep
-        saved = self.ckpts.save_on_exit(self.applied, rep.is_leader, self.extra(self.applied))
+        out = self.ckpts.save_on_exit(self.applied, rep.is_leader, self.extra(self.applied))
         if rep.is_leader:
-            what = "checkpoint" if saved else "no checkpoint"
-            rep.member.store.set(keys.RUN_STOPPED, f"{e}; {what} at step {self.applied}")
+            what = (f"checkpoint at step {self.applied}" if "ckpt" in out else
+                    f"no checkpoint at step {self.applied} ({out.get('ckpt_error')})")
+            rep.member.store.set(keys.RUN_STOPPED, f"{e}; {what}")
         rep.leave()
         return ExitCode.BELOW_MIN
 
@@ -267,7 +280,8 @@ class Trainer:
         if self.applied < end and wait_s > 0:  # it waited (rejoin_coordinator) in vain
             why = f"no coordinator came back within {wait_s:g}s ({why})"
         log.error(f"stopping: the coordinator is unreachable ({why})")
-        if self.ckpts.save_on_exit(self.applied, self.rep.is_leader, self.extra(self.applied)):
+        out = self.ckpts.save_on_exit(self.applied, self.rep.is_leader, self.extra(self.applied))
+        if "ckpt" in out:
             log.info(f"saved a checkpoint at step {self.applied}")  # the last leader
         # Every step applied: the coordinator leaving now is the end of the run.
         return ExitCode.OK if self.applied == end else ExitCode.COORDINATOR_LOST

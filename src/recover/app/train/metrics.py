@@ -1,10 +1,13 @@
 """Metrics: one JSON line per committed step in `DIR/metrics.jsonl`, and the console progress.
 
 Invariant: `metrics.jsonl` holds exactly one line per committed step, in step order, written by
-the launcher from the step records the replicas publish in the store (`rec/{t}`, first writer
-wins), so a replica's death can never lose or duplicate a line. The records are the app's keys:
+the launcher from the step records the replicas publish in the store (`rec/{t}`: every live
+replica offers one, they agree but for clocks), so a replica's death can never lose or duplicate a
+line. The records are the app's keys:
 their writer (train/loop.py) offers them, this sink deletes each once written out; the step
-protocol's own keys are deleted by the protocol (recover.recovery.lifetime).
+protocol's own keys are deleted by the protocol (recover.recovery.lifetime). A save point's line
+carries the save's outcome (`ckpt`: the step written, or `ckpt_error`: why not, also printed as one
+console line) whenever the writer lived to offer it.
 """
 
 from __future__ import annotations
@@ -70,10 +73,9 @@ class MetricsSink:
         """Write every record that has arrived, in order; return how many were written."""
         n = 0
         while self.next < self.steps:
-            raw = keys.try_get(self.store, keys.record_key(self.next))
-            if raw is None:
+            rec = self._settled(self.next)
+            if rec is None:
                 break
-            rec = json.loads(raw)
             t_commit = rec.pop("t_commit")
             rec["time_s"] = round(t_commit - self.run_start, 4)
             rec["tokens"] = (rec["step"] + 1) * self.tokens_per_step
@@ -87,6 +89,27 @@ class MetricsSink:
             n += 1
             self._forget(rec["step"] - 2)
         return n
+
+    def _settled(self, step: int) -> dict[str, Any] | None:
+        """The record of `step` to write, or None while there is none yet, or while a save
+        point's record may still be replaced by the writer's (which carries the save's outcome:
+        `ckpt` or `ckpt_error`). A `ckpt_pending` record (from a replica that did not write) is
+        taken once the writer cannot offer its own any more: a record of the next step exists
+        (a live writer offers its record before it counts that step), or the lowest of the
+        step's members (the writer, as the replicas saw it) is no longer a member."""
+        raw = keys.try_get(self.store, keys.record_key(step))
+        if raw is None:
+            return None
+        rec = json.loads(raw)
+        if not rec.get("ckpt_pending"):
+            return rec
+        if keys.try_get(self.store, keys.record_key(step + 1)) is None:
+            writer = min(rec.get("members") or [-1])
+            if writer in (keys.newest_members(self.store) or []):
+                return None
+        rec = json.loads(keys.try_get(self.store, keys.record_key(step)) or raw)  # theirs, now?
+        rec.pop("ckpt_pending", None)
+        return rec
 
     def _note_joins(self, rec: dict[str, Any]) -> None:
         """`joined`: replicas that are members now and were not at the previous step, with the
@@ -111,6 +134,11 @@ class MetricsSink:
             self.store.delete_key(keys.record_key(step))
 
     def _show(self, rec: dict[str, Any]) -> None:
+        if "ckpt_error" in rec:  # even when quiet: a run without checkpoints must be noticed
+            then = ("training goes on; the next save point tries again"
+                    if rec["step"] < self.steps - 1 else "the run's last checkpoint is missing")
+            self.console.print(f"recover: step {rec['step']}: {rec['ckpt_error']} ({then})",
+                               highlight=False, markup=False, soft_wrap=True)
         if self.quiet:
             return
         changed = self._live is not None and rec["live_replicas"] != self._live
