@@ -277,6 +277,11 @@ class Rank:
         except BaseException:
             if not self.dead.is_set():
                 self.error = traceback.format_exc()
+                # As a process that raised would: its liveness connection closes (a crash to the
+                # coordinator), and its partition watchdog, which would otherwise end the whole
+                # test process once the harness's coordinator stops, stops with it.
+                if self.member is not None:
+                    self.member.shutdown()
         finally:
             self.done.set()
 
