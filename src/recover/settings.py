@@ -33,6 +33,9 @@ PhaseHook = Callable[[str, int, int], None]
 # accept (an infinite one never returns, a NaN one never fires, a huge one overflows).
 MAX_WAIT_S = 7 * 24 * 3600.0
 MAX_PORT = 65535
+# The most replicas a run can have: the step's trailer sums per-replica rows in float32 limbs of
+# at most 255 each, and 2^16 * 255 < 2^24 keeps those sums exact (recover.recovery.trailer).
+MAX_REPLICAS = 1 << 16
 # Numerics' names (recover.recovery.step.REDUCE_DTYPES maps the dtype names to torch's).
 REDUCE_DTYPE_NAMES = ("", "fp32", "bf16", "fp16")  # "": the gradient's own dtype
 BACKENDS = ("gloo", "nccl")

@@ -18,11 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from recover.errors import ConfigError
-from recover.settings import MAX_PORT, PORT, SECONDS, Bounds, FaultTolerance, Number, check_fields
+from recover.settings import (
+    MAX_PORT,
+    MAX_REPLICAS,
+    PORT,
+    SECONDS,
+    Bounds,
+    FaultTolerance,
+    Number,
+    check_fields,
+)
 
-# The most replicas a run can have: the step's verification is exact for at most this many
-# (recover.recovery.trailer.MAX_REPLICAS; tests/test_config.py checks that they agree).
-MAX_REPLICAS = 1 << 16
 # Store servers beyond the main one; ~1 per 1,000 ranks (collectives/shards.py), so 256 is far
 # past any run MAX_REPLICAS allows, and every shard takes a port of its own.
 MAX_STORE_SHARDS = 256

@@ -42,7 +42,7 @@ from recover.collectives import keys, listen, shards
 from recover.collectives.admission import Hello, proof
 from recover.collectives.coordconfig import CoordinatorConfig
 from recover.collectives.membership import DEBOUNCE_S, Membership
-from recover.errors import ExitCode
+from recover.errors import ExitCode, RecoverError, UsageParser, usage_line
 from recover.settings import LaunchEnv
 
 log = logging.getLogger(__name__)
@@ -237,7 +237,8 @@ class Coordinator:
     def _drop_silent_strangers(self, now: float) -> None:
         """Drop the connections that said no accepted hello within HELLO_S (oldest first, so
         this looks at the expired ones only)."""
-        for conn in list(self._strangers.values()):
+        while self._strangers:  # called every turn of the loop: no copy of the strangers
+            conn = next(iter(self._strangers.values()))
             if now - conn.since <= HELLO_S:
                 break
             self._drop_stranger(conn, f"no hello within {HELLO_S:g}s")
@@ -392,8 +393,6 @@ def main(argv: list[str] | None = None) -> int:
     """`recover coordinator` / `python -m recover.collectives.coordinator`: run a coordinator
     until stopped (SIGTERM, SIGINT), or until every replica is done with --exit-when-done."""
     # Every bad flag, value or file ends here in one line and exit 2, before anything starts.
-    from recover.errors import RecoverError, UsageParser, usage_line
-
     ap: argparse.ArgumentParser = UsageParser(prog="recover coordinator")
     CoordinatorConfig.add_arguments(ap)
     try:

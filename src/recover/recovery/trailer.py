@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-MAX_REPLICAS = 1 << 16  # 2^16 * 255 < 2^24: float32 limb sums stay exact
+from recover.settings import MAX_REPLICAS  # 2^16 * 255 < 2^24: float32 limb sums stay exact
+
 INTS = 3  # count, id checksum, step mark
 ROW = 2  # loss sum, seconds per microbatch; then the slots
 _LIMBS = {torch.float64: (1, 1), torch.int64: (1, 1), torch.float32: (7, 4)}

@@ -115,18 +115,13 @@ def _read_meta(meta_file: Path) -> Any:
     `MAX_META_BYTES` (nothing bigger is read into memory), nested shallowly enough to parse."""
     path = meta_file.parent
     try:
-        fd = os.open(meta_file, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path} is incomplete: meta.json is missing") from None
-    except OSError as e:
-        raise CheckpointError(f"checkpoint {path} has an unreadable meta.json: "
-                              f"{e.strerror or type(e).__name__}") from None
-    try:
-        with os.fdopen(fd, "rb") as f:
+        with open(meta_file, "rb", opener=lambda p, fl: os.open(p, fl | os.O_NONBLOCK)) as f:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
                 raise CheckpointError(f"checkpoint {path} has an unreadable meta.json: not a "
                                       "regular file")
             raw = f.read(MAX_META_BYTES + 1)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} is incomplete: meta.json is missing") from None
     except OSError as e:
         raise CheckpointError(f"checkpoint {path} has an unreadable meta.json: "
                               f"{e.strerror or type(e).__name__}") from None
