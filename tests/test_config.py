@@ -20,7 +20,7 @@ TRAJECTORY = {f"model.{f}" for f in ("vocab_size", "block_size", "n_layer", "n_h
                                      "dropout", "bias")} | {
     f"optim.{f}" for f in ("lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2",
                            "grad_clip")} | {
-    f"data.{f}" for f in ("path", "val_fraction", "microbatches", "microbatch_size",
+    f"data.{f}" for f in ("path", "sampling", "val_fraction", "microbatches", "microbatch_size",
                           "eval_every", "eval_microbatches")} | {
     "run.seed", "run.steps", "ft.policy", "compute.dtype", "compute.reduce_dtype", "compute.exact"}
 

@@ -18,6 +18,8 @@ from recover.app.train.data import (
     microbatch,
     prepare_data,
 )
+from recover.data.batches import SAMPLE_STREAM
+from recover.data.order import ORDER_STREAM
 from recover.errors import DataError
 
 TEXT = ("To be, or not to be, that is the question:\n" * 40).encode()  # 1760 bytes
@@ -52,9 +54,9 @@ def test_text_file_roundtrip(tmp_path: Path) -> None:
     assert meta["n_val"] == round(len(TEXT) * 0.1)
     corpus = load_data(tmp_path / "prepared")
     assert corpus.vocab_size == 256 and corpus.meta == meta
-    joined = np.concatenate([corpus.train, corpus.val])
+    joined = np.concatenate([*corpus.train, *corpus.val])
     assert bytes(joined.astype(np.uint8)) == TEXT
-    assert corpus.train.dtype == np.dtype("<u2") and not corpus.train.flags.writeable
+    assert corpus.train[0].dtype == np.dtype("<u2") and not corpus.train[0].flags.writeable
 
 
 def test_prepare_is_idempotent(tmp_path: Path) -> None:
@@ -76,7 +78,7 @@ def test_folder_is_read_recursively_in_sorted_order(tmp_path: Path) -> None:
     (d / "a.txt").write_bytes(TEXT[900:])
     meta = _prep(str(d), tmp_path)
     corpus = load_data(tmp_path / "prepared")
-    joined = bytes(np.concatenate([corpus.train, corpus.val]).astype(np.uint8))
+    joined = bytes(np.concatenate([*corpus.train, *corpus.val]).astype(np.uint8))
     assert joined == TEXT[900:] + TEXT[:900] and "2 files" in meta["source"]
 
 
@@ -87,7 +89,7 @@ def test_bin_roundtrip_and_vocab(tmp_path: Path) -> None:
     meta = _prep(str(f), tmp_path)
     assert meta["vocab_size"] == 1000
     corpus = load_data(tmp_path / "prepared")
-    assert np.array_equal(np.concatenate([corpus.train, corpus.val]), tokens)
+    assert np.array_equal(np.concatenate([*corpus.train, *corpus.val]), tokens)
     small = tmp_path / "small.bin"
     np.full(100, 3, dtype="<u2").tofile(small)
     assert prepare_data(str(small), tmp_path / "p2", 0.1, 8)["vocab_size"] == 256
@@ -161,4 +163,4 @@ def test_eval_batches_fixed_and_distinct_from_training() -> None:
     for (xa, ya), (xb, yb) in zip(a, b, strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
     assert not torch.equal(a[0][0], microbatch(tokens, 16, 4, 7, 0)[0])
-    assert data_mod._EVAL_STREAM != data_mod._SAMPLE_STREAM
+    assert data_mod._EVAL_STREAM not in (SAMPLE_STREAM, ORDER_STREAM)

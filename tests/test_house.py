@@ -1,6 +1,6 @@
 """The house rules, checked on the source tree itself (no imports of it: the AST only).
 
-- The library (`recover.collectives`, `recovery`, `workload`, `parallel` and the top-level
+- The library (`recover.collectives`, `recovery`, `workload`, `parallel`, `data` and the top-level
   modules `settings`, `errors`, `procs`) imports nothing of the reference app (`recover.app`),
   the test harness (`recover.testing`) or the simulator (`recover.sim`), not even lazily; the
   simulator imports nothing of the others; there is no cycle between recover's packages.
@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
 LIBRARY = ("recover.collectives", "recover.recovery", "recover.workload", "recover.parallel",
-           "recover.settings", "recover.errors", "recover.procs", "recover")
+           "recover.data", "recover.settings", "recover.errors", "recover.procs", "recover")
 MAX_LINES, MAX_PARAMS = 80, 10
 
 

@@ -215,6 +215,9 @@ class LaunchEnv:
     # a restarted replica builds its own process group afresh under a new prefix.
     incarnation: str = "0"
     log_level: str = "info"  # RECOVER_LOG_LEVEL: one of LOG_LEVELS (`recover --log-level`)
+    # RECOVER_WINDOWS_LOG: a folder where the app's ranks log which windows each microbatch read
+    # (a debugging and testing aid: every window once per epoch is checked from these lines).
+    windows_log: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, strict: bool = False) -> LaunchEnv:
@@ -235,7 +238,8 @@ class LaunchEnv:
                    join_at=_int(env, "RECOVER_JOIN_AT", strict) or 0,
                    incarnation=(env.get("RECOVER_INCARNATION")
                                 or env.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                   log_level=level if level in LOG_LEVELS else "info")
+                   log_level=level if level in LOG_LEVELS else "info",
+                   windows_log=env.get("RECOVER_WINDOWS_LOG") or None)
 
 
 def _int(env: Mapping[str, str], name: str, strict: bool) -> int | None:

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from recover.app.faults import validate_faults
 from recover.collectives.coordconfig import MAX_REPLICAS, MAX_STORE_SHARDS
+from recover.data import SAMPLINGS
 from recover.errors import ConfigError
 from recover.parallel.mesh import LAYOUTS
 from recover.recovery.step import MAX_MICROBATCHES
@@ -139,8 +140,10 @@ def _check_fields(sub: Any) -> None:
 class ModelConfig:
     """Shape of the decoder-only transformer (nanoGPT-style)."""
 
-    vocab_size: int = setting(256, "vocabulary size (bytes: 256)", trajectory=True,
-                              bounds=Bounds(1, 65536))  # tokens are stored as uint16
+    # Grown to the data's vocabulary when it is prepared (token ids are stored as uint16 or
+    # uint32: recover.data.tokens), so the bound is uint32's.
+    vocab_size: int = setting(256, "vocabulary size (bytes: 256; grown to the data's)",
+                              trajectory=True, bounds=Bounds(1, 1 << 32))
     block_size: int = setting(64, "sequence length", trajectory=True, bounds=Bounds(2, MAX_SIZE))
     n_layer: int = setting(2, "transformer blocks", trajectory=True, bounds=SIZE)
     n_head: int = setting(4, "attention heads", trajectory=True, bounds=SIZE)
@@ -181,8 +184,14 @@ class OptimConfig:
 class DataConfig:
     """The corpus and how a step's batch is cut: N (microbatches) is the invariant's unit."""
 
-    path: str | None = setting(None, "text file/folder or uint16 .bin (default: embedded "
-                               "Shakespeare)", flag="--data", trajectory=True)
+    path: str | None = setting(None, "a `recover prepare` folder, a text file/folder or a uint16 "
+                               ".bin (default: embedded Shakespeare)", flag="--data",
+                               trajectory=True)
+    # epoch: what pre-training counts on (every window once per epoch, `epoch` in the metrics);
+    # random: recover's windows before 0.5 (overlapping, drawn with replacement).
+    sampling: str = setting("epoch", "training windows: epoch (each once per epoch, in an order "
+                            "drawn from the seed) or random (drawn with replacement)",
+                            choices=SAMPLINGS, trajectory=True)
     val_fraction: float = setting(0.1, "fraction of tokens held out for validation",
                                   trajectory=True, bounds=Bounds(0.0, 0.5, True, True))
     # The step's verification (count, id checksum) is exact for at most MAX_MICROBATCHES.

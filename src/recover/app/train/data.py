@@ -1,10 +1,12 @@
 """Training corpus, byte-level tokenisation and microbatch sampling. No network, ever.
 
 Invariant: the token windows of a microbatch are a pure function of
-`(tokens, block_size, batch_size, seed, mb_id)`: they come from a private PCG64 generator seeded by
-`id_seed(seed, mb_id)`, never from a global RNG or from how many batches a caller drew before. So
-whichever replica computes id `i`, in whatever order, it trains on the same samples. The prepared
-token files are a pure function of the data source (their sha256 is recorded in `meta.json`).
+`(tokens, block_size, batch_size, seed, sampling, mb_id)` (`recover.data.IdBatches`: epochs
+without replacement, or random windows from the id's own generator), never of a global RNG or of
+how many batches a caller drew before. So whichever replica computes id `i`, in whatever order, it
+trains on the same samples. The run's `data/` folder is a pure function of the data source: byte
+or uint16 token files with their sha256 in `meta.json`, or a pointer to a folder written by
+`recover prepare` (read in place, never copied).
 """
 
 from __future__ import annotations
@@ -21,16 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from torch import Tensor
 
+from recover.data import IdBatches, TokenWindows, is_prepared, open_prepared
 from recover.errors import DataError
-from recover.workload.ids import id_seed
 
 BYTE_VOCAB = 256
 _STDLIB_CAP = 5 * 1024 * 1024  # about the size of the Shakespeare corpus
 _TOKEN_DTYPE = np.dtype("<u2")  # nanoGPT's .bin convention: little-endian uint16
-_SAMPLE_STREAM = 0  # id_seed stream for training windows (1 is dropout)
 _EVAL_STREAM = 2  # validation windows never share random numbers with training
 
 
@@ -138,6 +138,8 @@ def prepare_data(data: str | None, data_dir: Path, val_fraction: float,
     """
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    if data is not None and is_prepared(Path(data).expanduser()):
+        return _point_at_prepared(Path(data).expanduser().resolve(), Path(data_dir), block_size)
     source, tokens, vocab_size = _load_source(data)
     n = len(tokens)
     n_val = int(round(n * val_fraction))
@@ -161,6 +163,27 @@ def prepare_data(data: str | None, data_dir: Path, val_fraction: float,
     return meta
 
 
+def _point_at_prepared(folder: Path, data_dir: Path, block_size: int) -> dict[str, Any]:
+    """`data_dir/meta.json` naming a `recover prepare` folder (read in place: shards can be far
+    larger than a run directory should copy); DataError unless each split holds a window."""
+    prepared = open_prepared(folder)
+    for split, shards in prepared.splits.items():
+        if len(TokenWindows(shards, block_size)) < 1:
+            n = sum(len(s) for s in shards)
+            raise DataError(f"prepared data {folder}: its {split} split has {n} tokens, fewer "
+                            f"than one window of {block_size + 1}; prepare more text or give a "
+                            f"smaller --block-size")
+    raw = (folder / "meta.json").read_bytes()
+    meta = {"source": f"prepared {folder}", "prepared": str(folder),
+            "vocab_size": prepared.vocab_size, "sha256": hashlib.sha256(raw).hexdigest(),
+            "n_train": sum(len(s) for s in prepared.splits["train"]),
+            "n_val": sum(len(s) for s in prepared.splits["val"])}
+    data_dir.mkdir(parents=True, exist_ok=True)
+    if _read_meta(data_dir) != meta:
+        _write_atomic(data_dir / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
+    return meta
+
+
 def _read_meta(data_dir: Path) -> dict[str, Any] | None:
     try:
         meta = json.loads((data_dir / "meta.json").read_text())
@@ -179,20 +202,25 @@ def _sizes_ok(data_dir: Path, meta: dict[str, Any]) -> bool:
 
 @dataclass
 class Corpus:
-    """Prepared token splits, memory-mapped read-only."""
+    """Prepared token splits, each a list of read-only memory-mapped shards."""
 
-    train: np.ndarray
-    val: np.ndarray
+    train: list[np.ndarray]
+    val: list[np.ndarray]
     vocab_size: int
     meta: dict[str, Any]
 
 
 def load_data(data_dir: Path) -> Corpus:
-    """Memory-map the splits written by `prepare_data`; DataError if missing or inconsistent."""
+    """Memory-map the splits written by `prepare_data` (or the `recover prepare` folder it points
+    at); DataError if missing or inconsistent."""
     data_dir = Path(data_dir)
     meta = _read_meta(data_dir)
     if meta is None:
         raise DataError(f"no prepared data in {data_dir}: meta.json is missing or unreadable")
+    if isinstance(meta.get("prepared"), str):
+        prepared = open_prepared(meta["prepared"])
+        return Corpus(train=prepared.splits["train"], val=prepared.splits["val"],
+                      vocab_size=prepared.vocab_size, meta=meta)
     if not _sizes_ok(data_dir, meta) or not isinstance(meta.get("vocab_size"), int):
         raise DataError(f"prepared data in {data_dir} is corrupt: train.bin/val.bin are missing "
                         "or do not match meta.json; delete the folder to prepare it again")
@@ -200,31 +228,35 @@ def load_data(data_dir: Path) -> Corpus:
     train = np.memmap(data_dir / "train.bin", dtype=_TOKEN_DTYPE, mode="r",
                       shape=(meta["n_train"],))
     val = np.memmap(data_dir / "val.bin", dtype=_TOKEN_DTYPE, mode="r", shape=(meta["n_val"],))
-    return Corpus(train=train, val=val, vocab_size=meta["vocab_size"], meta=meta)
+    return Corpus(train=[train], val=[val], vocab_size=meta["vocab_size"], meta=meta)
 
 
-def _windows(tokens: np.ndarray, block_size: int, batch_size: int,
-             rng_seed: int) -> tuple[Tensor, Tensor]:
-    n_starts = len(tokens) - block_size  # valid starts: 0 .. len - block_size - 1
-    if n_starts < 1:
-        raise ValueError(f"{len(tokens)} tokens cannot hold a window of {block_size + 1}")
-    rng = np.random.Generator(np.random.PCG64(rng_seed))
-    starts = rng.integers(0, n_starts, size=batch_size)
-    # One gather of [batch, block_size + 1] tokens; x and y are its two overlapping views, copied
-    # so neither aliases the other or the memmap.
-    w = torch.from_numpy(np.asarray(tokens[starts[:, None] + np.arange(block_size + 1)],
-                                    dtype=np.int64))
-    return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+def _shards(tokens: np.ndarray | list[np.ndarray]) -> list[np.ndarray]:
+    return tokens if isinstance(tokens, list) else [tokens]
 
 
-def microbatch(tokens: np.ndarray, block_size: int, batch_size: int, seed: int,
-               mb_id: int) -> tuple[Tensor, Tensor]:
-    """(x, y) LongTensors `[batch_size, block_size]` of global microbatch `mb_id`; y = x + 1."""
-    return _windows(tokens, block_size, batch_size, id_seed(seed, mb_id, stream=_SAMPLE_STREAM))
+def train_batches(tokens: np.ndarray | list[np.ndarray], block_size: int, batch_size: int,
+                  seed: int, sampling: str = "epoch") -> IdBatches:
+    """The run's training microbatches by id (`recover.data.IdBatches` over token windows)."""
+    windows = TokenWindows(_shards(tokens), block_size)
+    if len(windows) < 1:
+        raise ValueError(f"{windows.tokens} tokens cannot hold a window of {block_size + 1}")
+    return IdBatches(windows, batch_size, seed, sampling=sampling)
 
 
-def eval_batches(tokens: np.ndarray, block_size: int, batch_size: int, seed: int,
-                 k: int) -> list[tuple[Tensor, Tensor]]:
-    """The run's `k` fixed validation microbatches, identical for every caller."""
-    return [_windows(tokens, block_size, batch_size, id_seed(seed, i, stream=_EVAL_STREAM))
-            for i in range(k)]
+def microbatch(tokens: np.ndarray | list[np.ndarray], block_size: int, batch_size: int,
+               seed: int, mb_id: int, sampling: str = "random") -> tuple[Tensor, Tensor]:
+    """(x, y) LongTensors `[batch_size, block_size]` of global microbatch `mb_id`; y = x + 1.
+    (One-off; a loop keeps one `train_batches` object.)"""
+    return train_batches(tokens, block_size, batch_size, seed, sampling).batch(mb_id)
+
+
+def eval_batches(tokens: np.ndarray | list[np.ndarray], block_size: int, batch_size: int,
+                 seed: int, k: int) -> list[tuple[Tensor, Tensor]]:
+    """The run's `k` fixed validation microbatches (random windows), identical for every
+    caller."""
+    windows = TokenWindows(_shards(tokens), block_size)
+    if windows.n_starts < 1:
+        raise ValueError(f"{windows.tokens} tokens cannot hold a window of {block_size + 1}")
+    val = IdBatches(windows, batch_size, seed, sampling="random", stream=_EVAL_STREAM)
+    return [val.batch(i) for i in range(k)]

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections import deque
 from pathlib import Path
+from typing import TextIO
 
 import torch
 from torch.distributed import DistError
@@ -26,13 +28,14 @@ from recover.app.faults import FaultInjector, validate_faults
 from recover.app.runtoken import run_token
 from recover.app.train import layout
 from recover.app.train.ckpt_rank import RankCheckpoints
-from recover.app.train.data import eval_batches, load_data, microbatch
+from recover.app.train.data import eval_batches, load_data, train_batches
 from recover.app.train.metrics import StepTimer, step_record
 from recover.app.train.optim import build_optimizer, lr_at, set_lr
 from recover.collectives import CoordinatorGone, CoordinatorLost, GlooInterfaceError, keys
 from recover.errors import ExitCode
 from recover.parallel import Replica
 from recover.recovery import BelowMinReplicas, StepResult, StepStrategy
+from recover.settings import LaunchEnv
 from recover.workload import id_seed
 
 log = logging.getLogger(__name__)
@@ -94,6 +97,9 @@ class Trainer:
         m, d = cfg.model, cfg.data
         self.evals = eval_batches(self.corpus.val, m.block_size, d.microbatch_size, cfg.run.seed,
                                   d.eval_microbatches)
+        self.batches = train_batches(self.corpus.train, m.block_size, d.microbatch_size,
+                                     cfg.run.seed, d.sampling)
+        self.windows_log = _windows_log(LaunchEnv.from_env().windows_log, replica, rank)
         self.timer = StepTimer()
         # The records this rank offered last: a restarted coordinator's store has none of them.
         self.recent: deque[tuple[int, str]] = deque(maxlen=RECORDS_KEPT)
@@ -155,6 +161,8 @@ class Trainer:
             self.opt.step()
             self.applied = step + 1
             rec = step_record(res, lr, grad_norm, self.timer)
+            # Epochs read so far (2.5: two whole epochs, half the third): ids are global.
+            rec["epoch"] = round(self.batches.epoch(self.applied * cfg.data.microbatches), 6)
             last = step == end - 1
             if (cfg.data.eval_every and (step + 1) % cfg.data.eval_every == 0) or last:
                 with rep.guard():  # a multi-rank evaluation is an intra-replica collective
@@ -171,14 +179,25 @@ class Trainer:
 
     def compute(self, mb_id: int, j: int) -> float:
         """This rank's part of microbatch `mb_id`: gradients += its share of grad(loss)/N."""
-        m, d, seed, step = self.cfg.model, self.cfg.data, self.cfg.run.seed, self.faults.step
+        m, seed, step = self.cfg.model, self.cfg.run.seed, self.faults.step
         with self.timer.microbatch(self.faults.slow_factor(step)):
-            x, y = microbatch(self.corpus.train, m.block_size, d.microbatch_size, seed, mb_id)
+            x, y = self.batches.batch(mb_id)
+            if self.windows_log is not None:
+                self.log_windows(mb_id, step)
             with torch.random.fork_rng(devices=[], enabled=m.dropout > 0):
                 if m.dropout > 0:  # dropout is the id's own (manual_seed costs ~0.25 ms a call)
                     torch.manual_seed(id_seed(seed, mb_id, stream=1))
                 self.faults.at("forward", step, j)
                 return self.rm.forward_backward(x, y, lambda: self.faults.at("backward", step, j))
+
+    def log_windows(self, mb_id: int, step: int) -> None:
+        """One line per microbatch computed (RECOVER_WINDOWS_LOG): what this rank read."""
+        epochs, items = self.batches.items(mb_id)
+        assert self.windows_log is not None
+        self.windows_log.write(json.dumps({
+            "replica": self.replica, "rank": self.rank, "step": step, "id": mb_id,
+            "epochs": epochs.tolist(), "items": items.tolist()}) + "\n")
+        self.windows_log.flush()  # a SIGKILL must not lose what was read
 
     def publish(self, step: int, rec: dict) -> None:
         """Offer the step's record to the launcher (through the store), from rank 0.
@@ -292,6 +311,14 @@ class Trainer:
 
 def _first_line(e: Exception) -> str:
     return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _windows_log(folder: str | None, replica: int, rank: int) -> TextIO | None:
+    """This process's own file in the RECOVER_WINDOWS_LOG folder (None: not asked for)."""
+    if folder is None:
+        return None
+    path = Path(folder) / f"windows.{replica}.{rank}.{os.getpid()}.jsonl"
+    return open(path, "a", encoding="utf-8")  # open for the process's life
 
 
 def _strategy(cfg: RunConfig) -> StepStrategy | None:

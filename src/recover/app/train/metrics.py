@@ -79,6 +79,7 @@ class MetricsSink:
             t_commit = rec.pop("t_commit")
             rec["time_s"] = round(t_commit - self.run_start, 4)
             rec["tokens"] = (rec["step"] + 1) * self.tokens_per_step
+            rec["tokens_seen"] = rec["tokens"]  # trained on so far (ids are global: no recount)
             rec["tokens_per_s"] = round(self.tokens_per_step / max(rec["step_time_s"], 1e-9), 1)
             self._note_joins(rec)
             with open(self.path, "a") as f:

@@ -1,0 +1,93 @@
+"""Which item a sample reads: epochs without replacement, or random draws, keyed by id.
+
+Invariant: `EpochOrder.locate(samples)` is a pure function of (seed, size, sample numbers): sample
+`s` reads item `permute(s mod size)` of epoch `s // size`, where the permutation is a keyed
+bijection of [0, size) drawn from (seed, epoch). So the samples of one epoch read every item
+exactly once, whoever computes them, in whatever order, after whatever faults; a lookup costs
+O(1) memory (no permutation of the whole corpus is ever built) and there is no state to save.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from recover.workload.ids import id_seed
+
+ORDER_STREAM = 3  # id_seed stream of the epoch keys (0: random windows, 1: dropout, 2: eval)
+ROUNDS = 6  # Feistel rounds: 3 give a pseudo-random permutation (Luby-Rackoff); 6 mix small sizes
+_U64 = np.uint64
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (wraps modulo 2^64, as intended)."""
+    z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
+    return z ^ (z >> _U64(31))
+
+
+def _half_bits(size: int) -> int:
+    """Bits of one Feistel half: the smallest even-split power of two domain holding `size`."""
+    return max(1, ((size - 1).bit_length() + 1) // 2)
+
+
+def permute(index: np.ndarray, size: int, key: int) -> np.ndarray:
+    """The images of `index` (ints in [0, size)) under the bijection of [0, size) keyed by `key`.
+
+    A balanced Feistel network over [0, 4^h) (4^h < 4 x size), restricted to [0, size) by cycle
+    walking: an image outside is encrypted again until it lands inside, which a permutation of the
+    larger domain always does (on average under 4 times). Why Feistel: it is a bijection by
+    construction for any round function, so exactness does not rest on the hash's quality.
+    """
+    if size < 1:
+        raise ValueError(f"cannot permute an empty range (size {size})")
+    x = np.asarray(index, dtype=np.int64)
+    if x.size and (x.min() < 0 or x.max() >= size):
+        raise ValueError(f"indices must lie in [0, {size})")
+    h = _half_bits(size)
+    mask = _U64((1 << h) - 1)
+    keys = [_U64(id_seed(key, r, stream=ORDER_STREAM)) for r in range(ROUNDS)]
+    out = x.astype(np.uint64)
+    todo = np.ones(out.shape, dtype=bool)
+    while todo.any():
+        y = out[todo]
+        left, right = y >> _U64(h), y & mask
+        for k in keys:
+            left, right = right, left ^ (_mix(right ^ k) & mask)
+        y = (left << _U64(h)) | right
+        out[todo] = y
+        todo[todo] = y >= _U64(size)
+    return out.astype(np.int64)
+
+
+class EpochOrder:
+    """Sample `s` (a global sample number: microbatch id x B + row) -> (epoch, item) over a
+    dataset of `size` items: each epoch a fresh permutation drawn from (seed, epoch)."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        if size < 1:
+            raise ValueError(f"an epoch needs at least one item (size {size})")
+        self.size, self.seed = int(size), int(seed)
+
+    def epoch_key(self, epoch: int) -> int:
+        return id_seed(self.seed, int(epoch), stream=ORDER_STREAM)
+
+    def locate(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(epochs, items) of the given sample numbers (int64 arrays of their shape)."""
+        s = np.asarray(samples, dtype=np.int64)
+        epochs, pos = np.divmod(s, self.size)
+        items = np.empty_like(pos)
+        for e in np.unique(epochs):  # a microbatch spans at most two epochs
+            sel = epochs == e
+            items[sel] = permute(pos[sel], self.size, self.epoch_key(int(e)))
+        return epochs, items
+
+    def epoch_items(self, epoch: int) -> np.ndarray:
+        """Every item of one epoch in reading order (for tests and tools; O(size) memory)."""
+        return permute(np.arange(self.size), self.size, self.epoch_key(epoch))
+
+
+def random_draws(seed: int, mb_id: int, count: int, high: int, stream: int = 0) -> np.ndarray:
+    """`count` integers in [0, high) drawn with replacement from microbatch `mb_id`'s own
+    generator (PCG64 seeded by `id_seed(seed, mb_id, stream)`): recover's random windows."""
+    rng = np.random.Generator(np.random.PCG64(id_seed(seed, mb_id, stream=stream)))
+    return rng.integers(0, high, size=count)
