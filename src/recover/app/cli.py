@@ -207,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("coordinator", help="run the control plane for a multi-node job")
     sub.add_parser("simulate", help="cluster-scale discrete-event simulator")
     sub.add_parser("bench", help="recover vs checkpoint-restart vs shrink-batch, side by side")
+    sub.add_parser("prepare", help="tokenise a corpus into token shards for train --data")
     return ap
 
 
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     if level is not None and level not in LOG_LEVELS:
         return usage_line("recover", f"--log-level {level!r}: choose from {', '.join(LOG_LEVELS)}")
     logs.setup(level or "info", export=True)  # worker processes inherit the level
-    if rest and rest[0] in ("coordinator", "simulate", "bench"):
+    if rest and rest[0] in ("coordinator", "simulate", "bench", "prepare"):
         return _run_tool(rest[0], rest[1:])
     args = build_parser().parse_args(argv)
     logs.setup(args.log_level, export=True)  # `recover train --log-level L` may override
@@ -243,9 +244,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_tool(cmd: str, argv: list[str]) -> int:
-    """The commands that parse their own arguments: coordinator, simulate, bench."""
+    """The commands that parse their own arguments: coordinator, simulate, bench, prepare."""
     if cmd == "coordinator":
         return cmd_coordinator(argv)
+    if cmd == "prepare":
+        from recover.app.prepare import run_cli as prepare_cli
+
+        return prepare_cli(argv)
     if cmd == "simulate":
         from recover.sim.cli import run_cli
 

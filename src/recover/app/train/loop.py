@@ -195,7 +195,8 @@ class Trainer:
         epochs, items = self.batches.items(mb_id)
         assert self.windows_log is not None
         self.windows_log.write(json.dumps({
-            "replica": self.replica, "rank": self.rank, "step": step, "id": mb_id,
+            "run": str(self.run_dir), "replica": self.replica, "rank": self.rank, "step": step,
+            "id": mb_id,
             "epochs": epochs.tolist(), "items": items.tolist()}) + "\n")
         self.windows_log.flush()  # a SIGKILL must not lose what was read
 
