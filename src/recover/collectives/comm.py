@@ -234,6 +234,8 @@ class FaultTolerantComm:
         self._drop()
         self._holding.clear()
         self._close_old()
+        self._waiter.close()
+        self._spare.close()
 
     # -- internals ---------------------------------------------------------------------------
     def _lost_since(self, g: int) -> list[int]:

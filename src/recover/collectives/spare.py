@@ -27,11 +27,12 @@ class SpareClient:
         self._lock = threading.Lock()
         self._ready: Any | None = None
         self._busy = False
+        self._closed = False
 
     def prepare(self) -> None:
         """Start connecting a spare in the background unless one is ready or on its way."""
         with self._lock:
-            if self._ready is not None or self._busy:
+            if self._ready is not None or self._busy or self._closed:
                 return
             self._busy = True
         threading.Thread(target=self._fill, name="recover-spare-store", daemon=True).start()
@@ -49,10 +50,17 @@ class SpareClient:
             self.prepare()
         return client
 
+    def close(self) -> None:
+        """Drop the spare (its connection closes with it) and stop making new ones."""
+        with self._lock:
+            self._ready, self._closed = None, True
+
     def _fill(self) -> None:
         try:
             client = self._connect()
         except Exception:
             client = None  # the coordinator may be gone: `take` connects inline and raises
         with self._lock:
-            self._ready, self._busy = client, False
+            self._busy = False
+            if not self._closed:
+                self._ready = client

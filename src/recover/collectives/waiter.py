@@ -5,6 +5,8 @@ but it cannot be interrupted. So the get runs on a helper thread with its own st
 caller sleeps on an event that either the helper (the key arrived) or the `Member` (a newer
 generation) sets. A helper left blocked by a caller that moved on finishes on its own (the key
 arrives, or its timeout) and is then reused; meanwhile another helper serves the next wait.
+`close()` ends the helpers (a busy one once its get returns), so a caller that is done with the
+waiter leaves no thread or store connection behind.
 
 Invariant: `get()` returns the key's value, or None once `generation` is superseded, the
 coordinator is lost, or `timeout_s` passes; it never returns a stale result of an earlier wait.
@@ -29,11 +31,16 @@ class _Helper:
             queue.SimpleQueue())
         self.busy = False
         self.dead = False
+        self.closing = False
         threading.Thread(target=self._loop, name="recover-keywait", daemon=True).start()
 
     def _loop(self) -> None:
         while True:
-            key, timeout_s, box, done = self.requests.get()
+            request = self.requests.get()
+            if request is None:  # close(): end the thread; its client closes with it
+                self.dead = True
+                return
+            key, timeout_s, box, done = request
             deadline = time.monotonic() + timeout_s
             try:
                 value = b""
@@ -56,6 +63,9 @@ class _Helper:
                 return
             self.busy = False
             done.set()
+            if self.closing:
+                self.dead = True
+                return
 
 
 class KeyWaiter:
@@ -93,6 +103,16 @@ class KeyWaiter:
                 done.clear()
         finally:
             self.member.notify_on_change(done, on=False)
+
+    def close(self) -> None:
+        """End the helper threads (idempotent); a wait after this starts a new helper."""
+        with self._lock:
+            for h in self._helpers:
+                h.closing = True
+                if not h.busy:
+                    h.requests.put(None)
+            self._helpers = []
+        self._spare.close()
 
     def _idle(self) -> _Helper:
         with self._lock:

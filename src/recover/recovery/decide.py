@@ -50,6 +50,11 @@ class CommitDecision:
             self.shard_waiter = KeyWaiter(member, client)
             self.shard_totals = shards.ShardTotals(positions, n_shards)
 
+    def close(self) -> None:
+        """End the shard waiter's helper threads (the main store's waiter is the engine's)."""
+        if self.shard_waiter is not None:
+            self.shard_waiter.close()
+
     @property
     def waits(self) -> int:
         """Blocking key waits so far, on the main store and the shard (one round trip each)."""

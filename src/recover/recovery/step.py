@@ -191,8 +191,11 @@ class StepEngine:
         return self.decision.waits
 
     def close(self) -> None:
-        """Stop the background deletion of old steps' keys (idempotent)."""
+        """Stop the background deletion of old steps' keys and the key waits' helper threads
+        (idempotent)."""
         self.lifetime.close()
+        self.waiter.close()
+        self.decision.close()
 
     # -- the step --------------------------------------------------------------------------
     def run(self, step: int, compute: Callable[[int, int], float],
