@@ -1,7 +1,8 @@
 """What the three examples share: their launch, their data, their training loop and its report.
 
-Invariant: a microbatch is a pure function of its id (`batch`), so whichever replica computes it
-gets the same data, and a recomputed microbatch is the lost one. Run an example with one
+Invariant: a microbatch is a pure function of its id (`batch`: `recover.data.IdBatches` over a
+map-style dataset, every item once per epoch), so whichever replica computes it gets the same
+data, and a recomputed microbatch is the lost one. Run an example with one
 `torchrun` per replica, all pointed at one coordinator (here `hsdp.py`; `tp.py` and `pp.py` alike):
 
     recover coordinator --replicas 2 --port 29600 &
@@ -24,16 +25,32 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from recover import Replica, StepResult
+from recover.data import IdBatches
 
 log = logging.getLogger("example")
-N, B, STEPS = 8, 8, 30  # microbatches per step, sequences per microbatch, steps
+N, B, STEPS = 8, 8, 30  # microbatches per step, samples per microbatch, steps
 
 
-def batch(mb_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Microbatch `mb_id`: a pure function of the id (whoever computes it gets the same data)."""
-    g = torch.Generator().manual_seed(mb_id)
-    x = torch.randn(B, 32, generator=g)
-    return x, torch.sin(x.sum(dim=1, keepdim=True)).expand(B, 32)
+class Points:
+    """A map-style dataset (`__len__`, `__getitem__`): put yours here. Point i is a fixed input in
+    R^32 and its target. For `recover prepare`'s token shards use
+    `IdBatches.from_prepared(DIR, block_size, B, seed)` instead: (x, y) token windows."""
+
+    def __len__(self) -> int:
+        return 1024
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(32, generator=torch.Generator().manual_seed(i))
+        return x, torch.sin(x.sum()).expand(32)
+
+
+DATA = IdBatches(Points(), B, seed=0)  # id -> B points; every point once per epoch of 128 ids
+
+
+def batch(mb_id: int, rank: int = 0, ranks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Microbatch `mb_id` (rank `rank` of `ranks` that split its rows: its block of them): a
+    pure function of the id, whoever computes it."""
+    return DATA.batch(mb_id, rank, ranks)
 
 
 def start(dim: str) -> DeviceMesh:
@@ -56,12 +73,14 @@ def report(rep: Replica, step: int, res: StepResult) -> None:
 
 
 def train(rep: Replica, opt: torch.optim.Optimizer,
-          loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+          loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+          part: tuple[int, int] = (0, 1)) -> None:
     """An ordinary gradient-accumulation loop over N microbatches a step, with recover's lines:
-    the same for any layout inside a replica (FSDP2 here, TP, ...): only `loss_of` differs."""
+    the same for any layout inside a replica (FSDP2 here, TP, ...): only `loss_of` differs, and
+    `part`, the (rank, ranks) that split each microbatch's rows (FSDP2's shards)."""
     for step in range(STEPS):
         def compute(mb_id: int, j: int) -> float:  # recover (was: for mb_id in step's N ids:)
-            x, y = batch(mb_id)
+            x, y = batch(mb_id, *part)
             loss = loss_of(x, y)
             (loss / N).backward()
             return loss.item()  # recover

@@ -14,7 +14,6 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from recover.parallel import Replica
-from recover.parallel.hsdp import local_rows
 
 
 def main() -> None:
@@ -28,8 +27,8 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     rep = Replica(model, N, mesh=mesh)  # recover: join as this rank of replica $RECOVER_REPLICA
-    # Each rank's loss is over its own shard's rows of the microbatch.
-    train(rep, opt, lambda x, y: F.mse_loss(model(local_rows(x, mesh)), local_rows(y, mesh)))
+    # Each rank reads, and takes its loss over, its own shard's rows of the microbatch.
+    train(rep, opt, lambda x, y: F.mse_loss(model(x), y), part=(mesh.get_local_rank(), mesh.size()))
 
 
 if __name__ == "__main__":

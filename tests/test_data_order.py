@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from recover.app.config import RunConfig, preset
 from recover.data import EpochOrder, IdBatches, TokenWindows, open_prepared, permute
 from recover.errors import DataError
 
@@ -115,3 +116,13 @@ def test_windows_of_prepared_shards(tmp_path: Path) -> None:
     (tmp_path / "p" / "train_00001.bin").write_bytes(b"\0" * 8)
     with pytest.raises(DataError, match="train_00001.bin has 8 bytes"):
         open_prepared(tmp_path / "p")
+
+
+def test_a_run_saved_before_epochs_keeps_random_windows(tmp_path: Path) -> None:
+    """config.json without `data.sampling` was written when windows were random: a resume reads
+    it so (and refuses the new default), instead of changing the run's data under it."""
+    saved = json.loads(preset("debug").to_json())
+    del saved["data"]["sampling"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert RunConfig.load(tmp_path / "config.json").data.sampling == "random"
+    assert preset("debug").data.sampling == "epoch"

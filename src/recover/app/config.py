@@ -374,7 +374,11 @@ class RunConfig:
     def load(cls, path: str | Path) -> RunConfig:
         p = Path(path)
         try:
-            return cls.from_dict(json.loads(p.read_text()))
+            d = json.loads(p.read_text())
+            if isinstance(d, dict) and isinstance(d.get("data"), dict):
+                # A run saved before 0.5 drew random windows: a resume must not change that.
+                d["data"].setdefault("sampling", "random")
+            return cls.from_dict(d)
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {p}") from None
         except OSError as e:
