@@ -21,6 +21,7 @@ nor keep a member's hello from being heard.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import errno
 import json
@@ -171,6 +172,27 @@ class Coordinator:
                    "expected": self.expected,
                    "shard_ports": [int(s.port) for s in self.shards]})
         return int(self.store.port)
+
+    def close(self) -> None:
+        """After `serve` returned: close the liveness connections and listener, and let the
+        store servers go (their connections close with them). For a coordinator that shares its
+        process with others (tests); a `recover coordinator` process just exits."""
+        for conn in list(self._conns.values()):
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self._sel.unregister(conn.sock)
+            with contextlib.suppress(OSError):
+                conn.sock.close()
+        self._conns.clear()
+        self.heard.clear()
+        listener = getattr(self, "_listener", None)
+        if listener is not None:
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self._sel.unregister(listener)
+            listener.close()
+        self._sel.close()
+        self.membership = None
+        self.client = self.store = None  # type: ignore[assignment]
+        self.shards = []
 
     # -- main loop -----------------------------------------------------------------------
     def serve(self, should_stop: Callable[[], bool] = lambda: False) -> int:

@@ -69,6 +69,18 @@ def _keeper(grave: list[object]) -> None:
 threading.Thread(target=_keeper, args=(_GRAVE,), name="inproc-graveyard", daemon=True).start()
 
 
+def _close_ended() -> None:
+    """Close the coordinators of the harnesses whose run ended (their tests have read them by
+    the time a new harness is made): their store servers' connections are thousands of the
+    sockets that every group build's census walks (`Harness._release_finished`). One whose
+    coordinator still serves (its run failed) is left alone: stopping it would make its live
+    ranks' partition watchdogs end the test process."""
+    for old in _GRAVE:
+        if isinstance(old, Harness) and not old.closed and old.ended:
+            old.coord.close()
+            old.closed = True
+
+
 @dataclass
 class Fault:
     replica: int
@@ -341,6 +353,7 @@ class Harness:
             replicas=replicas, host="127.0.0.1", port=0, stale_s=stale_s,
             join_timeout_s=timeout_s, log_path=str(self.log), store_shards=store_shards))
         self.port = self.coord.start()
+        self.ended = self.closed = False
         self._stop = threading.Event()
         self._serve = threading.Thread(target=self.coord.serve, args=(self._stop.is_set,),
                                        name="inproc-coordinator", daemon=True)
@@ -348,6 +361,7 @@ class Harness:
         # Every rank waits here after its reduce, so all of them write outcomes and propose a
         # decision at the same moment (failure-free runs only: a dead rank would break it).
         self.barrier = threading.Barrier(len(self.ranks)) if setup.barrier_at_commit else None
+        _close_ended()
         _GRAVE.append(self)
 
     def config(self, replica: int) -> ReplicaConfig:
@@ -372,6 +386,7 @@ class Harness:
                 rank.done.wait(0.02)
         self._stop.set()
         self._serve.join(10)
+        self.ended = not self._serve.is_alive()
         self._release_finished()
         errors = {r.name: r.error for r in self.ranks.values() if r.error}
         assert not errors, "\n".join(f"rank {k}:\n{v}" for k, v in errors.items())
