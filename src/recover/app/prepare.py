@@ -21,6 +21,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import sys
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -488,6 +489,9 @@ def run_cli(argv: list[str]) -> int:
         meta = prepare(args)
     except RecoverError as e:
         return usage_line("recover prepare", e)
+    except KeyboardInterrupt:  # the pool and the half-written folder are gone already
+        print("recover prepare: interrupted", file=sys.stderr)
+        return 130
     tr, va = meta["splits"]["train"], meta["splits"]["val"]
     print(f"recover prepare: {tr['tokens']:,} train tokens ({tr['documents']:,} documents) and "
           f"{va['tokens']:,} val tokens in {len(meta['shards'])} {meta['dtype']} shards, "
