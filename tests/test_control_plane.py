@@ -5,12 +5,14 @@
   whose plan is implied by the last commit instead of read from the store.
 - The store's key count stays flat over many steps: the protocol deletes old steps' keys
   (recovery/lifetime.py), the metrics sink the step records.
+- With store shards a communicator's rendezvous asks the main store nothing.
 - The reduce's verification is exact for bf16 and fp16 gradients and for N = 65,536 ids; beyond
   the proven limits the engine refuses to start, with a clear error.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 
@@ -21,7 +23,8 @@ from rich.console import Console
 from recover.app.train.metrics import MetricsSink
 from recover.collectives import keys, shards
 from recover.recovery.step import MAX_MICROBATCHES
-from recover.testing.inproc import Harness
+from recover.testing.inproc import Fault, Harness
+from recover.testing.storecount import Tally, counting_connect
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -132,3 +135,29 @@ def test_limits_are_refused_clearly() -> None:
     member.replicas = (1 << 16) + 1
     with pytest.raises(ValueError, match="replicas exceed 65536"):
         StepEngine(member, comm, torch.zeros(1), 8)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("n_shards", [0, 2])
+def test_rendezvous_goes_to_the_shards(tmp_path: Path, n_shards: int,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """With store shards, every communicator's rendezvous (barrier, gloo addresses, gloo's own
+    exchange), the first build and the rebuild after a kill, asks the main store nothing: each
+    position meets on shard position % S. Without shards (the control) it all goes there."""
+    h = Harness(tmp_path, 3, positions=2, n=6, steps=3, store_shards=n_shards,
+                faults=[Fault(1, 1, "compute", j=0)])
+    tally = Tally(keep_keys=True)  # every client the ranks open, counted by server
+    monkeypatch.setattr(keys, "connect_store", counting_connect(keys.connect_store, tally, h.port))
+    h.run()
+    h.check([0, 2])
+    comm = re.compile(r"^gen(\d+)/pos(\d+)/")
+    on_main = {k for k in tally.keys.get("main", ()) if comm.match(k)}
+    gens = {int(m.group(1)) for k in on_main if (m := comm.match(k))}
+    if n_shards == 0:
+        assert gens == {0, 1} and any("/pg/" in k for k in on_main), sorted(on_main)[:5]
+        return
+    assert not on_main, sorted(on_main)[:5]
+    ports = [int(s.port) for s in h.coord.shards]
+    for p in range(2):
+        seen = {m.groups() for k in tally.keys.get(f"shard:{ports[p % n_shards]}", ())
+                if (m := comm.match(k))}
+        assert {("0", str(p)), ("1", str(p))} <= seen, (p, sorted(seen))

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo
 
-from recover.collectives import keys, sever
+from recover.collectives import keys, sever, shards
 from recover.collectives.member import Member
 from recover.collectives.netif import GlooInterface, GlooInterfaceError, is_loopback
 from recover.collectives.reaper import retire
@@ -117,8 +117,14 @@ class FaultTolerantComm:
         # on one was reset, and gloo lost it (docs/MEASUREMENTS.md, "Severing a gloo operation").
         self._closing: list[socket.socket] = []
         self._holding: list[_Held] = []
-        self._waiter = KeyWaiter(member)  # blocking reads for the build barrier
-        self._spare = SpareClient(member.store.clone)  # each build's own rendezvous client
+        # Where every group of this position meets (barrier, addresses, gloo's own exchange):
+        # the main store, or with store shards the one shard every member of the position picks
+        # alike, a joiner and a rank that skipped generations too (`shards.rendezvous_shard`).
+        # Why: a rebuild makes O(R) lookups per member; on the main store that was its largest
+        # work per failure (docs/DESIGN.md, "Scaling the control plane").
+        self.rendezvous = self._rendezvous_store(member, position)
+        self._waiter = KeyWaiter(member, self.rendezvous)  # blocking reads for the build barrier
+        self._spare = SpareClient(self.rendezvous.clone)  # each build's own rendezvous client
         # Cumulative, for profilers: seconds building groups / in barriers / in reduces, this
         # process's CPU seconds (every thread) while it built groups (barrier included), and
         # the collectives issued (one per tensor of a reduce).
@@ -238,6 +244,15 @@ class FaultTolerantComm:
         self._spare.close()
 
     # -- internals ---------------------------------------------------------------------------
+    @staticmethod
+    def _rendezvous_store(member: Member, position: int) -> Any:
+        """The main store without shards; else a client of this position's shard, connected
+        now (a rebuild opens no connection on its critical path: its clients are clones)."""
+        count = len(getattr(member, "shard_ports", None) or [])
+        if count == 0:
+            return member.store
+        return member.connect_shard(shards.rendezvous_shard(position, count))
+
     def _lost_since(self, g: int) -> list[int]:
         newest = self.member.generation()
         if newest == g:
@@ -259,7 +274,7 @@ class FaultTolerantComm:
                                 self.member.coordinator_remote)
                 if self.backend == "gloo" else None)
         if addr is not None:
-            self.member.store.set(keys.gloo_addr(prefix, rank), addr)
+            self.rendezvous.set(keys.gloo_addr(prefix, rank), addr)
         self._barrier(g, prefix, size)
         self._close_old()  # every member left the older generations' ops by now
         if addr is not None and is_loopback(addr):
@@ -316,9 +331,9 @@ class FaultTolerantComm:
     def _peer_addrs(self, prefix: str, rank: int, size: int) -> list[str] | None:
         """The addresses the group's other ranks bind (None: one of them published none)."""
         names = [keys.gloo_addr(prefix, r) for r in range(size)]
-        if not self.member.store.check(names):
+        if not self.rendezvous.check(names):
             return None
-        addrs = self.member.store.multi_get(names)
+        addrs = self.rendezvous.multi_get(names)
         return [a.decode() for r, a in enumerate(addrs) if r != rank]
 
     def _barrier(self, g: int, prefix: str, size: int) -> None:
@@ -330,7 +345,7 @@ class FaultTolerantComm:
         newer generation) instead of polling the count: at 64 ranks, polling every 2 ms was
         ~30k store requests a second during a rebuild, which slowed every survivor's protocol
         round trips through the one store server."""
-        store = self.member.store
+        store = self.rendezvous
         rank = self.member.members(g).index(self.member.replica)
         store.set(f"{prefix}/arrived/{rank}", "1")
         if store.add(f"{prefix}/arrive", 1) >= size:

@@ -20,6 +20,12 @@ shard's ranks that are left waiting (their leader died, or their count can never
 woken by the newer generation that a death publishes, and then decide on evidence through the
 main store, as with one store. Work per step: 2 requests per rank on its shard (4 for a leader: 2
 more on the main store), so the main server handles 2 S and each shard 2 G / S.
+
+The cross-replica communicators meet on the shards too: every group of position p (its barrier,
+its gloo addresses, gloo's own address exchange) on shard `p % S`, a function of the position
+alone, so every member of a group picks the same shard (a joiner, and a rank that skipped
+generations, too), and knows it before any generation exists. The main store then serves none of
+a rebuild's O(R) lookups per member.
 """
 
 from __future__ import annotations
@@ -34,6 +40,11 @@ from recover.collectives import keys
 def shard_of(replica: int, position: int, positions: int, shards: int) -> int:
     """The shard a rank counts on."""
     return (replica * positions + position) % shards
+
+
+def rendezvous_shard(position: int, shards: int) -> int:
+    """The shard where the communicators of `position` meet (see the module's docstring)."""
+    return position % shards
 
 
 def totals(members: Iterable[int], positions: int, shards: int) -> dict[int, int]:

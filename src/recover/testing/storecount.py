@@ -1,0 +1,121 @@
+"""Store clients that count the requests they send, per server: the main store or a shard.
+
+Invariants:
+- A `CountedStore` forwards every call to its real client unchanged, and counts each call that
+  makes requests of the server once (a `get` that the server answers after waiting is one call,
+  as the engine's round trips are counted), under its server's label, with the keys it names.
+  Its clones count into the same `Tally`, so wrapping the one client a process connects first
+  counts every client it opens from it (background threads' and gloo's clones included).
+- The tally keeps every wrapper alive: gloo holds its store through a C++ pointer, and a Python
+  store object that was collected leaves that pointer without methods ("Not implemented").
+- Client-side: the server's own work per call (a wait, then a read, for a blocking `get`) is not
+  split out; every count here is a call a client made.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch.distributed as dist
+
+
+class Tally:
+    """Calls per server label, and (when `keep_keys`) the keys each server was asked about."""
+
+    def __init__(self, keep_keys: bool = False) -> None:
+        self.calls: Counter[str] = Counter()
+        self.keys: dict[str, set[str]] = {}
+        self.keep_keys = keep_keys
+        self._lock = threading.Lock()
+        self._alive: list[CountedStore] = []
+
+    def note(self, where: str, names: Iterable[str]) -> None:
+        with self._lock:
+            self.calls[where] += 1
+            if self.keep_keys:
+                self.keys.setdefault(where, set()).update(names)
+
+    def keep(self, store: CountedStore) -> None:
+        with self._lock:
+            self._alive.append(store)
+
+    def total(self, where: str) -> int:
+        with self._lock:
+            return self.calls[where]
+
+
+class CountedStore(dist.Store):
+    """A counting wrapper of one store client (see the module's invariants)."""
+
+    def __init__(self, inner: Any, tally: Tally, where: str) -> None:
+        super().__init__()
+        self._inner, self._tally, self._where = inner, tally, where
+        tally.keep(self)
+
+    def _count(self, *names: str) -> None:
+        self._tally.note(self._where, names)
+
+    def set(self, key: str, value: Any) -> None:
+        self._count(key)
+        self._inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self._count(key)
+        return self._inner.get(key)
+
+    def add(self, key: str, value: int) -> int:
+        self._count(key)
+        return self._inner.add(key, value)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        self._count(key)
+        return self._inner.compare_set(key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        self._count(*keys)
+        return self._inner.check(keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self._count(*keys)
+        return self._inner.multi_get(keys)
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        self._count(*keys)
+        self._inner.multi_set(keys, values)
+
+    def delete_key(self, key: str) -> bool:
+        self._count(key)
+        return self._inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        self._count()
+        return self._inner.num_keys()
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        self._count(*keys)
+        if timeout is None:
+            self._inner.wait(keys)
+        else:
+            self._inner.wait(keys, timeout)
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:  # the client's own: no request
+        self._inner.set_timeout(timeout)
+
+    def clone(self) -> CountedStore:
+        return CountedStore(self._inner.clone(), self._tally, self._where)
+
+
+def counting_connect(connect: Callable[[str, int, float], Any], tally: Tally, main_port: int
+                     ) -> Callable[[str, int, float], Any]:
+    """`connect(host, port, timeout_s)` whose clients count: "main" for `main_port`, else
+    "shard:<port>" (for `keys.connect_store`, in a test that counts every client it opens)."""
+
+    def wrapped(host: str, port: int, timeout_s: float) -> CountedStore:
+        where = "main" if port == main_port else f"shard:{port}"
+        return CountedStore(connect(host, port, timeout_s), tally, where)
+
+    return wrapped
