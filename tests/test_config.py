@@ -17,7 +17,7 @@ from recover.parallel import LAYOUTS as PARALLEL_LAYOUTS
 
 # Today's trajectory: everything a failure-free loss curve depends on, nothing it does not.
 TRAJECTORY = {f"model.{f}" for f in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd",
-                                     "dropout", "bias")} | {
+                                     "dropout", "bias", "identity", "hf_config")} | {
     f"optim.{f}" for f in ("lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2",
                            "grad_clip")} | {
     f"data.{f}" for f in ("path", "sampling", "val_fraction", "microbatches", "microbatch_size",

@@ -1,4 +1,4 @@
-"""The `recover` command line: train | coordinator | simulate | bench.
+"""The `recover` command line: train | sample | export | coordinator | simulate | bench | prepare.
 
 Invariant: a user mistake ends in one readable line on stderr and a non-zero exit, never a
 traceback (`recover.errors.usage_line`, exit 2 for a bad flag, value or path, checked before any
@@ -204,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-level", choices=LOG_LEVELS, default="info", help=LOG_HELP)
     sub = ap.add_subparsers(dest="cmd", required=True)
     _train_parser(sub)
+    sub.add_parser("sample", help="print text sampled from a trained run's newest checkpoint")
+    sub.add_parser("export", help="write a trained run's newest checkpoint as safetensors "
+                   "(or a transformers folder)")
     sub.add_parser("coordinator", help="run the control plane for a multi-node job")
     sub.add_parser("simulate", help="cluster-scale discrete-event simulator")
     sub.add_parser("bench", help="recover vs checkpoint-restart vs shrink-batch, side by side")
@@ -226,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     if level is not None and level not in LOG_LEVELS:
         return usage_line("recover", f"--log-level {level!r}: choose from {', '.join(LOG_LEVELS)}")
     logs.setup(level or "info", export=True)  # worker processes inherit the level
-    if rest and rest[0] in ("coordinator", "simulate", "bench", "prepare"):
+    if rest and rest[0] in ("coordinator", "simulate", "bench", "prepare", "sample", "export"):
         return _run_tool(rest[0], rest[1:])
     args = build_parser().parse_args(argv)
     logs.setup(args.log_level, export=True)  # `recover train --log-level L` may override
@@ -244,9 +247,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_tool(cmd: str, argv: list[str]) -> int:
-    """The commands that parse their own arguments: coordinator, simulate, bench, prepare."""
+    """The commands that parse their own arguments: coordinator, simulate, bench, prepare,
+    sample, export."""
     if cmd == "coordinator":
         return cmd_coordinator(argv)
+    if cmd == "sample":
+        from recover.app.sample import run_cli as sample_cli
+
+        return sample_cli(argv)
+    if cmd == "export":
+        from recover.app.export import run_cli as export_cli
+
+        return export_cli(argv)
     if cmd == "prepare":
         from recover.app.prepare import run_cli as prepare_cli
 

@@ -151,11 +151,28 @@ class ModelConfig:
     dropout: float = setting(0.0, "dropout probability (seeded per microbatch id)",
                              trajectory=True, bounds=FRACTION)
     bias: bool = setting(True, "biases in linear layers and norms", flag=None, trajectory=True)
+    # Where the model comes from, not what it is: `identity` and `hf_config` (filled in at launch
+    # by recover.app.train.foreign.resolve) are the trajectory, so a moved config folder resumes.
+    name: str = setting("gpt", "the model: gpt (recover's own, shaped by the flags above), "
+                        "hf:PATH (a transformers causal LM from PATH/config.json, random init) or "
+                        "module:function (your factory f(vocab_size, block_size) -> nn.Module; "
+                        "module: a dotted name or a path/to/file.py)", flag="--model",
+                        metavar="MODEL")
+    identity: str = setting("gpt", "what the model is: gpt, hf:<sha256 of its config>, or "
+                            "module:<spec>", flag=None, trajectory=True)
+    hf_config: dict[str, Any] | None = setting(None, "an hf: model's config.json, as read at "
+                                               "launch", flag=None, trajectory=True)
 
     def validate(self) -> None:
         _check_fields(self)
         _need(self.n_embd % self.n_head == 0,
               f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        where, _, attr = self.name.rpartition(":")
+        _need(self.name == "gpt" or (self.name.startswith("hf:") and self.name[3:].strip() != "")
+              or (where != "" and all(p.isidentifier() for p in attr.split("."))),
+              f"--model {self.name!r}: expected gpt, hf:PATH or module:function")
+        _need(self.hf_config is None or isinstance(self.hf_config, dict),
+              "ModelConfig.hf_config must be a JSON object")
 
 
 @dataclass
@@ -440,6 +457,10 @@ class RunConfig:
     def _validate_layout(self) -> None:
         """A multi-rank replica layout (recover.parallel) that can run this model and batch."""
         m, lay, b = self.model, self.layout, self.data.microbatch_size
+        # tp and pp plans name the GPT's submodules (parallelize.py); FSDP2 needs no names.
+        _need(m.name == "gpt" or lay.name in ("plain", "hsdp"),
+              f"--model {m.name} supports --layout plain and hsdp only (got {lay.name}): the tp "
+              "and pp plans are written for recover's GPT")
         uses = {"shards": lay.name == "hsdp", "tp": lay.name in ("tp", "tp,pp"),
                 "stages": lay.name in ("pp", "tp,pp")}
         for name, used in uses.items():

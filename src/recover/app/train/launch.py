@@ -28,6 +28,7 @@ from rich.console import Console
 from recover.app.config import RunConfig, fingerprint, flatten
 from recover.app.faults import validate_faults
 from recover.app.runtoken import resume_token, run_token
+from recover.app.train import foreign
 from recover.app.train.data import prepare_data
 from recover.app.train.metrics import MetricsSink, truncate_metrics
 from recover.collectives import CoordinatorConfig, connect_store, keys, try_get
@@ -84,6 +85,7 @@ def prepare_run(cfg: RunConfig, console: Console | None = None) -> tuple[RunConf
     cfg.validate()
     validate_faults(cfg.ft.faults, cfg.layout.replicas, cfg.run.steps,
                     cfg.layout.ranks_per_replica())
+    foreign.resolve(cfg.model)  # what the model is: compared on --resume, in the fingerprint
     out = Path(cfg.run.out)
     start = 0
     if cfg.run.resume:
@@ -98,6 +100,7 @@ def prepare_run(cfg: RunConfig, console: Console | None = None) -> tuple[RunConf
     meta = prepare_data(cfg.data.path, out / "data", cfg.data.val_fraction, cfg.model.block_size)
     if meta["vocab_size"] > cfg.model.vocab_size:
         cfg.model.vocab_size = int(meta["vocab_size"])
+    foreign.check_fits(cfg.model, int(meta["vocab_size"]))
     tmp = out / "config.json.tmp"
     tmp.write_text(cfg.to_json())
     os.replace(tmp, out / "config.json")
@@ -165,9 +168,13 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
     replica exit ends every replica by PID, as torchrun's agent does; see `RunResult.aborted`.
     """
     console = console or Console(stderr=True)
+    # Before the fork server starts: it then preloads what a foreign model needs (transformers),
+    # imported here already, and every replica is forked with it.
+    foreign.resolve(cfg.model)
     # The fork server imports torch while the run is prepared. None for external workers: the
     # coordinator is then the only local process.
-    spawner = Spawner(PRELOAD, fork=False if external_workers else None).warm()
+    spawner = Spawner((*PRELOAD, *foreign.preload(cfg.model)),
+                      fork=False if external_workers else None).warm()
     try:
         cfg, start = prepare_run(cfg, console)
         truncate_metrics(Path(cfg.run.out) / "metrics.jsonl", start)
@@ -258,7 +265,8 @@ class _Launch:
                 _say(console, f"recover: {cfg.layout.replicas} replicas, "
                               f"N={cfg.data.microbatches} microbatches x "
                               f"{cfg.data.microbatch_size} x {cfg.model.block_size} tokens, "
-                              f"steps {self.start}..{self.end - 1}, out {self.out}")
+                              f"model {cfg.model.name}, steps {self.start}..{self.end - 1}, "
+                              f"out {self.out}")
             message = self.supervise(sink, external, console, quiet)
             if watch is not None:
                 watch.stop()

@@ -1,4 +1,5 @@
-"""The reference GPT laid out as one rank of a replica: plain, hsdp, tp, pp or tp,pp.
+"""The run's model laid out as one rank of a replica: plain, hsdp, tp, pp or tp,pp (a foreign
+model, `--model hf:` or `module:`, plain or hsdp).
 
 Invariant: whatever the layout, `forward_backward(x, y)` adds this rank's share of
 grad(mean loss of microbatch (x, y)) / N to its parameters' gradients and returns this rank's view
@@ -18,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from recover.app.config import RunConfig
-from recover.app.train.model import build_model
+from recover.app.train import foreign
 from recover.settings import LaunchEnv
 
 
@@ -60,10 +61,10 @@ def build(cfg: RunConfig, host: str, port: int, replica: int, rank: int,
     """This rank's model in the run's layout (multi-rank layouts: joins the replica's group,
     checked against the run's `token` first)."""
     device = device_of(cfg, replica, rank)
-    model = build_model(cfg.model, cfg.run.seed).to(device)
-    n, amp = cfg.data.microbatches, autocast(cfg, device)
+    model = foreign.build_lm(cfg.model, cfg.run.seed).to(device)
+    n, amp, loss = cfg.data.microbatches, autocast(cfg, device), foreign.loss_fn(cfg.model)
     if cfg.layout.name == "plain":
-        return _dense(model, n, None, lambda t: t.to(device), amp)
+        return _dense(model, n, None, lambda t: t.to(device), amp, loss)
     from recover.app.train import parallelize as plan  # DTensor/FSDP2: seconds to import
     from recover.parallel import init_replica_group, replica_mesh
     from recover.parallel.hsdp import local_rows
@@ -75,10 +76,12 @@ def build(cfg: RunConfig, host: str, port: int, replica: int, rank: int,
     parts = cfg.layout.name.split(",")
     if "tp" in parts:
         plan.tensor_parallel(model, mesh)
-    if cfg.layout.name == "hsdp":
+    if cfg.layout.name == "hsdp" and foreign.kind(cfg.model.name) == "gpt":
         plan.fully_shard_gpt(model, mesh)
+    elif cfg.layout.name == "hsdp":
+        plan.fully_shard_foreign(model, mesh)
     if "pp" not in parts:
-        return _dense(model, n, mesh, lambda t: local_rows(t, mesh), amp)
+        return _dense(model, n, mesh, lambda t: local_rows(t, mesh), amp, loss)
     pipe = plan.gpt_pipeline(model, mesh, n)
 
     def fb_pipe(x: Tensor, y: Tensor, before_backward: Callable[[], None]) -> float:
@@ -90,19 +93,19 @@ def build(cfg: RunConfig, host: str, port: int, replica: int, rank: int,
 
 
 def _dense(model: nn.Module, n: int, mesh: object | None, rows: Callable[[Tensor], Tensor],
-           amp: Amp) -> RankModel:
+           amp: Amp, loss_of: foreign.Loss) -> RankModel:
     """plain, hsdp, tp: the whole model on each rank, on `rows` of each microbatch."""
 
     def fb(x: Tensor, y: Tensor, before_backward: Callable[[], None]) -> float:
         with amp():  # the forward in --dtype; backward follows autocast's recorded casts
-            _, loss = model(rows(x), rows(y))
+            loss = loss_of(model, rows(x), rows(y))
         before_backward()
         (loss / n).backward()  # constant N, never the live replica count
         return float(loss.detach())
 
     def ev(x: Tensor, y: Tensor) -> float:
         with amp():
-            return float(model(rows(x), rows(y))[1])
+            return float(loss_of(model, rows(x), rows(y)))
 
     return RankModel(model, model, mesh, [], fb, ev)
 

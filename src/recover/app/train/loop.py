@@ -26,7 +26,7 @@ from torch.distributed import DistError
 from recover.app.config import RunConfig, replica_config
 from recover.app.faults import FaultInjector, validate_faults
 from recover.app.runtoken import run_token
-from recover.app.train import layout
+from recover.app.train import foreign, layout
 from recover.app.train.ckpt_rank import RankCheckpoints
 from recover.app.train.data import eval_batches, load_data, train_batches
 from recover.app.train.metrics import StepTimer, step_record
@@ -184,8 +184,9 @@ class Trainer:
             x, y = self.batches.batch(mb_id)
             if self.windows_log is not None:
                 self.log_windows(mb_id, step)
-            with torch.random.fork_rng(devices=[], enabled=m.dropout > 0):
-                if m.dropout > 0:  # dropout is the id's own (manual_seed costs ~0.25 ms a call)
+            seeded = foreign.seeded_forward(m)
+            with torch.random.fork_rng(devices=[], enabled=seeded):
+                if seeded:  # dropout is the id's own (manual_seed costs ~0.25 ms a call)
                     torch.manual_seed(id_seed(seed, mb_id, stream=1))
                 self.faults.at("forward", step, j)
                 return self.rm.forward_backward(x, y, lambda: self.faults.at("backward", step, j))

@@ -1,6 +1,7 @@
-"""The reference GPT's parallelize plans: how `recover.app.train.model.GPT` becomes a replica.
+"""The parallelize plans: how `recover.app.train.model.GPT` (or, FSDP2 only, a foreign model)
+becomes a replica.
 
-Invariant: a plan only relabels or partitions the GPT's parameters; the function every replica
+Invariant: a plan only relabels or partitions the model's parameters; the function every replica
 computes, and every AdamW update, are those of the plain model. The model owns its plans (as in
 torchtitan): `recover.parallel` holds only model-agnostic pieces (FSDP2 over a shard group, a
 GPipe schedule over any stage module, the mesh), and this module names the GPT's submodules
@@ -32,6 +33,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from recover.app.train.foreign import decoder_layers
 from recover.parallel.hsdp import shard_model
 from recover.parallel.pp import Pipeline, stage_blocks
 
@@ -81,6 +83,13 @@ def unpermute_state_dict(sd: dict[str, torch.Tensor], n_embd: int, tp: int
 def fully_shard_gpt(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """FSDP2 over the replica's shard group: one parameter group per transformer block."""
     return shard_model(model, mesh, model.blocks)
+
+
+def fully_shard_foreign(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """FSDP2 of a foreign model (`--model hf:` or `module:`): one parameter group per decoder
+    layer `foreign.decoder_layers` finds (e.g. a Llama's `model.layers`), else the whole model is
+    one. A foreign model has no tp or pp plan: those name the GPT's submodules."""
+    return shard_model(model, mesh, decoder_layers(model))
 
 
 class GPTStage(nn.Module):
