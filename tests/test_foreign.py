@@ -291,3 +291,44 @@ def test_sample_decodes_with_the_prepared_tokenizer(tmp_path: Path) -> None:
     assert codec.decode(ids) == "the cat" and codec.vocab == tok.get_vocab_size()
     (run / "data" / "meta.json").write_text(json.dumps({"source": "text"}))
     assert run_codec(run, None).encode("é") == [0xC3, 0xA9]  # bytes
+
+
+def test_every_layout_reads_back_as_the_plain_model() -> None:
+    """What `recover sample`/`export` read: a pipeline's stages (each numbering its blocks from 0,
+    the tied head in the last) and TP's permuted q/k/v rows, put back in the plain GPT's names and
+    order (plain and hsdp checkpoints already are: DCP joins FSDP2's shards)."""
+    from recover.app.train.parallelize import qkv_order
+    from recover.app.train.restore import plain_state
+
+    cfg = RunConfig()
+    cfg.model.n_layer = 4
+    plain = foreign.build_lm(cfg.model, 0).state_dict()
+    stages: dict[str, dict[str, torch.Tensor]] = {"stage0": {}, "stage1": {}}
+    for k, t in plain.items():
+        block = int(k.split(".")[1]) if k.startswith("blocks.") else None
+        first = k.startswith(("wte.", "wpe.")) or (block is not None and block < 2)
+        name = k if block is None else f"blocks.{block % 2}.{k.split('.', 2)[2]}"
+        stages["stage0" if first else "stage1"][name] = t
+    got = plain_state(stages, {"layout": "pp", "stages": 2}, cfg)
+    assert got.keys() == plain.keys() and all(torch.equal(got[k], plain[k]) for k in plain)
+
+    order = qkv_order(cfg.model.n_embd, 2)
+    tp = {k: (t[order] if "c_attn" in k else t) for k, t in plain.items()}
+    got = plain_state({"": tp}, {"layout": "tp", "tp": 2}, cfg)
+    assert all(torch.equal(got[k], plain[k]) for k in plain)
+
+
+def test_export_file_keeps_tied_weights_under_both_names(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from recover.app.export import save_state_file
+
+    gpt = foreign.build_lm(RunConfig().model, 0)  # lm_head.weight is wte.weight
+    save_state_file(gpt, tmp_path / "gpt.safetensors", {"format": "pt"})
+    got = load_file(tmp_path / "gpt.safetensors")
+    assert got.keys() == gpt.state_dict().keys()
+    assert torch.equal(got["lm_head.weight"], got["wte.weight"])
+    fresh = foreign.build_lm(RunConfig().model, 1)
+    fresh.load_state_dict(got, strict=True)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), gpt.parameters(),
+                                                   strict=True))

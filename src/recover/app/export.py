@@ -68,7 +68,7 @@ def export(run_dir: str, out: str) -> tuple[Path, str]:
             _save_hf(res.model, tmp, Path(run_dir), cfg.data.path)
             os.rename(tmp, dest)
         else:
-            _save_file(res.model, tmp / "model.safetensors", _metadata(res))
+            save_state_file(res.model, tmp / "model.safetensors", _metadata(res))
             os.rename(tmp / "model.safetensors", dest)
     except OSError as e:
         raise ConfigError(f"--out {out}: cannot write it: {e.strerror or e}") from None
@@ -95,7 +95,7 @@ def _metadata(res: Any) -> dict[str, str]:
                 sort_keys=True)}
 
 
-def _save_file(model: Any, path: Path, metadata: dict[str, str]) -> None:
+def save_state_file(model: Any, path: Path, metadata: dict[str, str]) -> None:
     """Every state_dict entry, each its own contiguous tensor: safetensors refuses tensors that
     share memory, so a tied weight's second name gets a copy (equal, bitwise)."""
     from safetensors.torch import save_file

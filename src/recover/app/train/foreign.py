@@ -60,7 +60,8 @@ def kind(name: str) -> str:
 # -- resolving a --model value, at launch --------------------------------------------------------
 def resolve(m: ModelConfig) -> ModelConfig:
     """Fill in `m.identity` (and for `hf:` the config it froze, `m.hf_config`) from `m.name`;
-    ConfigError (one line) if the config.json, the module or the function cannot be found."""
+    ConfigError (one line) if the config.json, the module or the function cannot be found, or
+    what they build is no causal LM (checked on the meta device: no memory, no RNG)."""
     k = kind(m.name)
     if k == "gpt":
         m.identity, m.hf_config = "gpt", None
@@ -68,7 +69,7 @@ def resolve(m: ModelConfig) -> ModelConfig:
         m.hf_config = read_hf_config(m.name[3:])
         # A causal LM transformers can build from this config: built on the meta device (no
         # memory, no RNG drawn), which also imports its modeling code for the fork server.
-        with torch.device("meta"):
+        with torch.device("meta"), torch.random.fork_rng(devices=[]):
             _hf_model(m)
         m.identity = "hf:" + config_digest(m.hf_config)
     else:

@@ -67,7 +67,7 @@ def load_run(run_dir: str | Path) -> Restored:
         raise ConfigError(f"--run {run_dir}: no checkpoint that verifies in {d / 'ckpt'}{why}")
     meta = read_manifest(path, key)  # authenticated, and its files checked by find_latest
     model = foreign.build_lm(cfg.model, cfg.run.seed)
-    state = _plain_names(_read_model_state(path), meta.get("layout") or {}, cfg)
+    state = plain_state(_read_model_state(path), meta.get("layout") or {}, cfg)
     _check_complete(model, state, path)
     try:
         model.load_state_dict(state, strict=False)  # a tied weight's second name may be absent
@@ -113,7 +113,7 @@ def _read_model_state(path: Path) -> dict[str, dict[str, torch.Tensor]]:
     return scopes
 
 
-def _plain_names(state: dict[str, dict[str, torch.Tensor]], layout: dict[str, Any],
+def plain_state(state: dict[str, dict[str, torch.Tensor]], layout: dict[str, Any],
                  cfg: RunConfig) -> dict[str, torch.Tensor]:
     """One state dict in the plain model's names and row order, from any layout's."""
     if layout.get("stages", 1) > 1:
