@@ -35,7 +35,8 @@ FIGURES = {
     "degraded": ("degraded_efficiency",),
     "memory": ("extra_grad_buffers",),
     "overhead": ("overhead_ratio", "cpu_overhead_ratio"),
-    "scale": ("scale_protocol_ratio", "store_ops_per_rank_step"),
+    "scale": ("main_store_requests_per_failure_per_replica", "store_ops_per_rank_step",
+              "recovery_cpu_ratio"),
     "recovery": ("recovery_median_s",),
 }  # longest first: the pool's lanes then end about together
 SCRIPT_S = 180.0  # one script's limit (5-30 s each on an idle 2-core machine)

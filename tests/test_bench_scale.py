@@ -68,12 +68,54 @@ def test_breakdown_follows_the_last_survivor() -> None:
 def test_curve_keeps_the_simulators_schema() -> None:
     row = {"ranks": 4, "replicas": 4, "positions": 1, "store_ops": 3.0, "control_s": 0.001,
            "control_cpu_s": 0.0005, "detect": 0.04, "agree": 0.01, "rebuild": 0.005,
-           "rebuild_cpu": 0.001, "store_cpu": 0.01, "reduce": 0.002, "recovery_ops": 2.0}
+           "rebuild_cpu": 0.001, "store_cpu": 0.01, "reduce": 0.002, "recovery_ops": 2.0,
+           "main_reqs": 3.5, "shard_reqs": 12.0}
     data = scale.curve([{**row, "ranks": 16, "replicas": 16}, row,
-                        {**row, "positions": 8, "ranks": 64, "replicas": 8}], "here")
+                        {**row, "positions": 8, "ranks": 64, "replicas": 8}], "here", 2)
     assert list(data) == ["source", "ranks", "group", "store_ops_per_rank_step",
                           "control_plane_s", "control_plane_cpu_s", "detect_s", "agree_s",
                           "rebuild_s", "rebuild_cpu_s", "store_cpu_s",
-                          "recovery_store_ops_per_rank", "reduce_s"]
+                          "recovery_store_ops_per_rank", "reduce_s",
+                          "failure_main_requests_per_replica",
+                          "failure_shard_requests_per_replica", "store_shards"]
     assert data["ranks"] == [4, 16]  # P = 1 only, sorted by ranks
     assert data["group"] == [4, 16]  # each rebuilt group: one member per replica
+
+
+def counted(t: int, commit: float, main: int, shard: int, gen: int = 0, cpu: float = 0.0,
+            marks: tuple = ()) -> dict:
+    """A step record with cumulative request counts and its commit's CPU clock."""
+    return {"step": t, "gen": gen, "t_commit": commit, "main_reqs": main, "shard_reqs": shard,
+            "cpu_commit": cpu, "marks": [list(m) for m in marks]}
+
+
+def test_failure_requests_count_the_window_less_the_new_memberships_rate() -> None:
+    # Killed at 10.5 during step 3; the failure-free steps cost (main, shard) = (2, 4) a step
+    # before the kill, and (3, 4) after it (this rank now also deletes old keys).
+    def rank(extra_main: int, extra_shard: int) -> list[dict]:
+        recs = [counted(t, 10.0 + t * 0.1, 2 * t, 4 * t) for t in range(3)]  # steps 0..2
+        main, shard = 4 + extra_main, 8 + extra_shard
+        for t in range(3, 3 + 1 + scale.TAIL + scale.AFTER):  # step 3 committed in gen 1
+            main, shard = main + 3, shard + 4
+            recs.append(counted(t, 11.0 + t * 0.1, main, shard, gen=1))
+        return recs
+
+    steps = {(0, 0): rank(5, 20), (2, 0): rank(1, 20)}
+    got = scale.failure_requests(steps, 10.5, 0, coord=4.0)
+    # each rank's window: steps 3..3+TAIL, its extra over 3 a step; the coordinator's 4 too
+    assert got["main_reqs"] == pytest.approx((5 + 1 + 4) / 2)
+    assert got["main_max"] == pytest.approx(5)
+    assert got["shard_reqs"] == pytest.approx(20)
+    with pytest.raises(ValueError):  # no steps after the window: no rate to subtract
+        scale.failure_requests({k: v[:-1] for k, v in steps.items()}, 10.5, 0, coord=0.0)
+
+
+def test_recovery_cpu_runs_from_the_last_reading_before_the_kill_to_the_first_new_commit() -> None:
+    # Killed at 10.5. a: its last reading before is at 10.2 (0.50 s of CPU; the one at 10.6 is
+    # after), its first commit in generation 1 at 0.80; b: its commit at 10.4 (0.60), then 0.70.
+    a = [counted(0, 10.0, 0, 0, cpu=0.40, marks=((10.2, 0.50), (10.6, 0.55))),
+         counted(1, 11.0, 0, 0, gen=1, cpu=0.80), counted(2, 12.0, 0, 0, gen=1, cpu=0.90)]
+    b = [counted(0, 10.4, 0, 0, cpu=0.60), counted(1, 10.9, 0, 0, gen=1, cpu=0.70)]
+    assert scale.recovery_cpu({(0, 0): a, (1, 0): b}, 10.5, 0) == pytest.approx(0.30)
+    with pytest.raises(ValueError):  # nothing read before the kill
+        scale.recovery_cpu({(0, 0): a}, 9.0, 0)

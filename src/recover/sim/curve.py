@@ -23,7 +23,14 @@ measured scale, times in seconds. `ranks` = R x P processes of the job; `group` 
   failure-free steps' worth: reported beside the assumptions, not charged.
 - recovery_store_ops_per_rank (optional): the store round trips a failure adds to a survivor's
   step (the most any survivor made, less a failure-free step's), charged per failure on the
-  main store (`recover.sim.scale.recovery_store_s`);
+  main store (`recover.sim.scale.recovery_store_s`) when the next column is absent;
+- failure_main_requests_per_replica (optional): every request the main store served because of
+  a failure (the ranks' every client, and the coordinator's publication), per surviving replica
+  of one rank (P = 1), measured with `store_shards` shards (an optional number: 0, one store,
+  puts the rendezvous in this column); charged per rank (`recovery_store_s`);
+- failure_shard_requests_per_replica (optional): the same on the store shards, where the
+  rebuilt communicator's rendezvous goes (barrier, addresses, gloo's address exchange: O(R) per
+  member), per member of the rebuilt group (`recover.sim.scale.rendezvous_store_s`);
 - store_request_cpu_s (optional, one number): the store server's CPU time per request, measured
   apart (`bench/_store_rate.py`): charged (`recover.sim.scale.store_serial_s`) as each store
   server handling its ranks' failure-free requests of a step one after another.
@@ -51,11 +58,16 @@ DEFAULT_CURVE = Path(__file__).parent / "data" / "scale_curve.json"
 COST_COLUMNS = ("control_plane_s", "detect_s", "agree_s", "rebuild_s", "rebuild_cpu_s",
                 "reduce_s")
 COLUMNS = ("store_ops_per_rank_step", *COST_COLUMNS)
-OPTIONAL = ("store_cpu_s", "control_plane_cpu_s", "recovery_store_ops_per_rank")
-GROUP_COLUMNS = ("rebuild_s", "rebuild_cpu_s", "reduce_s", "store_cpu_s")  # of the group's size
+OPTIONAL = ("store_cpu_s", "control_plane_cpu_s", "recovery_store_ops_per_rank",
+            "failure_main_requests_per_replica", "failure_shard_requests_per_replica")
+# Of the group's size (the rest: of the job's ranks)
+GROUP_COLUMNS = ("rebuild_s", "rebuild_cpu_s", "reduce_s", "store_cpu_s",
+                 "failure_shard_requests_per_replica")
 MIXED = {
     "store_ops_per_rank_step": "log2",
     "recovery_store_ops_per_rank": "log2",
+    "failure_main_requests_per_replica": "log2",  # O(1) per rank: redo, chain, evidence
+    "failure_shard_requests_per_replica": "linear",  # a full mesh's rendezvous: O(R) per member
     "control_plane_s": "log2",
     "control_plane_cpu_s": "log2",
     "detect_s": "log2",
@@ -105,6 +117,7 @@ class ScaleCurve:
     values: dict[str, list[float]]
     group: list[int] | None = None  # None: = ranks (one rank per replica)
     request_cpu_s: float | None = None  # the store server's CPU per request (None: not measured)
+    store_shards: int | None = None  # the shards the measurement ran with (None: not said)
 
     def sizes(self, column: str) -> list[int]:
         """The x of `column`'s measurements (see `x_of`)."""
@@ -164,6 +177,10 @@ def load_curve(path: str | Path | None = None) -> ScaleCurve:
     if req is not None and (not isinstance(req, (int, float)) or isinstance(req, bool)
                             or not math.isfinite(req) or req < 0):
         raise ConfigError(f"scale curve {p}: store_request_cpu_s must be a number >= 0")
+    shards = doc.get("store_shards")
+    if shards is not None and (not isinstance(shards, int) or isinstance(shards, bool)
+                               or shards < 0):
+        raise ConfigError(f"scale curve {p}: store_shards must be an integer >= 0")
     source = str(doc.get("source") or "(the file names no source)")
     return ScaleCurve(str(p), source, list(ranks), values, group,
-                      None if req is None else float(req))
+                      None if req is None else float(req), shards)

@@ -26,8 +26,10 @@ Assumptions:
   checkpoint is rolled back.
 - recover: per failure, detect and agree from the measured scale curve (`curve.py`) extrapolated
   to the job's ranks = GPUs (every rank talks to the one coordinator), plus the main store's
-  serial work for the round trips the failure adds to every rank's step (`recovery_store_s`:
-  the curve's agree was measured where the store served at most 128 ranks), then the rebuild of
+  serial work for every request the failure makes of it (`recovery_store_s`: the curve's agree
+  was measured where the store served at most 128 ranks), plus the busiest store server's
+  serial work for the rebuild's rendezvous (`rendezvous_store_s`: with shards, position p's
+  group meets on shard p mod S; gloo's full mesh asks O(R) per member), then the rebuild of
   the cross-replica groups, extrapolated to the size of one group, R = GPUs / 128 (781 at 100,000
   GPUs; one group per position, built in parallel), then the lost quota recomputed on the
   survivors, then the redone reduce: one more cross-replica all-reduce of the gradient, priced
@@ -39,8 +41,8 @@ Assumptions:
 - The rebuild per group member is contention-free: the curve's `rebuild_cpu_s`, the rebuilding
   rank's own CPU time (every thread) on the measuring machine, where R ranks shared 2 cores so
   its wall time mostly waited for a core. A cluster gives each rank its own cores; the network
-  latency of the rendezvous and the store server's load (O(R) lookups per member through one
-  store) are not in that figure. The wall-clock fit (`rebuild_s`) is reported as a sensitivity
+  latency of the rendezvous is not in that figure (the store servers' work for it is charged
+  apart, `rendezvous_store_s`). The wall-clock fit (`rebuild_s`) is reported as a sensitivity
   line (`--rebuild wall` charges it).
 - shrink-batch (torchft): the same detection, agreement, rebuild and control plane as recover (so
   the comparison isolates the batch policy); the faulted step is discarded and the batch shrinks
@@ -165,15 +167,41 @@ def store_serial_s(spec: ScaleSpec, fits: dict[str, Fit], gpus: int) -> float:
     return (ops * math.ceil(gpus / shards) + 2 * shards) * per
 
 
+MAIN_FAILURE_COLUMNS = ("failure_main_requests_per_replica", "recovery_store_ops_per_rank")
+
+
 def recovery_store_s(spec: ScaleSpec, fits: dict[str, Fit], gpus: int) -> float:
-    """The main store's serial work for one failure at `gpus` ranks: every rank's extra round
-    trips of the recovery step (the curve's recovery_store_ops_per_rank; the failed attempt's
-    decision and the chain's extension go to the main store, shards or not) one after another.
-    0 in "wall" mode, or when the curve did not measure it."""
-    if control_mode(spec) == "wall" or "recovery_store_ops_per_rank" not in fits:
+    """The main store's serial work for one failure at `gpus` ranks: every rank's requests
+    because of it (the failed attempt's decision, the chain's extension, evidence counts,
+    generation reads, deletions; the coordinator's publication), one after another: the curve's
+    failure_main_requests_per_replica (one rank per replica there; here each of a replica's
+    ranks asks as much: no speaker per replica), else (an older curve) the engine's own
+    recovery_store_ops_per_rank. 0 in "wall" mode, or when the curve measured neither."""
+    column = next((c for c in MAIN_FAILURE_COLUMNS if c in fits), None)
+    if control_mode(spec) == "wall" or column is None:
         return 0.0
     per = float(spec.curve.request_cpu_s or 0.0)  # type: ignore[union-attr]
-    return fits["recovery_store_ops_per_rank"](gpus) * gpus * per
+    return fits[column](gpus) * gpus * per
+
+
+def rendezvous_groups(spec: ScaleSpec, gpus: int, replicas: int) -> int:
+    """How many of the rebuilt groups (one per position) meet on the busiest store server:
+    with S shards, position p's on shard p mod S (collectives/shards.py); with one store, all."""
+    positions = max(1, gpus // max(1, replicas))
+    shards = shards_for(gpus) if control_mode(spec) == "cpu" else 0
+    return math.ceil(positions / shards) if shards > 1 else positions
+
+
+def rendezvous_store_s(spec: ScaleSpec, fits: dict[str, Fit], gpus: int, replicas: int) -> float:
+    """The busiest store server's serial work for the rebuild's rendezvous after a failure:
+    `rendezvous_groups` groups of `replicas` members, each member's requests the curve's
+    failure_shard_requests_per_replica at that group size (gloo's full mesh: O(R) each).
+    0 in "wall" mode, or when the curve did not measure it."""
+    column = "failure_shard_requests_per_replica"
+    if control_mode(spec) == "wall" or column not in fits:
+        return 0.0
+    per = float(spec.curve.request_cpu_s or 0.0)  # type: ignore[union-attr]
+    return rendezvous_groups(spec, gpus, replicas) * replicas * fits[column](replicas) * per
 
 
 def control_plane_s(spec: ScaleSpec, fits: dict[str, Fit], gpus: int) -> float:
@@ -200,7 +228,7 @@ def size_params(base: SimParams, gpus: int, seed: int, spec: ScaleSpec) -> SimPa
         "restart_cost_s": restart_fit()(gpus),
         "detect_s": fits["detect_s"](gpus),
         "rebuild_s": recover_pause_s(fits, gpus, p.replicas, spec.rebuild)
-        + recovery_store_s(spec, fits, gpus),
+        + recovery_store_s(spec, fits, gpus) + rendezvous_store_s(spec, fits, gpus, p.replicas),
         "control_plane_s": control_plane_s(spec, fits, gpus),
         "spares": math.ceil(SPARE_FACTOR * expected_losses(p)) + (2 if p.per_gpu_mttf_h else 0),
     }

@@ -20,6 +20,7 @@ from recover.sim.params import SimParams, young_daly_steps
 from recover.sim.report import fmt, save_figure
 from recover.sim.scale import (
     FTHSDP_AT_100K,
+    MAIN_FAILURE_COLUMNS,
     QUICK_HORIZON_H,
     QUICK_SIZES,
     REBUILD_COLUMN,
@@ -33,6 +34,8 @@ from recover.sim.scale import (
     control_plane_s,
     recover_pause_s,
     recovery_store_s,
+    rendezvous_groups,
+    rendezvous_store_s,
     restart_fit,
     run_size,
     scale_base,
@@ -172,14 +175,7 @@ def recover_lines(base: SimParams, spec: ScaleSpec, fits: dict) -> list[str]:
     ]
     lines.append(control_line(spec, fits))
     lines.append(recovery_store_line(spec, fits))
-    store = spec.curve.values.get("store_cpu_s")
-    if store:
-        lines.append(
-            "    not charged (ASSUMPTION: the store keeps up): the store server's work per "
-            f"recovery, measured {', '.join(fmt(v, 3) for v in store)} s of its CPU for groups "
-            f"of {spec.curve.group or spec.curve.ranks}; a rendezvous of R members makes O(R) "
-            "lookups per member, and a job rebuilds one group per position at once"
-        )
+    lines.append(rendezvous_line(base, spec, fits))
     lines += [
         "  shrink-batch: recover's detection, agreement, rebuild and control plane; the faulted "
         "step is discarded and the batch shrinks until the replacement joins",
@@ -194,18 +190,46 @@ def recover_lines(base: SimParams, spec: ScaleSpec, fits: dict) -> list[str]:
 
 
 def recovery_store_line(spec: ScaleSpec, fits: dict) -> str:
-    """How a failure's extra store round trips are charged (`recovery_store_s`)."""
+    """How a failure's requests of the main store are charged (`recovery_store_s`)."""
     g = TARGET_GPUS
-    if "recovery_store_ops_per_rank" not in fits or control_mode(spec) == "wall":
+    column = next((c for c in MAIN_FAILURE_COLUMNS if c in fits), None)
+    if column is None or control_mode(spec) == "wall":
         return ("    per failure, the main store's work for the recovery's requests: not charged "
-                "(the curve does not measure recovery_store_ops_per_rank, or the control plane "
-                "is charged as the wall clock)")
-    ops = fits["recovery_store_ops_per_rank"](g)
-    return (f"    per failure, + the main store's serial work for the round trips the failure "
-            f"adds to every rank's step: recovery_store_ops_per_rank(G) ({fmt(ops, 2)} at "
-            f"{g:,}) x G x the measured CPU per request = "
-            f"{fmt(recovery_store_s(spec, fits, g), 2)} s at {g:,} GPUs (ASSUMPTION: all on "
-            "the main store, in series, shards or not)")
+                "(the curve measures neither failure_main_requests_per_replica nor "
+                "recovery_store_ops_per_rank, or the control plane is charged as the wall clock)")
+    shards = spec.curve.store_shards if spec.curve else None
+    what = ("every request the failure makes of it (measured with "
+            f"{'?' if shards is None else shards} store shards; one rank per replica there, "
+            "and here each of a replica's ranks asks as much: no speaker per replica)"
+            if column == MAIN_FAILURE_COLUMNS[0] else "the round trips the failure adds to the "
+            "engine's step (an older curve: generation reads, deletions and the coordinator's "
+            "not in it)")
+    return (f"    per failure, + the main store's serial work for {what}: {column}(G) "
+            f"({fmt(fits[column](g), 2)} at {g:,}) x G x the measured CPU per request = "
+            f"{fmt(recovery_store_s(spec, fits, g), 2)} s at {g:,} GPUs (in series on its one "
+            "thread)")
+
+
+def rendezvous_line(base: SimParams, spec: ScaleSpec, fits: dict) -> str:
+    """How the rebuild's rendezvous is charged (`rendezvous_store_s`)."""
+    g = TARGET_GPUS
+    r = g // base.gpus_per_replica
+    column = "failure_shard_requests_per_replica"
+    if column not in fits or control_mode(spec) == "wall":
+        return ("    per failure, the store's work for the rebuild's rendezvous: not charged (the "
+                f"curve does not measure {column}, or the control plane is charged as the wall "
+                "clock)")
+    groups = rendezvous_groups(spec, g, r)
+    where = (f"{shards_for(g)} shards, position p's group on shard p mod S: {groups} group(s) "
+             "on the busiest" if control_mode(spec) == "cpu" and shards_for(g) > 1
+             else "one store: every position's group")
+    return (f"    per failure, + the rendezvous of the rebuilt groups (barrier, addresses, gloo's "
+            f"full-mesh exchange) on the busiest store server: {column}(R) "
+            f"({fmt(fits[column](r), 1)} per member at R = {r:,}) x R x the groups there "
+            f"({where}) x the CPU per request = {fmt(rendezvous_store_s(spec, fits, g, r), 2)} s "
+            f"at {g:,} GPUs (ASSUMPTION: gloo's rendezvous; a backend that exchanges O(1) per "
+            "member is the log2 sensitivity line; the bytes of its O(R)-sized values are not "
+            "charged)")
 
 
 def control_line(spec: ScaleSpec, fits: dict) -> str:
@@ -265,13 +289,16 @@ def summary_lines(base: SimParams, spec: ScaleSpec, rows: list[SizeRow]) -> list
     r = g // base.gpus_per_replica
     col = REBUILD_COLUMN[spec.rebuild]
     store = recovery_store_s(spec, fits, g)
+    rendezvous = rendezvous_store_s(spec, fits, g, r)
     parts = (
         f"detect {fmt(fits['detect_s'](g), 2)}, agree {fmt(fits['agree_s'](g), 2)}, the main "
-        f"store's recovery requests {fmt(store, 2)}, rebuild of a {r}-member group "
+        f"store's recovery requests {fmt(store, 2)}, the rendezvous' on the busiest store "
+        f"server {fmt(rendezvous, 2)}, rebuild of a {r}-member group "
         f"{fmt(fits[col](r), 2)} ({col}), then the recompute and a "
         f"{fmt(base.allreduce_s, 2)} s all-reduce"
     )
-    pause = fits["detect_s"](g) + recover_pause_s(fits, g, r, spec.rebuild) + store
+    pause = (fits["detect_s"](g) + recover_pause_s(fits, g, r, spec.rebuild) + store
+             + rendezvous)
     mtbf = base.per_gpu_mttf_h * 3600 / g if base.per_gpu_mttf_h else math.inf
     ref = ", ".join(f"{k} {v}" for k, v in FTHSDP_AT_100K.items())
     lines = [

@@ -6,10 +6,14 @@ Invariants:
   recover once) and wired by the library's one wiring (`recover.parallel.rank`); it uses only
   recover's public API (`Member`, `FaultTolerantComm`, `StepEngine`, their `stats`, and
   `engine.waiter`), logs one JSON line per committed step with everything the parent needs to
-  time the protocol (time.time(), one machine clock for every process), and checks each
-  committed gradient against the integer-gradient oracle (`recover.testing.oracle`), exactly.
+  time the protocol (time.time(), one machine clock for every process) and to count its store
+  requests (every client it opens, counted by server: `recover.testing.storecount`), and checks
+  each committed gradient against the integer-gradient oracle (`recover.testing.oracle`),
+  exactly.
   It ends with `os._exit` (gloo teardown after a peer's death can block or abort), after
   `Member.leave()` when told to stop, so a clean stop is not mistaken for a fault.
+- The coordinator (`coordinator_main`) counts the requests its own clients send to its main
+  store (a generation's publication) into a file the parent reads.
 - `Children` signals a process only through its handle (never a recycled PID) and ends every one
   by PID; every wait here is bounded.
 """
@@ -22,6 +26,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,12 +35,13 @@ from typing import Any, NoReturn
 
 import torch
 
-from recover.collectives import FaultTolerantComm, ReplicaFault
+from recover.collectives import FaultTolerantComm, ReplicaFault, coordinator, keys
 from recover.parallel.rank import RankStack, connect_rank, new_member
 from recover.procs import Process, Spawner, alive, stop_all
 from recover.recovery import StepEngine
 from recover.settings import FaultTolerance, Hooks, LaunchEnv, ReplicaConfig
 from recover.testing import oracle
+from recover.testing.storecount import CountedStore, Tally, counting_connect
 
 log = logging.getLogger(__name__)
 
@@ -138,15 +144,18 @@ class _Timing:
     """What one step's hook and compute saw: when the reduce step ended (the engine's "commit"
     hook runs as soon as it is over, failed or not: the gap from a failed reduce_ call's end to
     it is the cost of discarding the attempt), this process's CPU clock then (the control
-    plane's own work from there to the commit, without the wait for a share of the cores), and
-    each microbatch's compute span."""
+    plane's own work from there to the commit, without the wait for a share of the cores), each
+    microbatch's compute span, and [time.time(), CPU clock] at every hook (`marks`: the parent
+    reads a survivor's CPU clock at a kill off the last mark before it)."""
 
     def __init__(self) -> None:
         self.after: list[float] = []
         self.after_cpu: list[float] = []
         self.computes: list[list[float]] = []
+        self.marks: list[list[float]] = []
 
     def hook(self, phase: str, step: int, j: int) -> None:
+        self.marks.append([time.time(), time.process_time()])
         if phase == "commit":
             self.after.append(time.time())
             self.after_cpu.append(time.process_time())
@@ -155,13 +164,25 @@ class _Timing:
         self.after.clear()
         self.after_cpu.clear()
         self.computes.clear()
+        self.marks.clear()
 
 
-def _connect(a: RankArgs, timing: _Timing, grad: torch.Tensor) -> RankStack:
+def _connect(a: RankArgs, timing: _Timing, grad: torch.Tensor, tally: Tally) -> RankStack:
     ft = FaultTolerance(join_timeout_s=a.timeout_s, reduce_timeout_s=a.timeout_s)
     config = ReplicaConfig(coordinator=f"127.0.0.1:{a.port}", replica=a.replica, ft=ft,
                            launch=LaunchEnv())
     member = new_member(config, a.rank, a.nranks)
+    # Every main-store client this rank opens is the member's first one or a clone of it (its
+    # threads', key waiters', the lifetime deleter's, each group build's), so wrapping it before
+    # the join counts them all; a shard's clients are counted apart.
+    member.store = CountedStore(member.store, tally, "main")  # type: ignore[assignment]
+    shard = member.connect_shard
+
+    def connect_shard(index: int) -> Any:
+        client = shard(index)
+        return None if client is None else CountedStore(client, tally, "shard")
+
+    member.connect_shard = connect_shard  # type: ignore[method-assign]
     if a.trace:  # the engine's store calls go through the member's client
         member.store = TracedStore(member.store)
     stack = connect_rank(member, grad, a.n, config, hooks=Hooks(at_phase=timing.hook),
@@ -178,7 +199,8 @@ def rank_main(a: RankArgs) -> NoReturn:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID`: every thread's stack to its log
     timing, grad, base = _Timing(), torch.zeros(a.numel), oracle.pattern(a.numel)
-    stack = _connect(a, timing, grad)
+    tally = Tally()
+    stack = _connect(a, timing, grad, tally)
     member, engine, comm = stack.member, stack.engine, stack.comm
     assert isinstance(comm, TimedComm)
     steps = open(a.log, "a", buffering=1)
@@ -187,6 +209,7 @@ def rank_main(a: RankArgs) -> NoReturn:
 
     def compute(i: int, j: int) -> float:
         t0 = time.time()
+        timing.marks.append([t0, time.process_time()])
         time.sleep(a.compute_s)
         oracle.add(grad, i, base)
         timing.computes.append([t0, time.time()])
@@ -209,6 +232,8 @@ def rank_main(a: RankArgs) -> NoReturn:
             "waits": engine.store_waits - waits0, "reduces": comm.calls, "after": timing.after,
             "control_cpu": cpu_commit - timing.after_cpu[-1] if timing.after_cpu else None,
             "computes": timing.computes, "members": len(res.members),
+            "cpu_commit": cpu_commit, "marks": timing.marks,
+            "main_reqs": tally.total("main"), "shard_reqs": tally.total("shard"),
             "correct": bool(torch.equal(grad, oracle.expected(step, a.n, base).float()))}) + "\n")
     member.leave()
     steps.write(json.dumps({"ev": "done", "t": time.time()}) + "\n")
@@ -218,6 +243,32 @@ def rank_main(a: RankArgs) -> NoReturn:
     # Never return: destroying the gloo groups (this frame's locals) blocked forever in a rank
     # whose peers had gone, and can abort the process after a peer's death mid-operation.
     os._exit(0)
+
+
+@dataclass
+class CoordArgs:
+    argv: list[str]  # `recover coordinator`'s flags
+    count_file: Path  # where the requests its clients sent to its main store are kept
+
+
+def coordinator_main(a: CoordArgs) -> int:
+    """`recover coordinator` whose store clients count their requests (all of them go to its
+    main store: it serves its shards, it never connects to them), written to `a.count_file`
+    every 20 ms (a generation's publication is what a failure adds)."""
+    tally = Tally()
+    # The coordinator connects its one client through keys.connect_store; in this forked
+    # process only, every client it makes counts.
+    keys.connect_store = counting_connect(keys.connect_store, tally, None)  # type: ignore
+    path, tmp = a.count_file, a.count_file.with_suffix(".tmp")
+
+    def write() -> None:
+        while True:
+            tmp.write_text(str(tally.total("main")))
+            os.replace(tmp, path)
+            time.sleep(0.02)
+
+    threading.Thread(target=write, name="bench-coord-requests", daemon=True).start()
+    return coordinator.main(a.argv)
 
 
 class Children:

@@ -109,13 +109,14 @@ class CountedStore(dist.Store):
         return CountedStore(self._inner.clone(), self._tally, self._where)
 
 
-def counting_connect(connect: Callable[[str, int, float], Any], tally: Tally, main_port: int
-                     ) -> Callable[[str, int, float], Any]:
-    """`connect(host, port, timeout_s)` whose clients count: "main" for `main_port`, else
-    "shard:<port>" (for `keys.connect_store`, in a test that counts every client it opens)."""
+def counting_connect(connect: Callable[[str, int, float], Any], tally: Tally,
+                     main_port: int | None) -> Callable[[str, int, float], Any]:
+    """`connect(host, port, timeout_s)` whose clients count: "main" for `main_port` (every
+    client when None), else "shard:<port>" (for `keys.connect_store`, in a test or a process
+    that counts every client it opens)."""
 
     def wrapped(host: str, port: int, timeout_s: float) -> CountedStore:
-        where = "main" if port == main_port else f"shard:{port}"
+        where = "main" if main_port in (None, port) else f"shard:{port}"
         return CountedStore(connect(host, port, timeout_s), tally, where)
 
     return wrapped
