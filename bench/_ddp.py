@@ -63,7 +63,7 @@ class DDPTrainer:
             if sync:
                 t_last, c_last = time.perf_counter(), time.thread_time()
             x, y = microbatch(self.corpus.train, m.block_size, cfg.data.microbatch_size,
-                              cfg.run.seed, i)
+                              cfg.run.seed, i, cfg.data.sampling)
             with contextlib.nullcontext() if sync else self.ddp.no_sync():
                 _, loss = self.ddp(x, y)
                 (loss * (self.world / n)).backward()  # DDP divides by R: net (1/N) * sum

@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         set_lr(opt, lr_at(step, cfg))
         local = torch.zeros((), dtype=torch.float64)
         for i in range(step * n + r * per, step * n + (r + 1) * per):
-            x, y = microbatch(corpus.train, cfg.model.block_size, b, cfg.run.seed, i)
+            x, y = microbatch(corpus.train, cfg.model.block_size, b, cfg.run.seed, i,
+                              cfg.data.sampling)
             _, loss = model(x[s * rows:(s + 1) * rows], y[s * rows:(s + 1) * rows])
             # FSDP2 averages over all R*K ranks: scaling by R/N makes it (1/N) sum_i grad(loss_i).
             (loss / per).backward()
