@@ -43,11 +43,11 @@ STUBBORN = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);
             "print('up', flush=True); time.sleep(60)")
 
 
-def started(cmd: str, log: Path) -> subprocess.Popen:
-    """Start `python -c cmd` and wait (bounded) until it has printed 'up'."""
+def started(cmd: str, log: Path, ready: bytes = b"up") -> subprocess.Popen:
+    """Start `python -c cmd` and wait (bounded) until it has printed `ready`."""
     proc = start([sys.executable, "-c", cmd], log)
     deadline = time.monotonic() + 30
-    while b"up" not in log.read_bytes():
+    while ready not in log.read_bytes():
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
         time.sleep(0.01)
     return proc
@@ -79,9 +79,12 @@ def test_descendants_and_foreign_pids(tmp_path: Path) -> None:
     # A parent that starts a grandchild and reports its PID: the grandchild is not our child.
     parent_cmd = ("import subprocess, sys, time; "
                   f"c = subprocess.Popen([sys.executable, '-c', {STUBBORN!r}]); "
-                  "print('up', c.pid, flush=True); time.sleep(60)")
-    parent = started(parent_cmd, tmp_path / "p.log")
-    grandchild = int((tmp_path / "p.log").read_text().split()[1])
+                  "print('parent-up', c.pid, flush=True); time.sleep(60)")
+    # Its own line: the grandchild writes its "up" to the same log, maybe first.
+    parent = started(parent_cmd, tmp_path / "p.log", b"parent-up")
+    line = next(x for x in (tmp_path / "p.log").read_text().splitlines()
+                if x.startswith("parent-up"))
+    grandchild = int(line.split()[1])
     try:
         assert descendants(parent.pid) == [grandchild]
         assert alive(grandchild)
