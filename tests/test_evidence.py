@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from recover.collectives import Coordinator, CoordinatorConfig, keys
-from recover.collectives.admission import convicted
+from recover.collectives.admission import convicted, cut_off
 
 pytestmark = pytest.mark.timeout(60)
 STALE_S = 1.0  # heartbeats every 50 ms: silence is never what these tests see
@@ -142,3 +142,19 @@ def test_an_isolated_member_is_evicted(run: tuple[Coordinator, list[Fake]]) -> N
     wait_generations(coord, 2, within_s=2.0)
     assert members(coord, 1) == [0, 2]
     assert "reaches nobody" in coord.client.get(keys.reason_key(1)).decode()
+
+
+def test_cut_off_keeps_every_pair_of_the_rest_connected() -> None:
+    # Two that only name each other: exactly one goes, the later reporter (or the silent one).
+    assert cut_off({0: {1}, 1: {0}}, [0, 1], [0, 1]) == [1]
+    assert cut_off({0: {1}, 1: {0}}, [1, 0], [0, 1]) == [0]
+    assert cut_off({2: {3}}, [2], [0, 1, 2, 3]) == [3]
+    assert cut_off({3: {2}}, [3], [0, 1, 2, 3]) == [2]
+    # The side fewer others reach goes first, whoever reported first.
+    assert cut_off({3: {1, 2}, 2: {3}}, [3, 2], [0, 1, 2, 3]) == [3]
+    # A member that reaches nobody goes; reporters are kept.
+    assert cut_off({1: {0, 2, 3}}, [1], [0, 1, 2, 3]) == [1]
+    # Two disjoint cuts: one of each pair.
+    assert cut_off({0: {1}, 2: {3}}, [0, 2], [0, 1, 2, 3]) == [1, 3]
+    # Names outside the members count for nothing; nothing named, nobody evicted.
+    assert cut_off({0: {9}}, [0], [0, 1]) == [] and cut_off({}, [], [0, 1]) == []

@@ -131,3 +131,69 @@ def test_a_restarted_coordinator_resumes_from_the_highest_whole_step() -> None:
     assert m.generation == 5 and members(store, 5) == [0]  # numbered after what ranks knew
     assert "welcome 5\n" in wire.to(0)
     assert m.joins[1].at == 7 and m.exits[1] == "joining"  # healed by a state transfer
+
+
+# -- a cut of the data path (`cut <g> <names>`: a member's handshake to another failed) --------
+def evicted_by_cut(replicas: int, reports: list[tuple[int, list[int]]]) -> tuple[Membership,
+                                                                                  DictStore]:
+    """Feed the cut reports in order (within their window), then publish what they decided."""
+    m, store, _ = started(replicas)
+    for reporter, names in reports:
+        m.cut(reporter, 0, names)
+    assert m.cut_since is not None
+    m.check_timeouts(m.cut_since + m.stale_s / 2)  # the window, not a rebuild's 2 x stale_s
+    assert m.pending_since is not None
+    m.publish_next()
+    return m, store
+
+
+@pytest.mark.parametrize("first", [0, 1])
+def test_two_replicas_that_name_each_other_keep_the_first_reporter(first: int) -> None:
+    other = 1 - first
+    m, store = evicted_by_cut(2, [(first, [other]), (other, [first])])
+    assert members(store, 1) == [first]
+    assert m.exits[other] == (f"fenced: unreachable from replica {first} over the data path "
+                              f"(a cut; replica {first} reported first)")
+    assert m.exits[first] == "running"
+
+
+def test_a_cut_is_decided_once_its_window_passed_and_never_undone() -> None:
+    m, _, _ = started(2, stale_s=1.0)
+    m.cut(1, 0, [0])
+    assert m.cut_since is not None
+    m.check_timeouts(m.cut_since + 0.4)  # the other side's probe may still come
+    assert m.lost == {}
+    m.check_timeouts(m.cut_since + 0.5)
+    assert m.lost.keys() == {0} and m.pending_since is not None
+    m.cut(0, 0, [1])  # the evicted side's word, too late, changes nothing: never both evicted
+    assert m.lost.keys() == {0}
+
+
+@pytest.mark.parametrize("order", [[2, 3], [3, 2]])
+def test_four_replicas_two_of_which_name_each_other_lose_one(order: list[int]) -> None:
+    first, second = order
+    m, store = evicted_by_cut(4, [(first, [second]), (second, [first])])
+    assert members(store, 1) == sorted({0, 1, 2, 3} - {second})
+    assert m.exits[second].startswith(f"fenced: unreachable from replica {first} ")
+
+
+def test_the_side_more_replicas_reach_stays_whoever_reported_first() -> None:
+    # Replica 3 cannot reach 2 nor 1; 2 and 1 reach each other and 0: 3 goes, though it spoke
+    # first and 2 named it first.
+    m, store = evicted_by_cut(4, [(3, [2]), (2, [3]), (1, [3])])
+    assert members(store, 1) == [0, 1, 2]
+    assert "unreachable from replicas 1, 2 " in m.exits[3]
+    assert "the others reach each other without it" in m.exits[3]
+
+
+def test_a_replica_that_reaches_nobody_is_evicted_on_its_own_report() -> None:
+    _, store = evicted_by_cut(4, [(1, [0, 2, 3])])
+    assert members(store, 1) == [0, 2, 3]
+
+
+def test_a_stale_or_empty_cut_report_changes_nothing() -> None:
+    m, _, _ = started(3)
+    m.cut(0, 7, [1])  # another generation's
+    m.cut(0, 0, [0])  # only itself
+    m.cut(0, 0, [9])  # no such member
+    assert m.lost == {} and m.pending_since is None and m.cuts == {}

@@ -10,6 +10,11 @@ Invariants:
   two others while it named every other member itself (it reaches nobody: a partition). Being
   late at a barrier alone convicts nobody, however many name it; a reporter is never convicted
   for reporting.
+- `cut_off` evicts on data-path evidence (a member's handshake to another failed as a cut
+  fails, `collectives.reach`) the fewest members that leave every pair of the rest able to
+  reach each other, greedily: first the member the most others cannot reach, among equals the
+  one that reported later (or never), then the higher id. Of two that only name each other
+  exactly one goes, never both, whatever order the reports come in.
 - `resume_plan` lets a restarted coordinator resume only from a step some replica holds whole
   (every rank at it), the highest such; every other replica is healed to it by state transfer.
 """
@@ -98,6 +103,32 @@ def convicted(accusations: dict[int, set[int]], members: list[int] | set[int],
         if x in stalled or (len(others) >= 2 and isolated):
             guilty.append(x)
     return sorted(guilty)
+
+
+def cut_off(cuts: dict[int, set[int]], reported: list[int], members: list[int] | set[int],
+            gone: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """The members to evict so the rest reach each other. `cuts`: reporter -> the members its
+    data path cannot reach; `reported`: reporters in the order their first report came; `gone`:
+    members already being evicted (their cuts need nothing more, so a decision only ever grows).
+
+    A cut is symmetric (a handshake crosses both ways), so a naming counts from either end. The
+    side that more others reach stays: it keeps more of the data path whole; between two
+    that only name each other the first reporter stays, the one whose evidence came first
+    (deterministic, and known when the first report comes: no waiting for the other side).
+    """
+    edges = {frozenset((a, b)) for a, named in cuts.items() for b in named
+             if a != b and {a, b} <= set(members) and not {a, b} & gone}
+    order = {r: i for i, r in enumerate(reported)}
+    evicted: list[int] = []
+    while edges:
+        degree: dict[int, int] = {}
+        for e in edges:
+            for v in e:
+                degree[v] = degree.get(v, 0) + 1
+        victim = max(degree, key=lambda v: (degree[v], order.get(v, len(order)), v))
+        evicted.append(victim)
+        edges = {e for e in edges if victim not in e}
+    return sorted(evicted)
 
 
 @dataclass

@@ -9,13 +9,16 @@ on the caller's thread nor while its work is in flight (`reaper.py`).
 
 Cross-replica gloo traffic binds the address `netif.GlooInterface` chooses (the interface the user
 names, else this host's end of its connection to the coordinator; never loopback towards another
-host).
+host). An op that stalls past `suspect_s`, or fails, names to the coordinator the members this
+rank's data path cannot reach (`reach`: a handshake to each one's listener, published beside its
+gloo address), never a member that only answered late.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 import socket
 import threading
@@ -27,7 +30,8 @@ from typing import Any
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo
 
-from recover.collectives import keys, sever, shards
+from recover.collectives import keys, reach, sever, shards
+from recover.collectives.listen import ListenError
 from recover.collectives.member import Member
 from recover.collectives.netif import GlooInterface, GlooInterfaceError, is_loopback
 from recover.collectives.reaper import retire
@@ -36,6 +40,8 @@ from recover.collectives.waiter import KeyWaiter
 from recover.settings import FaultTolerance, Numerics
 
 __all__ = ["FaultTolerantComm", "GlooInterfaceError", "ReplicaFault"]
+
+log = logging.getLogger(__name__)
 
 
 def _new_group(backend: str, store: PrefixStore, rank: int, size: int, timeout_s: float,
@@ -66,6 +72,11 @@ def _new_group(backend: str, store: PrefixStore, rank: int, size: int, timeout_s
 
 ABANDON_SETTLE_S = 0.25  # after a newer generation, how long an op may still end by itself
 SEVERED_SETTLE_S = 2.0  # how long a severed op may take to fail before its buffers are held
+
+
+def _reach_key(prefix: str, rank: int) -> str:
+    """`addr port` of a rank's probe listener in one communicator, beside its gloo address."""
+    return f"{prefix}/reach/{rank}"
 
 
 class ReplicaFault(RuntimeError):
@@ -102,6 +113,10 @@ class FaultTolerantComm:
         self.backend, self.device = backend, device
         # A member missing at the barrier this long is named to the coordinator (evidence).
         self.suspect_s = (getattr(member, "fence_after_s", None) or 6.0) / 3
+        # A probe of the peers' data path gives a handshake this long: a dropped SYN is resent
+        # after 1 s, so at the default stale_s one loss on a working path is not a cut.
+        self.probe_s = 2 * self.suspect_s
+        self._listener: reach.Listener | None = None  # answers the peers' probes (gloo only)
         # Fault injection: while this returns True, cross-replica traffic fails here.
         self.link_down: Callable[[], bool] | None = None
         self.iface = GlooInterface(member.replica, ifname)  # the address gloo binds
@@ -170,7 +185,7 @@ class FaultTolerantComm:
         self.member.notify_on_change(wake)
         if on_issued is not None:
             on_issued()
-        deadline = time.monotonic() + self.timeout_s
+        watch, deadline = self._watch(g), time.monotonic() + self.timeout_s
         # NCCL's futures may complete before the device does (no host callback at the end), so
         # its completion is polled from device events at the fine pace.
         pace = self.poll_s if self.backend == "nccl" else self.recheck_s
@@ -181,6 +196,7 @@ class FaultTolerantComm:
                 wake.clear()
                 if done():
                     break
+                watch.turn(time.monotonic() - t0)  # stalled: is a peer cut off from us?
                 if self.member.generation() != g:
                     # The op can no longer commit in g: end it now (`_abandon`), so the last
                     # survivor is not held up waiting for a failure to travel round the ring.
@@ -188,7 +204,7 @@ class FaultTolerantComm:
                     raise ReplicaFault(g, self._lost_since(g), "a newer generation was published")
                 if time.monotonic() > deadline:
                     self._abandon(pg, works, futs, tensors)
-                    self.member.report_fail(g)
+                    self._report_fail(watch, g)
                     raise ReplicaFault(g, [], f"no completion within {self.timeout_s:.0f}s")
         finally:
             self.member.notify_on_change(wake, on=False)
@@ -201,11 +217,10 @@ class FaultTolerantComm:
             # gloo's destructor waits for its threads and closes a pair per peer (1 s at 128 ranks).
             # Only the writing side while nothing of ours runs: the peers read end-of-file, and
             # their sends still land (a socket shut both ways answers data with a reset, `sever`).
-            ours_done = all(f.done() for f in futs)
-            self._sever(pg, socket.SHUT_WR if ours_done else socket.SHUT_RD)
+            self._sever(pg, socket.SHUT_WR if all(f.done() for f in futs) else socket.SHUT_RD)
             self._release(pg, works, futs)
             works, futs, pg = [], [], None  # this frame outlives the raise (its traceback)
-            self.member.report_fail(g)
+            self._report_fail(watch, g)
             raise ReplicaFault(g, self._lost_since(g), str(e).splitlines()[0][:200]) from None
         if self.member.fenced:  # resumed after being fenced: its result must not be used
             raise ReplicaFault(g, [self.member.replica], "fenced while reducing")
@@ -237,6 +252,9 @@ class FaultTolerantComm:
 
     def close(self) -> None:
         self._sever(self._pg, socket.SHUT_WR)  # nobody will use it again: peers' ops end now
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         self._drop()
         self._holding.clear()
         self._close_old()
@@ -274,7 +292,7 @@ class FaultTolerantComm:
                                 self.member.coordinator_remote)
                 if self.backend == "gloo" else None)
         if addr is not None:
-            self.rendezvous.set(keys.gloo_addr(prefix, rank), addr)
+            self._publish_addr(prefix, rank, addr)
         self._barrier(g, prefix, size)
         self._close_old()  # every member left the older generations' ops by now
         if addr is not None and is_loopback(addr):
@@ -307,16 +325,18 @@ class FaultTolerantComm:
         th = threading.Thread(target=build, name=f"recover-build-g{g}", daemon=True)
         th.start()
         deadline = time.monotonic() + self.timeout_s
+        watch = self._watch(g)
         while th.is_alive():
             self.member.progress()
             th.join(self.poll_s)
             if th.is_alive() and self.member.generation() != g:
                 raise ReplicaFault(g, self._lost_since(g), "superseded while building")
+            watch.turn(time.monotonic() - t1)  # gloo's connect names no peer: probe them
             if time.monotonic() > deadline:
-                self.member.report_fail(g)  # ask for a rebuild rather than wait for nobody
+                self._report_fail(watch, g)  # ask for a rebuild rather than wait for nobody
                 raise ReplicaFault(g, [], "communicator build timed out")
         if "err" in box:
-            self.member.report_fail(g)
+            self._report_fail(watch, g)
             why = str(box["err"]).splitlines()[0][:300]
             self.iface.hint(why, addr)
             raise ReplicaFault(g, [], f"communicator build failed: {why}")
@@ -327,6 +347,51 @@ class FaultTolerantComm:
         self._socks = box.get("socks", [])  # type: ignore[assignment]
         self._spare.prepare()  # the next build's client, connected while this group is used
         return self._pg
+
+    def _publish_addr(self, prefix: str, rank: int, addr: str) -> None:
+        """Publish the address gloo binds and, beside it, where this rank answers the peers'
+        probes (one round trip for both)."""
+        if self._listener is not None and self._listener.addr != addr:
+            self._listener.close()
+            self._listener = None
+        if self._listener is None:
+            try:
+                self._listener = reach.Listener(addr)
+            except ListenError as e:  # no probes of us: a cut is then only a failure here
+                log.warning("replica %d: no data-path probe listener: %s", self.member.replica, e)
+        names, values = [keys.gloo_addr(prefix, rank)], [addr]
+        if self._listener is not None:
+            names.append(_reach_key(prefix, rank))
+            values.append(f"{addr} {self._listener.port}")
+        self.rendezvous.multi_set(names, values)
+
+    def _watch(self, g: int) -> reach.PathWatch:
+        """One op's evidence: whom this rank's data path cannot reach, named once to the
+        coordinator (`Member.report_cut`)."""
+        return reach.PathWatch(lambda: self._probe(g),
+                               lambda names: self.member.report_cut(g, names), self.suspect_s)
+
+    def _report_fail(self, watch: reach.PathWatch, g: int) -> None:
+        """An op of g failed here: name whom a probe cannot reach first (gloo's error cannot),
+        so the coordinator weighs the cut before the bare request to rebuild."""
+        watch.settle(lambda: self.member.generation() != g, self.poll_s * 10)
+        self.member.report_fail(g)
+
+    def _probe(self, g: int) -> reach.Probe | None:
+        """A probe of every other member of g at this position (None: no listener here, or a
+        member published no probe address: nothing to compare)."""
+        members = self.member.members(g)
+        if self._listener is None or self.member.replica not in members:
+            return None
+        prefix, rank = keys.comm_prefix(g, self.position), members.index(self.member.replica)
+        others = [r for r in range(len(members)) if r != rank]
+        names = [_reach_key(prefix, r) for r in others]
+        if not names or not self.rendezvous.check(names):
+            return None
+        found = {members[r]: reach.parse(v)
+                 for r, v in zip(others, self.rendezvous.multi_get(names), strict=True)}
+        peers = {m: a for m, a in found.items() if a is not None}
+        return reach.Probe(self._listener.addr, peers, self.probe_s)
 
     def _peer_addrs(self, prefix: str, rank: int, size: int) -> list[str] | None:
         """The addresses the group's other ranks bind (None: one of them published none)."""

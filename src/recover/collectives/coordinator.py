@@ -330,6 +330,8 @@ class Coordinator:
             suspects = [int(r) for r in words[2].split(",")] if len(words) > 2 and \
                 words[2] != "-" else []
             m.failed(fd, int(words[1]), suspects)
+        elif kind == "cut":  # cut <generation> <r1,...>: its data path cannot reach them
+            m.cut(fd, int(words[1]), [int(r) for r in words[2].split(",")])
         elif kind == "arrived":  # arrived <generation>: whom this rank named caught up
             m.arrived(fd, int(words[1]))
         elif kind == "lost":  # lost <reason...>: one of this replica's ranks died

@@ -232,6 +232,14 @@ class Member:
         named = ",".join(str(r) for r in sorted(set(suspects))) or "-"
         self._send(f"fail {generation} {named}\n")
 
+    def report_cut(self, generation: int, unreachable: list[int]) -> None:
+        """This rank's data path cannot reach these members of `generation` (a handshake to
+        each one's probe listener failed as a cut fails: `reach`): the coordinator evicts by
+        this evidence (`admission.cut_off`)."""
+        named = ",".join(str(r) for r in sorted(set(unreachable)))
+        if named:
+            self._send(f"cut {generation} {named}\n")
+
     def report_arrived(self, generation: int) -> None:
         """The members this rank named in `generation` arrived after all: withdraw it."""
         self._send(f"arrived {generation}\n")

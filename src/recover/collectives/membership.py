@@ -13,6 +13,11 @@ Invariants:
 - Only an accepted hello (valid ids, the run's token, the run's config fingerprint, not a
   duplicate: `admission.refusal`) makes a connection a `Peer`, and a peer speaks only for its own
   replica.
+- A data-path cut a member reports (`cut`: its handshake to another member failed as a cut
+  fails) evicts the members `admission.cut_off` picks, so the rest reach each other: decided
+  `stale_s` / 2 after the generation's first cut report (the others' probes, which ran at the
+  same time, come in meanwhile), then at each later report; never both of two that name each
+  other, and never on the word of a member already being evicted.
 - A member is evicted on others' naming only when `admission.convicted` convicts it (its main
   thread stalled, or it reaches nobody); a naming its reporter withdraws (`arrived`) stands no
   more; naming that neither convicts nor is withdrawn rebuilds the same members after 2 x stale_s.
@@ -34,7 +39,15 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from recover.collectives import keys
-from recover.collectives.admission import Hello, Join, Registration, convicted, refusal, resume_plan
+from recover.collectives.admission import (
+    Hello,
+    Join,
+    Registration,
+    convicted,
+    cut_off,
+    refusal,
+    resume_plan,
+)
 from recover.collectives.coordconfig import CoordinatorConfig
 
 DEBOUNCE_S = 0.02  # collect simultaneous failures into one generation
@@ -88,6 +101,9 @@ class Membership:
         self.pending_since: float | None = None
         self.accusations: dict[int, set[int]] = {}  # accused -> accusers, this generation
         self.accused_since: float | None = None
+        self.cuts: dict[int, set[int]] = {}  # reporter -> whom its data path cannot reach
+        self.cut_reporters: list[int] = []  # in the order their first cut report came
+        self.cut_since: float | None = None  # this generation's first cut report
         self.exits: dict[int, str] = {}  # replica -> how it ended, as seen from here
         self.all_left = False
         # recover: the replicas that kept running re-register with the steps they applied; the
@@ -157,6 +173,35 @@ class Membership:
         if generation == self.generation and replica in self.members:
             self._evidence(replica, suspects)
 
+    def cut(self, conn: int, generation: int, unreachable: list[int]) -> None:
+        """`cut <generation> <r1,...>`: this rank's data path cannot reach them; evict whom
+        `admission.cut_off` picks (docs/DESIGN.md, "Membership and faults")."""
+        reporter = self.peers[conn].replica
+        if generation != self.generation or reporter not in self.members or reporter in self.lost:
+            return  # an older generation's, or the word of a member already being evicted
+        named = {r for r in unreachable if r != reporter and r in self.members}
+        if not named:
+            return
+        if reporter not in self.cuts:
+            self.cut_reporters.append(reporter)
+        self.cuts.setdefault(reporter, set()).update(named)
+        self.log({"event": "cut", "replica": reporter, "unreachable": sorted(named)})
+        self.cut_since = self.cut_since or time.monotonic()
+        self.check_timeouts(time.monotonic())
+
+    def _decide_cuts(self) -> None:
+        for r in cut_off(self.cuts, self.cut_reporters, self.members, set(self.lost)):
+            self._mark_lost(r, self._cut_reason(r))
+
+    def _cut_reason(self, r: int) -> str:
+        """Why `cut_off` evicted r, for the generation's reason and r's exit record."""
+        by = sorted({a for a, n in self.cuts.items() if r in n} | self.cuts.get(r, set()))
+        # One accuser only when the two tied (`cut_off`): the first reporter stayed.
+        why = (f"replica {by[0]} reported first" if len(by) == 1
+               else "the others reach each other without it")
+        return (f"unreachable from replica{'s' if len(by) > 1 else ''} "
+                f"{', '.join(map(str, by))} over the data path (a cut; {why})")
+
     def arrived(self, conn: int, generation: int) -> None:
         """`arrived <generation>`: whom this rank named caught up; its naming is withdrawn."""
         if generation == self.generation:
@@ -223,8 +268,10 @@ class Membership:
 
     # -- what time decides -----------------------------------------------------------------------
     def check_timeouts(self, now: float) -> None:
-        """Naming that convicted nobody for 2 x stale_s rebuilds; a join without state in time
-        is given up."""
+        """Cut reports are decided once their window passed; naming that convicted nobody for
+        2 x stale_s rebuilds; a join without state in time is given up."""
+        if self.cut_since is not None and now - self.cut_since >= self.stale_s / 2:
+            self._decide_cuts()
         if self.accused_since and now - self.accused_since > 2 * self.stale_s:
             self.accused_since = None
             self._mark_lost(None, "failed reduces named no member conclusively")
@@ -415,6 +462,7 @@ class Membership:
         push = keys.gen_push(g, base, self.members, members)
         self.generation, self.members, self.published = g, sorted(members), g
         self.lost, self.pending_since, self.accusations, self.accused_since = {}, None, {}, None
+        self.cuts, self.cut_reporters, self.cut_since = {}, [], None
         self.log({"event": "generation", "gen": g, "members": self.members, "reason": reason})
         self.wire.send_all(push)
         self.store.set(keys.reason_key(g), reason)
