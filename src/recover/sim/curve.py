@@ -19,8 +19,9 @@ measured scale, times in seconds. `ranks` = R x P processes of the job; `group` 
   without the wait for a share of the measuring machine's cores;
 - control_plane_cpu_s (optional): the most CPU time (every thread) a rank's process spent in
   that span, median over steps: its own control-plane work without the wait for a core;
-- store_cpu_s (optional): the store server's (coordinator's) CPU time for one recovery, less its
-  failure-free steps' worth: reported beside the assumptions, not charged.
+- store_cpu_s (optional): the store servers' (coordinator's) CPU time for one recovery, less its
+  failure-free steps' worth: reported beside the assumptions as a cross-check of the requests
+  charged, not charged itself.
 - recovery_store_ops_per_rank (optional): the store round trips a failure adds to a survivor's
   step (the most any survivor made, less a failure-free step's), charged per failure on the
   main store (`recover.sim.scale.recovery_store_s`) when the next column is absent;

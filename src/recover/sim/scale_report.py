@@ -176,6 +176,13 @@ def recover_lines(base: SimParams, spec: ScaleSpec, fits: dict) -> list[str]:
     lines.append(control_line(spec, fits))
     lines.append(recovery_store_line(spec, fits))
     lines.append(rendezvous_line(base, spec, fits))
+    store = spec.curve.values.get("store_cpu_s")
+    if store:
+        lines.append(
+            "    measured beside them (a cross-check, not charged again): the coordinator's CPU "
+            f"per recovery (its store and shard servers), {', '.join(fmt(v, 3) for v in store)} "
+            f"s for groups of {spec.curve.group or spec.curve.ranks}"
+        )
     lines += [
         "  shrink-batch: recover's detection, agreement, rebuild and control plane; the faulted "
         "step is discarded and the batch shrinks until the replacement joins",
