@@ -118,6 +118,19 @@ class Net:
     def exec(self, h: int, cmd: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.ns(h), *cmd]
 
+    def cut_between(self, a: int, b: int, how: str) -> None:
+        """Cut the data path between hosts a and b, both ways, while each still reaches every
+        other host. "drop": each sends the other's packets to a MAC address nobody has (the
+        bridge floods them, no NIC takes them): silent, as a failed switch port or a dropping
+        firewall is (no iptables/nft here). "blackhole": a blackhole route each way: the
+        kernel refuses the send at once (connect: EINVAL), which a real cut never does."""
+        for src, dst in ((a, b), (b, a)):
+            if how == "drop":
+                _ip("-n", self.ns(src), "neigh", "replace", self.addr(dst), "lladdr",
+                    "02:00:00:00:00:01", "dev", "eth0", "nud", "permanent")
+            else:
+                _ip("-n", self.ns(src), "route", "add", "blackhole", f"{self.addr(dst)}/32")
+
     def link(self, h: int, up: bool) -> None:
         """Cut (or restore) host h's cable at the bridge: its packets are dropped, no reset."""
         _ip("-n", self.switch, "link", "set", f"p{h}", "up" if up else "down")
@@ -177,6 +190,7 @@ class Outcome:
     replicas: list[Proc]
     victims: tuple[int, ...] = ()
     t_fault: float | None = None
+    cut: tuple[int, int] | None = None  # a "partition" fault's two replicas
 
     def metrics(self) -> list[dict]:
         with open(self.out / "metrics.jsonl") as f:
@@ -247,34 +261,55 @@ def _end_worker(pid: int, out: Path) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def run_recipe(tmp: Path, corpus: Path, faults: dict[int, str] | None = None) -> Outcome:
-    """Run the README's recipe on fresh hosts; `faults`: replica -> cut, cut-back or kill, all
-    at the same moment."""
+def with_flags(cmd: list[str], flags: dict[str, str]) -> list[str]:
+    """The command with each flag's value replaced (added if absent)."""
+    cmd = list(cmd)
+    for name, value in flags.items():
+        if name in cmd:
+            cmd[cmd.index(name) + 1] = value
+        else:
+            cmd += [name, value]
+    return cmd
+
+
+def run_recipe(tmp: Path, corpus: Path, faults: dict[int, str] | None = None,
+               replicas: int = REPLICAS, stop_at: int | None = None) -> Outcome:
+    """Run the README's recipe on fresh hosts; `faults`: replica -> cut, cut-back or kill, or
+    "partition PEER HOW" (the data path between the two replicas cut for good, both ways, HOW
+    being `Net.cut_between`'s), all at the same moment. `replicas` and `stop_at` override the
+    recipe's (--stop-at keeps the recipe's --steps, so its learning-rate schedule)."""
     faults = faults or {}
+    coord_cmd = with_flags(COORD_CMD, {"--replicas": str(replicas),
+                                       **({"--stop-at": str(stop_at)} if stop_at else {})})
     out, logs = tmp / "run1", tmp / "logs"
     logs.mkdir()
     # The commands are found on PATH as in a user's shell (the venv's `recover`, `torchrun`).
     env = {**os.environ,
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     procs: list[Proc] = []
-    with network(REPLICAS + 1) as net:
+    with network(replicas + 1) as net:
         subs = {"/shared/run1": str(out)}
         try:
-            cmd = substitute(COORD_CMD, {**subs, "/shared/corpus.txt": str(corpus)})
+            cmd = substitute(coord_cmd, {**subs, "/shared/corpus.txt": str(corpus)})
             coord = Proc.command("coordinator", net.exec(0, cmd), logs, env)
             procs.append(coord)
             _wait(lambda: (out / "config.json").exists(), RUN_LIMIT_S, "DIR/config.json", coord)
-            for i in range(REPLICAS):
+            for i in range(replicas):
                 cmd = substitute(WORKER_CMD, {**subs, "COORD_HOST": net.addr(0), "$i": str(i)})
                 procs.append(Proc.command(f"replica{i}", net.exec(i + 1, cmd), logs, env))
             o = Outcome(out, coord, procs[1:])
             if faults:
                 _wait(lambda: _metrics_lines(out) >= FAULT_AFTER_STEPS, RUN_LIMIT_S,
                       f"{FAULT_AFTER_STEPS} metrics lines", coord)
-                o.victims, o.t_fault = tuple(sorted(faults)), time.time()
+                o.t_fault = time.time()
+                o.victims = tuple(sorted(v for v, f in faults.items() if "partition" not in f))
                 for victim, fault in faults.items():
                     if fault == "kill":
                         os.kill(_worker_pids(out)[victim], signal.SIGKILL)
+                    elif fault.startswith("partition"):
+                        _, peer, how = fault.split()
+                        o.cut = (victim, int(peer))
+                        net.cut_between(victim + 1, int(peer) + 1, how)
                     else:
                         net.link(victim + 1, up=False)
             deadline = time.monotonic() + RUN_LIMIT_S
@@ -395,6 +430,62 @@ def test_sigkill(reference: Outcome, cut_and_kill: Outcome, tmp_path: Path) -> N
     o = cut_and_kill
     check_run(o, reference, tmp_path)
     assert o.exits()[1].startswith("coordinator: lost: connection closed"), o.exits()
+
+
+# -- a cut between two replicas that both still reach the coordinator -----------------------------
+CUT_STOP_AT = 8  # steps: the cut lands after FAULT_AFTER_STEPS, the rest run without one side
+COMMIT_GAP_S = 3 * STALE_S + 5  # the issue's bound on the pause a cut may cause
+
+
+def check_cut(o: Outcome, ref: Outcome, replicas: int) -> None:
+    """Exactly one side of the cut is evicted (fenced, and says why); the others train every
+    step to the end with N microbatches, on the failure-free trajectory, without a long pause.
+    The reference has another replica count: the trajectory is a function of (seed, data, N)
+    alone (docs/DESIGN.md, "The invariant"); --stop-at keeps its --steps, so its schedule."""
+    why = o.diagnostics()
+    assert o.coordinator.returncode == 0, f"the coordinator's `recover train` failed\n{why}"
+    assert o.cut is not None
+    n = json.loads((o.out / "config.json").read_text())["data"]["microbatches"]
+    recs = o.metrics()
+    assert [r["step"] for r in recs] == list(range(CUT_STOP_AT)), why
+    assert all(r["microbatches"] == n for r in recs), [r["microbatches"] for r in recs]
+    assert max_rel(o.losses(), ref.losses()[:CUT_STOP_AT]) <= 1e-5
+    times = [r["time_s"] for r in recs]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert max(gaps) <= COMMIT_GAP_S, f"commit gaps {gaps} (bound {COMMIT_GAP_S:.0f}s)\n{why}"
+    exits = o.exits()
+    evicted = [r for r in o.cut if not exits[r].endswith("left cleanly")]
+    assert len(evicted) == 1, f"exactly one side of the cut {o.cut} goes: {exits}"
+    gone, kept = evicted[0], sum(o.cut) - evicted[0]
+    assert exits[gone].startswith(f"coordinator: fenced: unreachable from replica {kept} over "
+                                  "the data path"), exits
+    assert o.replicas[gone].returncode not in (0, None), why
+    for i, p in enumerate(o.replicas):
+        if i != gone:
+            assert p.returncode == 0 and exits[i].endswith("left cleanly"), (i, exits, why)
+    live = [r["live_replicas"] for r in recs]
+    assert live[FAULT_AFTER_STEPS - 1] == replicas and live[-1] == replicas - 1, live
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_cut_between_two_of_four_replicas_evicts_one_side(
+        reference: Outcome, corpus: Path, tmp_path: Path) -> None:
+    """Replicas 2 and 3 lose each other for good (silently: packets dropped, as a failed link
+    does) while all four reach the coordinator: one of them is evicted on the evidence."""
+    o = run_recipe(tmp_path, corpus, {2: "partition 3 drop"}, replicas=4, stop_at=CUT_STOP_AT)
+    check_cut(o, reference, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_cut_between_the_only_two_replicas_evicts_one(
+        reference: Outcome, corpus: Path, tmp_path: Path) -> None:
+    """Two replicas, each naming the other: the first to report stays (a blackhole route this
+    time: the kernel refuses at once, the other way a cut shows)."""
+    o = run_recipe(tmp_path, corpus, {0: "partition 1 blackhole"}, replicas=2,
+                   stop_at=CUT_STOP_AT)
+    check_cut(o, reference, 2)
 
 
 # -- the interface choice, without processes ---------------------------------------------------
