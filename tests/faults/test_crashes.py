@@ -142,15 +142,25 @@ def test_all_lost(ref: Run, corpus: Path, tmp_path: Path, record: Row) -> None:
 
 def test_partition_evicted_on_evidence(ref: Run, corpus: Path, tmp_path: Path,
                                        record: Row) -> None:
-    record.scenario = "partition: one replica's cross-replica traffic fails, heartbeats alive"
-    record.expected = ("the others name it at their barrier; evicted on that evidence (never a "
-                       "reporter); it is fenced (3); survivors commit")
-    run = faulty(tmp_path, corpus, "partition:replica=1,step=5")
+    record.scenario = ("partition: one replica's cross-replica traffic fails, heartbeats alive; "
+                       "later, with two members left, one of them is cut off too")
+    record.expected = ("it reports a cut to every peer; the cut rule evicts it, not the others "
+                       "(they reach each other); of the last two, exactly one goes (a tie the "
+                       "rule decides); the evicted are fenced (3); survivors commit")
+    run = faulty(tmp_path, corpus, "partition:replica=1,step=5", "kill:replica=3,step=7,"
+                 "phase=forward", "partition:replica=2,step=9")
     record.measured = measure(run)
-    recs = check_run(run, ref, [0, 2, 3])
-    assert recs[-1]["live_replicas"] == 3
     events = [json.loads(x) for x in (run.out / "coordinator.jsonl").read_text().splitlines()]
-    evicted = [e for e in events if e["event"] == "generation" and 1 not in e["members"]]
-    assert evicted and "replica 1: unreachable, named by" in evicted[0]["reason"], evicted[:1]
-    assert evicted[0]["members"] == [0, 2, 3]  # none of the reporters
-    assert json.loads((run.out / "exit_codes.json").read_text())["1.0"] == 3
+    gens = [e for e in events if e["event"] == "generation"]
+    evicted = [e for e in gens if 1 not in e["members"]]
+    assert evicted and "replica 1: unreachable from replicas 0, 2, 3 over the data path" in \
+        evicted[0]["reason"], evicted[:1]
+    assert evicted[0]["members"] == [0, 2, 3]  # none of the others
+    # Two members that cannot reach each other: never both kept (the run would stop after 32
+    # failed attempts), never both evicted.
+    last = gens[-1]["members"] if gens[-1]["members"] else gens[-2]["members"]
+    assert len(last) == 1 and last[0] in (0, 2), [g["members"] for g in gens]
+    recs = check_run(run, ref, last)
+    assert recs[-1]["live_replicas"] == 1
+    codes = json.loads((run.out / "exit_codes.json").read_text())
+    assert codes["1.0"] == 3 and codes[f"{2 - last[0]}.0"] == 3, codes

@@ -166,10 +166,11 @@ class FaultTolerantComm:
                 on_issued()
             return
         if self.link_down is not None and self.link_down():
-            # Fault injection (`partition`): this rank reaches none of its peers. It says so,
-            # naming everyone: the coordinator weighs that against what the others name.
+            # Fault injection (`partition`): this rank's data path reaches none of its peers,
+            # as its probes would find (`reach`): it reports the cut, and the coordinator
+            # decides it by the cut rule (`admission.cut_off`), two members included.
             others = [m for m in members if m != self.member.replica]
-            self.member.report_fail(g, others)
+            self.member.report_cut(g, others)
             raise ReplicaFault(g, [], "partitioned: no peer reachable")
         pg = self._group(g, members)
         t0 = time.monotonic()
