@@ -166,9 +166,8 @@ class FaultTolerantComm:
                 on_issued()
             return
         if self.link_down is not None and self.link_down():
-            # Fault injection (`partition`): this rank's data path reaches none of its peers,
-            # as its probes would find (`reach`): it reports the cut, and the coordinator
-            # decides it by the cut rule (`admission.cut_off`), two members included.
+            # Fault injection (`partition`): no peer is reachable on the data path; reported as
+            # its probes (`reach`) would, for the cut rule (`admission.cut_off`) to decide.
             others = [m for m in members if m != self.member.replica]
             self.member.report_cut(g, others)
             raise ReplicaFault(g, [], "partitioned: no peer reachable")
