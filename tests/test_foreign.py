@@ -19,13 +19,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from recover.app.cli import main
 from recover.app.config import RunConfig, fingerprint
 from recover.app.train import foreign
 from recover.testing.runs import LAYOUT_ARGS, LAYOUT_FLAGS, LAYOUT_STEPS, Run, recover_train
 
+# The `hf` extra (transformers, safetensors); the README's test command installs every extra.
+transformers = pytest.importorskip("transformers")
+AutoModelForCausalLM, LlamaConfig = transformers.AutoModelForCausalLM, transformers.LlamaConfig
 pytestmark = pytest.mark.timeout(300)
 MODELS = Path(__file__).parent / "_foreign_models.py"
 N = 8
