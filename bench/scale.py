@@ -586,7 +586,8 @@ def figures(res: list[dict]) -> list[str]:
     for r in res:
         say(f"{r['replicas']}x{r['positions']}: store_ops_per_rank_step {r['store_ops']:.2f} "
             f"(the mean rank's {r['store_ops_mean']:.2f}: with shards a shard's last counter "
-            "makes 2 more, on the main store), recovery_cpu {r['recovery_cpu'] * 1e3:.1f} ms, "
+            "makes 2 more, on the main store), "
+            f"recovery_cpu {r['recovery_cpu'] * 1e3:.1f} ms, "
             f"main_store_requests_per_failure_per_replica {r['main_reqs']:.2f} (the most one "
             f"replica added: {r['main_max']:.0f}), shard requests {r['shard_reqs']:.1f}")
     small, big = (one[0], one[-1]) if one else (res[0], res[-1])
