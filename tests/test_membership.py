@@ -120,6 +120,22 @@ def test_a_joiner_is_admitted_only_once_every_rank_is_ready() -> None:
     assert f"joinend {epoch}\n" in wire.to(0)
 
 
+
+def test_a_joiner_still_waiting_when_every_member_left_is_told_the_run_is_over() -> None:
+    """A replacement that registered near the end waited for its join timeout (or the
+    launcher's kill) after the run had finished: the soak's slowest runs."""
+    m, _, wire = started(replicas=2)
+    m.closed(1)
+    m.publish_next()  # generation 1: [0]
+    assert m.hello(11, Hello(1, 0, 1, 300, join_at=13))  # replica 1's replacement waits
+    for conn in (0,):
+        m.bye(conn)
+        m.closed(conn)
+    m.publish_next()  # generation 2: nobody
+    assert m.everyone_left()
+    assert "over\n" in wire.to(11)
+    assert not m.everyone_left()  # said once
+
 def test_a_restarted_coordinator_resumes_from_the_highest_whole_step() -> None:
     store, wire = DictStore(), Lines()
     m = Membership(CoordinatorConfig(replicas=2, port=0, recover=True), store, wire,

@@ -4,9 +4,10 @@ Public API: `Coordinator` and its `CoordinatorConfig` (store + membership, its o
 `membership.Membership` is its state machine), `Member` (a replica's membership client: join,
 heartbeats, generations, fencing) with its `Identity` and `FenceHandlers`, `FaultTolerantComm`
 (generation-fenced reduce), `connect` (the one wiring of a member and its communicator),
-`ReplicaFault`, `CoordinatorLost`, `CoordinatorGone`, `GlooInterfaceError`, `connect_store`,
-`try_get`, `keys` (the one module that spells the store's key layout), and `shards` (the step
-decision's counts spread over store shards). Exit codes: `recover.errors.ExitCode`.
+`ReplicaFault`, `CoordinatorLost`, `CoordinatorGone`, `RunOver`, `GlooInterfaceError`,
+`connect_store`, `try_get`, `keys` (the one module that spells the store's key layout), and
+`shards` (the step decision's counts spread over store shards). Exit codes:
+`recover.errors.ExitCode`.
 
 Invariant: depends on nothing in recover but `recover.settings` and `recover.errors`.
 """
@@ -22,10 +23,11 @@ from recover.collectives.member import (
     FenceHandlers,
     Identity,
     Member,
+    RunOver,
 )
 from recover.collectives.netif import GlooInterfaceError
 from recover.collectives.wiring import connect
 
 __all__ = ["Coordinator", "CoordinatorConfig", "CoordinatorGone", "CoordinatorLost",
            "FaultTolerantComm", "FenceHandlers", "GlooInterfaceError", "Identity", "Member",
-           "ReplicaFault", "connect", "connect_store", "keys", "shards", "try_get"]
+           "ReplicaFault", "RunOver", "connect", "connect_store", "keys", "shards", "try_get"]

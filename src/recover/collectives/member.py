@@ -51,6 +51,11 @@ class CoordinatorGone(CoordinatorLost):
     a restarted one may be joined again (unlike a refusal, which is final)."""
 
 
+class RunOver(CoordinatorLost):
+    """Every member left (the run finished) while this process waited to be admitted: there is
+    nothing left to join, and nothing failed."""
+
+
 @dataclass(frozen=True)
 class Identity:
     """What a process shows the coordinator at its hello, beyond its replica and rank ids."""
@@ -106,6 +111,7 @@ class Member:
         # Admission mid-run (recover.parallel.Replica does the state transfer): `joining` until a
         # generation includes this replica; members learn of joiners in `join_requests`.
         self.joining = False
+        self.run_over = False  # the coordinator said every member left (`over`): see RunOver
         self.join_epoch = -1
         # replica -> (epoch, first step it may join at): joiners waiting to be served (several
         # may wait at once: two replacements started close together)
@@ -186,6 +192,8 @@ class Member:
                 self._refresh(self.store)  # after the answer: joining or not decides fencing
             if self.refused:
                 raise CoordinatorLost(f"the coordinator refused this process: {self.refused}")
+            if self.run_over:
+                raise RunOver(f"replica {self.replica}: the run ended before it was admitted")
             if self.coordinator_lost:
                 raise CoordinatorGone("the coordinator went away before training started")
             if self.store.check([keys.COORD_ERROR]):
@@ -462,6 +470,9 @@ class Member:
                 self._admit_after = int(words[2])
                 self._floor = int(words[3]) if len(words) > 3 else 0
                 self.joining, self.join_epoch = True, int(words[1])
+                self._welcomed.set()
+            elif words[:1] == ["over"]:  # every member left: nothing is left to join
+                self.run_over = True
                 self._welcomed.set()
             elif words[:1] == ["refused"]:
                 self.refused = " ".join(words[1:]) or "refused"

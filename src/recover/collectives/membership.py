@@ -297,6 +297,10 @@ class Membership:
             return False
         self.all_left = True
         self.log({"event": "all-left"})
+        # Whoever still waits to be admitted (a replacement started near the end) would wait for
+        # its join timeout or be killed: the run is over, and it can leave at once.
+        for conn in list(self.peers):
+            self.wire.send(conn, "over\n")
         return True
 
     def first_generation(self, now: float) -> bool:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from recover.collectives import CoordinatorGone, Member, keys
+from recover.collectives import CoordinatorGone, Member, RunOver, keys
 from recover.parallel import channel, transfer
 from recover.settings import Hooks
 
@@ -147,6 +147,7 @@ def receive(member: Member, rank: int, module: nn.Module,
                                      "step": st.step}))
         member.report_ready(epoch)
         while member.joining:  # admitted once a generation includes us
+            _check_over(member)
             if member.coordinator_lost:
                 raise CoordinatorGone(f"replica {member.replica}: the coordinator went away "
                                       "before admitting it")
@@ -159,6 +160,11 @@ def receive(member: Member, rank: int, module: nn.Module,
             return st.step, took, got
 
 
+def _check_over(member: Member) -> None:
+    if member.run_over:
+        raise RunOver(f"replica {member.replica}: the run ended before it was admitted")
+
+
 def _wait_key(member: Member, key: str, epoch: int, deadline: float) -> bytes | None:
     while True:
         v = keys.try_get(member.store, key)
@@ -166,6 +172,7 @@ def _wait_key(member: Member, key: str, epoch: int, deadline: float) -> bytes | 
             return v
         if member.join_epoch != epoch:
             return None
+        _check_over(member)
         if time.monotonic() > deadline or member.coordinator_lost:
             raise TimeoutError(f"no donor for replica {member.replica} (join {epoch}) in time")
         time.sleep(0.02)
@@ -173,6 +180,7 @@ def _wait_key(member: Member, key: str, epoch: int, deadline: float) -> bytes | 
 
 def _wait_epoch(member: Member, epoch: int, deadline: float) -> None:
     while member.join_epoch == epoch:
+        _check_over(member)
         if time.monotonic() > deadline or member.coordinator_lost:
             raise TimeoutError(f"replica {member.replica} was given no other donor in time")
         time.sleep(0.02)

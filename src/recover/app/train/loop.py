@@ -31,7 +31,13 @@ from recover.app.train.ckpt_rank import RankCheckpoints
 from recover.app.train.data import eval_batches, load_data, train_batches
 from recover.app.train.metrics import StepTimer, step_record
 from recover.app.train.optim import build_optimizer, lr_at, set_lr
-from recover.collectives import CoordinatorGone, CoordinatorLost, GlooInterfaceError, keys
+from recover.collectives import (
+    CoordinatorGone,
+    CoordinatorLost,
+    GlooInterfaceError,
+    RunOver,
+    keys,
+)
 from recover.errors import ExitCode
 from recover.parallel import Replica
 from recover.recovery import BelowMinReplicas, StepResult, StepStrategy
@@ -52,8 +58,12 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
     except CoordinatorLost as e:  # another run's coordinator, or this rank runs already
         log.error(f"cannot join: {e}")
         return ExitCode.USAGE
-    if not trainer.join():
-        return ExitCode.USAGE
+    try:
+        if not trainer.join():
+            return ExitCode.USAGE
+    except RunOver as e:  # a replacement started too late to be needed: nothing failed
+        log.info(f"leaving: {e}")
+        return ExitCode.OK
     end = cfg.run.stop_at or cfg.run.steps
     while True:  # once, unless the coordinator dies and a restarted one takes over
         try:
@@ -120,6 +130,8 @@ class Trainer:
                                    tied=self.rm.tied, optimizer=self.opt, config=config,
                                    hooks=self.faults.hooks(), strategy=_strategy(self.cfg))
                 break
+            except RunOver:
+                raise  # the run finished first: `run` ends this process cleanly
             except CoordinatorGone as e:
                 # A replacement whose coordinator died while it was being admitted tries again
                 # with the restarted one (bounded like every replica's wait for it).
