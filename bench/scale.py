@@ -65,8 +65,9 @@ into its .err log) is a protocol failure: reported, never hidden, and the scale 
 (--retries). Every process is ended by PID in a `finally` (`recover.procs`). Outputs in --out:
 `scale.json` (the P = 1 curve: {"source", "ranks", "group", "store_ops_per_rank_step",
 "control_plane_s", "control_plane_cpu_s", "detect_s", "agree_s", "rebuild_s", "rebuild_cpu_s",
-"reduce_s", "store_cpu_s", "recovery_store_ops_per_rank", "failure_main_requests_per_replica",
-"failure_shard_requests_per_replica", "store_shards", "store_request_cpu_s"}, the last the
+"reduce_s", "store_cpu_s", "recovery_store_ops_per_rank", "failure_main_requests_per_rank",
+"failure_coordinator_requests", "failure_shard_requests_per_member", "store_shards",
+"store_request_cpu_s"}, the last the
 store server's CPU per request, `_store_rate.py`; "group" is
 the size of the cross-replica group rebuilt, R, here = ranks), `scale_detail.json` (every
 scale and kill, and the failures), `scale.png`, and each scale's logs; `--write-curve` also
@@ -125,7 +126,8 @@ log = logging.getLogger("bench.scale")
 CURVE = BENCH_DIR.parent / "src" / "recover" / "sim" / "data" / "scale_curve.json"
 PARTS = ("detect", "agree", "recomp", "rebuild", "reduce", "rest")  # add up to "total"
 EXTRA = (*PARTS, "total", "teardown", "agree_med", "agree_cpu", "rebuild_cpu", "store_cpu",
-         "recovery_ops", "recovery_cpu", "main_reqs", "main_max", "shard_reqs")
+         "recovery_ops", "recovery_cpu", "main_reqs", "main_max", "shard_reqs", "rank_main_reqs",
+         "coord_reqs")
 # Steps after a failure's first commit in the new generation that its requests are counted
 # over: its keys are deleted when the commit two steps later is decided, on a background thread
 # whose requests land in the step after (recovery/lifetime.py).
@@ -232,8 +234,9 @@ def failure_requests(steps: dict[Any, list[dict]], t_kill: float, g0: int, coord
             rate = (recs[end + AFTER][key] - recs[end][key]) / AFTER
             mine[key] += recs[end][key] - recs[first - 1][key] - (end - first + 1) * rate
     reps = len(per_replica)
-    return {"main_reqs": (sum(r["main_reqs"] for r in per_replica.values()) + coord) / reps,
-            "main_max": max(r["main_reqs"] for r in per_replica.values()),
+    ranks = sum(r["main_reqs"] for r in per_replica.values())
+    return {"main_reqs": (ranks + coord) / reps, "rank_main_reqs": ranks / reps,
+            "coord_reqs": coord, "main_max": max(r["main_reqs"] for r in per_replica.values()),
             "shard_reqs": sum(r["shard_reqs"] for r in per_replica.values()) / reps}
 
 
@@ -390,7 +393,9 @@ def curve(res: list[dict], source: str = "", store_shards: int = 0) -> dict[str,
     one = sorted((r for r in res if r["positions"] == 1), key=lambda r: r["ranks"])
     return {"source": source, "ranks": [r["ranks"] for r in one],
             "group": [r["replicas"] for r in one],
-            "store_ops_per_rank_step": [round(r["store_ops"], 3) for r in one],
+            # the mean rank's: with shards a shard's last counter's 2 more are the main
+            # store's, which the simulator charges apart (2 per shard)
+            "store_ops_per_rank_step": [round(r["store_ops_mean"], 3) for r in one],
             "control_plane_s": [round(r["control_s"], 5) for r in one],
             "control_plane_cpu_s": [round(r["control_cpu_s"], 6) for r in one],
             "detect_s": [round(r["detect"], 5) for r in one],
@@ -400,8 +405,9 @@ def curve(res: list[dict], source: str = "", store_shards: int = 0) -> dict[str,
             "store_cpu_s": [round(r["store_cpu"], 5) for r in one],
             "recovery_store_ops_per_rank": [round(r["recovery_ops"], 3) for r in one],
             "reduce_s": [round(r["reduce"], 5) for r in one],
-            "failure_main_requests_per_replica": [round(r["main_reqs"], 2) for r in one],
-            "failure_shard_requests_per_replica": [round(r["shard_reqs"], 2) for r in one],
+            "failure_main_requests_per_rank": [round(r["rank_main_reqs"], 2) for r in one],
+            "failure_coordinator_requests": [round(r["coord_reqs"], 2) for r in one],
+            "failure_shard_requests_per_member": [round(r["shard_reqs"], 2) for r in one],
             "store_shards": store_shards}
 
 

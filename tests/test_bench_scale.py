@@ -69,15 +69,17 @@ def test_curve_keeps_the_simulators_schema() -> None:
     row = {"ranks": 4, "replicas": 4, "positions": 1, "store_ops": 3.0, "control_s": 0.001,
            "control_cpu_s": 0.0005, "detect": 0.04, "agree": 0.01, "rebuild": 0.005,
            "rebuild_cpu": 0.001, "store_cpu": 0.01, "reduce": 0.002, "recovery_ops": 2.0,
-           "main_reqs": 3.5, "shard_reqs": 12.0}
+           "main_reqs": 3.5, "shard_reqs": 12.0, "rank_main_reqs": 2.5, "coord_reqs": 4.0,
+           "store_ops_mean": 2.5}
     data = scale.curve([{**row, "ranks": 16, "replicas": 16}, row,
                         {**row, "positions": 8, "ranks": 64, "replicas": 8}], "here", 2)
     assert list(data) == ["source", "ranks", "group", "store_ops_per_rank_step",
                           "control_plane_s", "control_plane_cpu_s", "detect_s", "agree_s",
                           "rebuild_s", "rebuild_cpu_s", "store_cpu_s",
                           "recovery_store_ops_per_rank", "reduce_s",
-                          "failure_main_requests_per_replica",
-                          "failure_shard_requests_per_replica", "store_shards"]
+                          "failure_main_requests_per_rank", "failure_coordinator_requests",
+                          "failure_shard_requests_per_member", "store_shards"]
+    assert data["store_ops_per_rank_step"] == [2.5, 2.5]  # the mean rank's
     assert data["ranks"] == [4, 16]  # P = 1 only, sorted by ranks
     assert data["group"] == [4, 16]  # each rebuilt group: one member per replica
 
@@ -104,6 +106,7 @@ def test_failure_requests_count_the_window_less_the_new_memberships_rate() -> No
     got = scale.failure_requests(steps, 10.5, 0, coord=4.0)
     # each rank's window: steps 3..3+TAIL, its extra over 3 a step; the coordinator's 4 too
     assert got["main_reqs"] == pytest.approx((5 + 1 + 4) / 2)
+    assert got["rank_main_reqs"] == pytest.approx((5 + 1) / 2) and got["coord_reqs"] == 4.0
     assert got["main_max"] == pytest.approx(5)
     assert got["shard_reqs"] == pytest.approx(20)
     with pytest.raises(ValueError):  # no steps after the window: no rate to subtract

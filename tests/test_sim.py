@@ -475,9 +475,9 @@ def test_a_failure_charges_the_main_store_its_ranks_recovery_requests(tmp_path) 
 
 
 def test_a_failure_charges_every_main_store_request_and_the_rendezvous(tmp_path) -> None:
-    """With the curve's failure_main_requests_per_replica (every request a failure makes of the
+    """With the curve's failure_main_requests_per_rank (every request a failure makes of the
     main store, per one-rank replica) the main store's charge is that x G ranks (no speaker per
-    replica); the rebuild's rendezvous (failure_shard_requests_per_replica, per member, linear
+    replica); the rebuild's rendezvous (failure_shard_requests_per_member, per member, linear
     in the group) is charged on the busiest store server: with S = G / 1,024 shards, position p's
     group meets on shard p mod S, so ceil(P / S) groups; with one store, all P."""
     from recover.sim.curve import COLUMNS, load_curve
@@ -494,15 +494,17 @@ def test_a_failure_charges_every_main_store_request_and_the_rendezvous(tmp_path)
     doc = {"source": "s", "ranks": [4, 64], "group": [4, 64], **{c: [0.0, 0.0] for c in COLUMNS},
            "store_request_cpu_s": 1e-5, "control_plane_cpu_s": [0.001, 0.001],
            "recovery_store_ops_per_rank": [2.0, 2.0],
-           "failure_main_requests_per_replica": [3.0, 3.0],
-           "failure_shard_requests_per_replica": [10.0, 130.0], "store_shards": 2}
+           "failure_main_requests_per_rank": [3.0, 3.0],
+           "failure_coordinator_requests": [4.0, 4.0],
+           "failure_shard_requests_per_member": [10.0, 130.0], "store_shards": 2}
     path = tmp_path / "c.json"
     path.write_text(json.dumps(doc))
     spec = ScaleSpec(curve=load_curve(path))
     fits = spec.fits()
     assert spec.curve.store_shards == 2
-    assert fits["failure_shard_requests_per_replica"](781) == pytest.approx(2 * 781 + 2)
-    assert recovery_store_s(spec, fits, 100_000) == pytest.approx(3.0)  # 3 x 1e5 x 10 us
+    assert fits["failure_shard_requests_per_member"](781) == pytest.approx(2 * 781 + 2)
+    # 3 x 1e5 x 10 us, and the coordinator's 4 requests per failure
+    assert recovery_store_s(spec, fits, 100_000) == pytest.approx(3.0 + 4e-5)
     # 100,000 GPUs: 781 replicas of 128 positions over 98 shards: 2 groups on the busiest
     assert shards_for(100_000) == 98 and rendezvous_groups(spec, 100_000, 781) == 2
     assert rendezvous_store_s(spec, fits, 100_000, 781) == pytest.approx(
@@ -515,14 +517,15 @@ def test_a_failure_charges_every_main_store_request_and_the_rendezvous(tmp_path)
     assert rendezvous_store_s(wall, fits, 100_000, 781) == 0.0
     p = size_params(scale_base(), 131072, 0, spec)
     bare = {**doc}
-    for c in ("failure_main_requests_per_replica", "failure_shard_requests_per_replica"):
+    for c in ("failure_main_requests_per_rank", "failure_shard_requests_per_member",
+              "failure_coordinator_requests"):
         bare.pop(c)
     path.write_text(json.dumps(bare))
     old = ScaleSpec(curve=load_curve(path))
     assert recovery_store_s(old, old.fits(), 100_000) == pytest.approx(2.0)  # the older column
     assert rendezvous_store_s(old, old.fits(), 100_000, 781) == 0.0
     assert p.rebuild_s == pytest.approx(size_params(scale_base(), 131072, 0, old).rebuild_s
-                                        + (3.0 - 2.0) * 131072 * 1e-5
+                                        + (3.0 - 2.0) * 131072 * 1e-5 + 4e-5
                                         + 1 * 1024 * (2 * 1024 + 2) * 1e-5)
     path.write_text(json.dumps({**doc, "store_shards": -1}))
     with pytest.raises(ConfigError):

@@ -25,11 +25,12 @@ measured scale, times in seconds. `ranks` = R x P processes of the job; `group` 
 - recovery_store_ops_per_rank (optional): the store round trips a failure adds to a survivor's
   step (the most any survivor made, less a failure-free step's), charged per failure on the
   main store (`recover.sim.scale.recovery_store_s`) when the next column is absent;
-- failure_main_requests_per_replica (optional): every request the main store served because of
-  a failure (the ranks' every client, and the coordinator's publication), per surviving replica
-  of one rank (P = 1), measured with `store_shards` shards (an optional number: 0, one store,
-  puts the rendezvous in this column); charged per rank (`recovery_store_s`);
-- failure_shard_requests_per_replica (optional): the same on the store shards, where the
+- failure_main_requests_per_rank (optional): every request the main store served because of
+  a failure from the ranks' every client, per surviving rank (replicas of one rank), measured
+  with `store_shards` shards (an optional number: 0, one store, puts the rendezvous in this
+  column); charged per rank (`recovery_store_s`); failure_coordinator_requests (optional): the
+  coordinator's own (the generation's publication), per failure;
+- failure_shard_requests_per_member (optional): the same on the store shards, where the
   rebuilt communicator's rendezvous goes (barrier, addresses, gloo's address exchange: O(R) per
   member), per member of the rebuilt group (`recover.sim.scale.rendezvous_store_s`);
 - store_request_cpu_s (optional, one number): the store server's CPU time per request, measured
@@ -60,15 +61,17 @@ COST_COLUMNS = ("control_plane_s", "detect_s", "agree_s", "rebuild_s", "rebuild_
                 "reduce_s")
 COLUMNS = ("store_ops_per_rank_step", *COST_COLUMNS)
 OPTIONAL = ("store_cpu_s", "control_plane_cpu_s", "recovery_store_ops_per_rank",
-            "failure_main_requests_per_replica", "failure_shard_requests_per_replica")
+            "failure_main_requests_per_rank", "failure_coordinator_requests",
+            "failure_shard_requests_per_member")
 # Of the group's size (the rest: of the job's ranks)
 GROUP_COLUMNS = ("rebuild_s", "rebuild_cpu_s", "reduce_s", "store_cpu_s",
-                 "failure_shard_requests_per_replica")
+                 "failure_shard_requests_per_member")
 MIXED = {
     "store_ops_per_rank_step": "log2",
     "recovery_store_ops_per_rank": "log2",
-    "failure_main_requests_per_replica": "log2",  # O(1) per rank: redo, chain, evidence
-    "failure_shard_requests_per_replica": "linear",  # a full mesh's rendezvous: O(R) per member
+    "failure_main_requests_per_rank": "log2",  # O(1) per rank: redo, chain, evidence
+    "failure_coordinator_requests": "log2",  # O(1) per failure
+    "failure_shard_requests_per_member": "linear",  # a full mesh's rendezvous: O(R) per member
     "control_plane_s": "log2",
     "control_plane_cpu_s": "log2",
     "detect_s": "log2",

@@ -167,21 +167,23 @@ def store_serial_s(spec: ScaleSpec, fits: dict[str, Fit], gpus: int) -> float:
     return (ops * math.ceil(gpus / shards) + 2 * shards) * per
 
 
-MAIN_FAILURE_COLUMNS = ("failure_main_requests_per_replica", "recovery_store_ops_per_rank")
+MAIN_FAILURE_COLUMNS = ("failure_main_requests_per_rank", "recovery_store_ops_per_rank")
 
 
 def recovery_store_s(spec: ScaleSpec, fits: dict[str, Fit], gpus: int) -> float:
     """The main store's serial work for one failure at `gpus` ranks: every rank's requests
     because of it (the failed attempt's decision, the chain's extension, evidence counts,
-    generation reads, deletions; the coordinator's publication), one after another: the curve's
-    failure_main_requests_per_replica (one rank per replica there; here each of a replica's
-    ranks asks as much: no speaker per replica), else (an older curve) the engine's own
-    recovery_store_ops_per_rank. 0 in "wall" mode, or when the curve measured neither."""
+    generation reads, deletions), one after another: the curve's failure_main_requests_per_rank
+    (one rank per replica there; here each of a replica's ranks asks as much: no speaker per
+    replica), plus the coordinator's failure_coordinator_requests, else (an older curve) the
+    engine's own recovery_store_ops_per_rank. 0 in "wall" mode, or when the curve measured
+    neither."""
     column = next((c for c in MAIN_FAILURE_COLUMNS if c in fits), None)
     if control_mode(spec) == "wall" or column is None:
         return 0.0
     per = float(spec.curve.request_cpu_s or 0.0)  # type: ignore[union-attr]
-    return fits[column](gpus) * gpus * per
+    coord = fits.get("failure_coordinator_requests")
+    return (fits[column](gpus) * gpus + (coord(gpus) if coord else 0.0)) * per
 
 
 def rendezvous_groups(spec: ScaleSpec, gpus: int, replicas: int) -> int:
@@ -195,9 +197,9 @@ def rendezvous_groups(spec: ScaleSpec, gpus: int, replicas: int) -> int:
 def rendezvous_store_s(spec: ScaleSpec, fits: dict[str, Fit], gpus: int, replicas: int) -> float:
     """The busiest store server's serial work for the rebuild's rendezvous after a failure:
     `rendezvous_groups` groups of `replicas` members, each member's requests the curve's
-    failure_shard_requests_per_replica at that group size (gloo's full mesh: O(R) each).
+    failure_shard_requests_per_member at that group size (gloo's full mesh: O(R) each).
     0 in "wall" mode, or when the curve did not measure it."""
-    column = "failure_shard_requests_per_replica"
+    column = "failure_shard_requests_per_member"
     if control_mode(spec) == "wall" or column not in fits:
         return 0.0
     per = float(spec.curve.request_cpu_s or 0.0)  # type: ignore[union-attr]

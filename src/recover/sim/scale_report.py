@@ -202,12 +202,13 @@ def recovery_store_line(spec: ScaleSpec, fits: dict) -> str:
     column = next((c for c in MAIN_FAILURE_COLUMNS if c in fits), None)
     if column is None or control_mode(spec) == "wall":
         return ("    per failure, the main store's work for the recovery's requests: not charged "
-                "(the curve measures neither failure_main_requests_per_replica nor "
+                "(the curve measures neither failure_main_requests_per_rank nor "
                 "recovery_store_ops_per_rank, or the control plane is charged as the wall clock)")
     shards = spec.curve.store_shards if spec.curve else None
     what = ("every request the failure makes of it (measured with "
             f"{'?' if shards is None else shards} store shards; one rank per replica there, "
-            "and here each of a replica's ranks asks as much: no speaker per replica)"
+            "and here each of a replica's ranks asks as much: no speaker per replica; plus the "
+            "coordinator's per failure)"
             if column == MAIN_FAILURE_COLUMNS[0] else "the round trips the failure adds to the "
             "engine's step (an older curve: generation reads, deletions and the coordinator's "
             "not in it)")
@@ -221,7 +222,7 @@ def rendezvous_line(base: SimParams, spec: ScaleSpec, fits: dict) -> str:
     """How the rebuild's rendezvous is charged (`rendezvous_store_s`)."""
     g = TARGET_GPUS
     r = g // base.gpus_per_replica
-    column = "failure_shard_requests_per_replica"
+    column = "failure_shard_requests_per_member"
     if column not in fits or control_mode(spec) == "wall":
         return ("    per failure, the store's work for the rebuild's rendezvous: not charged (the "
                 f"curve does not measure {column}, or the control plane is charged as the wall "
