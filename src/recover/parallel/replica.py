@@ -200,7 +200,13 @@ class Replica:
             res = self.engine.run(step, weighted, round_)
         if self.exact is not None:
             res.loss = self.exact.loss / self.n
-        self.member.disarm()
+        # Between steps (the optimizer, the caller's own code) the main thread must be back in
+        # `step` within the reduce timeout, the longest the others would wait for it in a reduce:
+        # deadlocked there, its live heartbeats kept it a member the others could never reduce
+        # with, and every replica failed the next step after 32 rebuilds. A longer operation
+        # that is bounded on its own (a checkpoint save) runs inside `busy()`.
+        self.member.arm(max(self.config.ft.reduce_timeout_s,
+                            (self.member.fence_after_s or 6.0) + 10 * mb))
         if self.nranks > 1:
             with self.guard():
                 self._sum_tied()
@@ -262,6 +268,7 @@ class Replica:
         run at interpreter exit."""
         if not self._left:
             self._left = True
+            self.member.disarm()
             self.engine.close()  # after the deletions already queued
             self.member.leave()
 
@@ -289,6 +296,18 @@ class Replica:
     def is_leader(self) -> bool:
         """Rank 0 of the lowest live replica (writes records and checkpoints)."""
         return self.rank == 0 and min(self.member.members()) == self.member.replica
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        """A long operation between steps that is bounded on its own (a checkpoint save): the
+        stuck-thread watchdog armed after each step pauses meanwhile."""
+        budget = self.member.stuck_s
+        self.member.disarm()
+        try:
+            yield
+        finally:
+            if budget:
+                self.member.arm(budget)
 
     @contextmanager
     def guard(self, wait_s: float = 30.0) -> Iterator[None]:

@@ -183,7 +183,9 @@ class Trainer:
             if (cfg.run.ckpt_every and self.applied % cfg.run.ckpt_every == 0) or last:
                 # Before the record is offered: the writer's record carries the save's outcome.
                 # A failed save is not a failed replica: it is reported and the loop goes on.
-                with rep.guard():  # every rank: the leader replica's ranks save together
+                # Every rank: the leader replica's ranks save together; a save may take longer
+                # than the stuck-thread watchdog allows between steps, and has its own bounds.
+                with rep.guard(), rep.busy():
                     rec.update(self.ckpts.save(self.applied, rep.is_leader,
                                                self.extra(self.applied)))
             self.publish(step, rec)
