@@ -74,7 +74,7 @@ class Join:
 
 
 class _Member:
-    local_addr, coordinator_lost, rank = "127.0.0.1", False, 0
+    local_addr, coordinator_lost, run_over, rank = "127.0.0.1", False, False, 0
 
     def __init__(self, join: Join, replica: int) -> None:
         self._join, self.replica, self.token = join, replica, join.token
