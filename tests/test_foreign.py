@@ -22,6 +22,7 @@ import torch
 
 from recover.app.cli import main
 from recover.app.config import RunConfig, fingerprint
+from recover.app.prepare import run_cli
 from recover.app.train import foreign
 from recover.testing.runs import LAYOUT_ARGS, LAYOUT_FLAGS, LAYOUT_STEPS, Run, recover_train
 
@@ -47,10 +48,19 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_llama(tmp_path_factory.mktemp("llama"))
 
 
-def train_with_reference(out: Path, corpus: Path, *args: str) -> Run:
-    """A 2-replica run that loses replica 1 at step 3, and its failure-free reference."""
+@pytest.fixture(scope="module")
+def shards(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The corpus as `recover prepare --bytes` token shards (what the models train on here)."""
+    out = tmp_path_factory.mktemp("prepared") / "shards"
+    assert run_cli([str(corpus), "--bytes", "--out", str(out)]) == 0
+    return out
+
+
+def train_with_reference(out: Path, data: Path, *args: str) -> Run:
+    """A 2-replica run on `data` that loses replica 1 at step 3, and its failure-free
+    reference."""
     run = recover_train(out, *LAYOUT_ARGS, "--replicas", "2", *FAULT, "--reference", *args,
-                        data=corpus)
+                        data=data)
     assert run.returncode == 0, run.stderr[-3000:]
     recs = run.metrics()
     assert [r["step"] for r in recs] == list(range(LAYOUT_STEPS))
@@ -63,15 +73,24 @@ def train_with_reference(out: Path, corpus: Path, *args: str) -> Run:
 
 
 @pytest.fixture(scope="module")
-def hf_run(llama: Path, corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return train_with_reference(tmp_path_factory.mktemp("hf") / "run", corpus,
+def hf_run(llama: Path, shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return train_with_reference(tmp_path_factory.mktemp("hf") / "run", shards,
                                 *LAYOUT_FLAGS["hsdp"], "--model", f"hf:{llama}")
 
 
 @pytest.fixture(scope="module")
-def module_run(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return train_with_reference(tmp_path_factory.mktemp("module") / "run", corpus,
+def module_run(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return train_with_reference(tmp_path_factory.mktemp("module") / "run", shards,
                                 "--model", f"{MODELS}:tiny_lm")
+
+
+@pytest.mark.parametrize("kind, layout", [("hf", "plain"), ("module", "hsdp")])
+def test_the_other_layout_follows_its_reference(kind: str, layout: str, llama: Path,
+                                                shards: Path, tmp_path: Path) -> None:
+    """The fixtures above run hf in hsdp and module in plain; here the other two pairs."""
+    model = f"hf:{llama}" if kind == "hf" else f"{MODELS}:tiny_lm"
+    train_with_reference(tmp_path / "run", shards, *LAYOUT_FLAGS.get(layout, ()),
+                         "--model", model)
 
 
 def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -140,12 +159,12 @@ def test_module_model_plain_sample_export(module_run: Run, capsys: pytest.Captur
 
 
 def test_resume_with_another_model_is_refused(hf_run: Run, capsys: pytest.CaptureFixture[str],
-                                              corpus: Path, tmp_path: Path) -> None:
+                                              shards: Path, tmp_path: Path) -> None:
     """The model's identity is the trajectory's: a config that differs is named, nothing runs
     (the fingerprint that a joining replica must match is made of the same fields)."""
     wider = tiny_llama(tmp_path / "wider", hidden_size=48)
     code, _, err = cli(capsys, "train", "--out", str(hf_run.out), *LAYOUT_ARGS, "--replicas", "2",
-                       *LAYOUT_FLAGS["hsdp"], "--data", str(corpus), "--resume", "--model",
+                       *LAYOUT_FLAGS["hsdp"], "--data", str(shards), "--resume", "--model",
                        f"hf:{wider}")
     assert code == 2, err
     assert "model.hf_config.hidden_size" in err and len(err.strip().splitlines()) == 1, err
