@@ -45,7 +45,7 @@ MAX_VOCAB = 1 << 32  # uint32 token ids
 MIN_TRAINED_VOCAB = 257  # the 256 bytes of byte-level BPE + <|endoftext|>
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HF_HUB_DISABLE_TELEMETRY": "1"}
-_TOKENIZER: Any = None  # the worker processes' tokenizer (inherited at fork); None: bytes
+_TOKENIZER: Any = None  # the worker processes' tokenizer (set by `_start_worker`); None: bytes
 _EOS: int | None = None
 
 
@@ -187,6 +187,15 @@ def chunks(docs: Iterator[str]) -> Iterator[list[str]]:
             chunk, size = [], 0
     if chunk:
         yield chunk
+
+
+def _start_worker(tokenizer_json: str | None, eos: int | None) -> None:
+    """A worker process's tokenizer, rebuilt from its JSON (workers are spawned, see
+    `tokenize_into`)."""
+    global _TOKENIZER, _EOS
+    _EOS = eos
+    _TOKENIZER = None if tokenizer_json is None else \
+        _need("tokenizers").Tokenizer.from_str(tokenizer_json)
 
 
 def encode(chunk: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -355,8 +364,9 @@ def _take(pending: deque, writer: ShardWriter, bar: Any) -> None:
 
 def tokenize_into(sources: list[Source], text_field: str, tz: Tokenization,
                   writer: ShardWriter, workers: int) -> None:
-    """Tokenise every document into `writer`, on `workers` processes (forked: they inherit the
-    tokenizer), at most 2 tasks a worker in flight, results taken in submission order."""
+    """Tokenise every document into `writer`, on `workers` processes (spawned, each with the
+    tokenizer rebuilt from its JSON), at most 2 tasks a worker in flight, results taken in
+    submission order."""
     global _TOKENIZER, _EOS
     _TOKENIZER, _EOS = tz.tokenizer, tz.eos_id
     tqdm = _need("tqdm").tqdm
@@ -369,10 +379,13 @@ def tokenize_into(sources: list[Source], text_field: str, tz: Tokenization,
                 writer.add(*encode(chunk))
                 bar.update(sum(map(len, chunk)))
         return
-    # Set before the fork: the workers encode one document batch each, on one thread (the
-    # tokenizers library's own threads do not survive a fork).
+    # Inherited by the workers: each encodes one document batch at a time, on one thread.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    with multiprocessing.get_context("fork").Pool(workers) as pool, \
+    # Spawned, not forked: a fork of a process with threads (the tokenizers library's pool, or
+    # a caller's) can copy a lock some thread held, and the child waits on it for ever (forked
+    # from the test process, a worker hung until the test's timeout).
+    init = (None if tz.tokenizer is None else tz.tokenizer.to_str(), tz.eos_id)
+    with multiprocessing.get_context("spawn").Pool(workers, _start_worker, init) as pool, \
             tqdm(total=total, unit="B", unit_scale=True, desc="tokenising", disable=None) as bar:
         pending: deque = deque()
         for chunk in docs:
