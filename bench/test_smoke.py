@@ -73,6 +73,9 @@ def run_script(name: str, out: Path) -> Smoke:
 def smokes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[dict[str, Future[Smoke]]]:
     """The selected scripts' runs, started at once on a pool of RECOVER_SMOKE_JOBS lanes."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker would start every script
+        pytest.fail("bench/test_smoke.py runs its scripts on its own pool: run it with -n 0",
+                    pytrace=False)
     wanted = {item.callspec.params["name"] for item in request.session.items
               if item.module is request.module and hasattr(item, "callspec")
               and "name" in item.callspec.params}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import sys
@@ -66,6 +67,21 @@ def single_replica(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Ru
                         "--dump-final-params", "--replicas", "1", data=corpus)
     assert run.returncode == 0, run.stderr[-3000:]
     return run
+
+
+@pytest.fixture(autouse=True)
+def _root_logging() -> Iterator[None]:
+    """Put the root logger back as it was after each test: a test that runs `recover`'s entry
+    point in this process configures logging (`recover.app.logs.setup`) with the stream pytest
+    captured for that test, which pytest closes after it; a thread a later test leaves running
+    (a coordinator's) would log into that closed stream."""
+    root = logging.getLogger()
+    before, level = set(root.handlers), root.level
+    yield
+    # Only the plain stream handlers the test added: pytest adds and removes its own per phase.
+    for h in [h for h in root.handlers if h not in before and type(h) is logging.StreamHandler]:
+        root.removeHandler(h)
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session", autouse=True)

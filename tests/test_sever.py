@@ -129,13 +129,19 @@ def test_spare_client_is_ready_ahead_and_never_shared() -> None:
     assert third not in (first, second)
 
 
+# The gloo timeout of the test's groups: well past the 3 s an op is given to fail once severed
+# (so an op that severing did not end still shows as stuck), and short, because a stuck op holds
+# its group, and the test with it, until this timeout ends it.
+GLOO_TIMEOUT_S = 8
+
+
 def _gloo_ranks(size: int) -> list[ProcessGroupGloo]:
     """`size` gloo ranks of one group in this process, built in threads on one store."""
     store = HashStore()
     groups: dict[int, ProcessGroupGloo] = {}
 
     def build(r: int) -> None:
-        groups[r] = ProcessGroupGloo(store, r, size, datetime.timedelta(seconds=30))
+        groups[r] = ProcessGroupGloo(store, r, size, datetime.timedelta(seconds=GLOO_TIMEOUT_S))
 
     builders = [threading.Thread(target=build, args=(r,)) for r in range(size)]
     for b in builders:
@@ -150,10 +156,10 @@ def test_severing_the_reading_side_ends_real_gloo_ops_in_flight() -> None:
     """Four gloo ranks (threads, one store) all-reduce 4 MB tensors back to back; every rank's
     sockets are shut down for reading while ops are in flight (as every survivor does when a
     newer generation comes). The ops must fail within 3 s (it takes ~10 ms; unsevered, gloo waits
-    out its 30 s timeout) in all but at most one of 10 cuts: one op in one cut of a CI run did not
-    (docs/MEASUREMENTS.md, "Severing a gloo operation"), which the library bounds by the severed-op
-    settle. (Shutting both sides hung 4 of 8 cuts on an earlier measurement (same section), but 1 of
-    10 here: this test does not tell the two apart.)"""
+    out its timeout, GLOO_TIMEOUT_S) in all but at most one of 10 cuts: one op in one cut of a CI
+    run did not (docs/MEASUREMENTS.md, "Severing a gloo operation"), which the library bounds by
+    the severed-op settle. (Shutting both sides hung 4 of 8 cuts on an earlier measurement (same
+    section), but 1 of 10 here: this test does not tell the two apart.)"""
     size, trials = 4, 10
     hit, stuck = 0, []
     for t in range(trials):

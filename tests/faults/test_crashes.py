@@ -19,7 +19,7 @@ from recover.testing.runs import Run
 
 pytestmark = pytest.mark.timeout(200)
 STALE_S = 2.0  # the default --stale-s (recover.app.config.FtConfig)
-REDUCE_S = 10.0  # --reduce-timeout-s for the deadlock between steps (60 s by default)
+REDUCE_S = 6.0  # --reduce-timeout-s for the deadlock between steps (60 s by default)
 
 
 @pytest.fixture(scope="module")
