@@ -167,9 +167,10 @@ def test_kill_one_rank(refs: dict[str, Run], corpus: Path, tmp_path: Path, layou
         assert recs[3]["recovered"], "replica 1's microbatches of step 3 were recomputed"
     codes = exit_codes(run)
     sibling = 1 - killed
-    assert codes[f"1.{killed}"] == -signal.SIGKILL, codes
-    assert codes[f"1.{sibling}"] == 3, codes  # fenced: left by itself, not ended by the launcher
-    assert codes["0.0"] == 0 and codes["0.1"] == 0, codes
+    assert codes[f"replica1.rank{killed}"] == -signal.SIGKILL, codes
+    # fenced: left by itself, not ended by the launcher
+    assert codes[f"replica1.rank{sibling}"] == 3, codes
+    assert codes["replica0.rank0"] == 0 and codes["replica0.rank1"] == 0, codes
     log = (run.out / "logs" / (f"replica1.rank{killed}.log" if killed else "replica1.log"))
     assert "injecting kill" in log.read_text()
     for k in range(2):  # the survivor's shards/stages: the reference's, up to summation order

@@ -117,3 +117,20 @@ def test_torchrun_workers_match(ref4: Run, corpus: Path, tmp_path: Path) -> None
             except ProcessLookupError:
                 pass
     assert max_rel(res.losses(), ref4.losses()) < 1e-5
+
+
+def test_config_of_an_earlier_run(ref4: Run, tmp_path: Path) -> None:
+    """`--config DIR/config.json`: a new run with that run's settings, flags on top (here a
+    shorter run on fewer replicas); its own directory, not the earlier one's."""
+    run = recover_train(tmp_path / "again", "--config", str(ref4.out / "config.json"),
+                        "--steps", "3", "--replicas", "2")
+    assert run.returncode == 0, run.stderr[-3000:]
+    earlier = json.loads((ref4.out / "config.json").read_text())
+    now = json.loads((run.out / "config.json").read_text())
+    assert now["run"]["out"] == str(run.out)
+    assert (now["run"]["steps"], now["layout"]["replicas"]) == (3, 2)
+    for sec, key in (("run", "out"), ("run", "steps"), ("layout", "replicas")):
+        now[sec][key] = earlier[sec][key]
+    assert now == earlier
+    # The same model, data and seed: step 0 (before any update) has the earlier run's loss.
+    assert max_rel(run.losses()[:1], ref4.losses()[:1]) < 1e-5

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import enum
+import re
 import sys
-from typing import NoReturn
+import textwrap
+from typing import Any, NoReturn
 
 
 class ExitCode(enum.IntEnum):
@@ -64,10 +66,42 @@ def usage_line(prog: str, error: object) -> int:
     return ExitCode.USAGE
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help, plus each option's default where its help does not state one (a switch,
+    an unset or empty default shows none); a description's or epilog's lines that start with a
+    space keep their line (wrapped under themselves), so a grammar or a table stays readable."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or "(default" in text or action.nargs == 0
+                or default in (None, "", [], argparse.SUPPRESS) or isinstance(default, bool)):
+            return action.help
+        return f"{text} (default: %(default)s)".lstrip()
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        out: list[str] = []
+        for line in text.splitlines():
+            if not line.startswith(" "):  # prose: wrapped as argparse does
+                out.append(textwrap.fill(" ".join(line.split()), width, initial_indent=indent,
+                                         subsequent_indent=indent) if line.strip() else "")
+                continue
+            # An indented line, a table's row: its columns kept, wrapped under its last column.
+            column = re.match(r"\s*\S.*?\s{2,}(?=\S)", line)
+            hang = " " * (len(column.group()) if column else len(line) - len(line.lstrip()))
+            out.append(textwrap.fill(line.rstrip(), width, initial_indent=indent,
+                                     subsequent_indent=indent + hang, drop_whitespace=True))
+        return "\n".join(out)
+
+
 class UsageParser(argparse.ArgumentParser):
     """argparse's parser whose command-line errors (unknown flag, missing or malformed value)
     end like every other user error, in `usage_line` and exit 2; argparse's own also prints the
-    usage block. `--help` is unchanged."""
+    usage block. `--help` shows defaults (`HelpFormatter`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         sys.exit(usage_line(self.prog, message))

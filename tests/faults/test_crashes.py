@@ -134,7 +134,7 @@ def test_deadlock_fenced_in_time(ref: Run, corpus: Path, tmp_path: Path, record:
     assert took < 3 * STALE_S + 5, took
     assert "injecting deadlock" in run.log(1) and "injecting deadlock" in run.log(2)
     exits = json.loads((run.out / "exit_codes.json").read_text())
-    assert exits.get("1.0") == 7 and exits.get("2.0") == 7, exits
+    assert exits.get("replica1.rank0") == 7 and exits.get("replica2.rank0") == 7, exits
 
 
 def test_all_lost(ref: Run, corpus: Path, tmp_path: Path, record: Row) -> None:
@@ -173,4 +173,4 @@ def test_partition_evicted_on_evidence(ref: Run, corpus: Path, tmp_path: Path,
     recs = check_run(run, ref, last)
     assert recs[-1]["live_replicas"] == 1
     codes = json.loads((run.out / "exit_codes.json").read_text())
-    assert codes["1.0"] == 3 and codes[f"{2 - last[0]}.0"] == 3, codes
+    assert codes["replica1.rank0"] == 3 and codes[f"replica{2 - last[0]}.rank0"] == 3, codes

@@ -21,10 +21,18 @@ from pathlib import Path
 from typing import Any
 
 from recover import __version__
-from recover.app import logs
-from recover.app.config import RunConfig, flag_of, preset
+from recover.app import configfile, logs
+from recover.app.config import PRESETS, RunConfig, flag_of, preset
+from recover.app.faults import grammar
 from recover.collectives.coordconfig import CoordinatorConfig
-from recover.errors import ConfigError, ExitCode, RecoverError, UsageParser, usage_line
+from recover.errors import (
+    ConfigError,
+    ExitCode,
+    HelpFormatter,
+    RecoverError,
+    UsageParser,
+    usage_line,
+)
 from recover.settings import LOG_LEVELS, PORT, Number
 
 LOG_HELP = "log level of this process and of every process it starts (default: info)"
@@ -46,15 +54,33 @@ def config_fields() -> list[tuple[str, dataclasses.Field, Any]]:
     return out
 
 
+def default_text(sec: str, f: dataclasses.Field, typ: Any) -> str:
+    """How `--help` states a config flag's default: the presets' values where a preset sets the
+    field ("default: from --preset (debug: 64, small: 128)"), else the field's own; "" for a
+    switch, a repeatable flag, an unset default and a help text that states its default."""
+    if typ is bool or typing.get_origin(typ) is list or "(default" in f.metadata["help"]:
+        return ""
+    if any(f.name in p.get(sec, {}) for p in PRESETS.values()):
+        each = ", ".join(f"{name}: {p.get(sec, {}).get(f.name, f.default)}"
+                         for name, p in PRESETS.items())
+        return f" (default: from --preset ({each}))"
+    return "" if f.default in (None, "") else f" (default: {f.default})"
+
+
 def add_config_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per config field, named, described and typed by the field's metadata."""
+    """One flag per config field, named, described and typed by the field's metadata; its help
+    states the default (`default_text`) and its metavar the choices, as `{a,b}`."""
     groups: dict[str, Any] = {}
     for sec, f, typ in config_fields():
         if sec not in groups:
             cls = typing.get_type_hints(RunConfig)[sec]
             groups[sec] = p.add_argument_group(f"cfg.{sec}", cls.__doc__.splitlines()[0])
-        g, flag, dest, hlp = groups[sec], flag_of(f), f"{sec}.{f.name}", f.metadata["help"]
-        metavar = f.metadata["metavar"] or flag.lstrip("-").replace("-", "_").upper()
+        g, flag, dest = groups[sec], flag_of(f), f"{sec}.{f.name}"
+        hlp = (f.metadata["help"] + default_text(sec, f, typ)).replace("%", "%%")
+        # validate() checks a choice, for flags and config files alike; "" (unset) is no choice.
+        shown = [repr(c) if "," in c else c for c in f.metadata["choices"] if c]
+        metavar = f.metadata["metavar"] or ("{" + ",".join(shown) + "}" if shown else
+                                            flag.lstrip("-").replace("-", "_").upper())
         if typ is bool:  # a switch: stores the field's `const` (--no-speed-aware: False)
             g.add_argument(flag, dest=dest, action="store_const", const=f.metadata["const"],
                            default=None, help=hlp)
@@ -69,7 +95,11 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="run resilient pre-training on this machine",
-                       description="Start a coordinator and R replica processes and train.")
+                       description="Start a coordinator and R replica processes and train.",
+                       formatter_class=HelpFormatter, epilog=grammar())
+    p.add_argument("--config", metavar="FILE",
+                   help="settings from a TOML file or an earlier run's config.json (sections and "
+                        "keys as in config.json); flags given here override them")
     add_config_flags(p)
     p.add_argument("--external-workers", action="store_true",
                    help="start no replicas here: serve the coordinator on --port and wait for "
@@ -84,15 +114,18 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    """The preset named by --preset, with every flag given on the command line applied."""
-    name = getattr(args, "run.preset") or "debug"
-    cfg = preset(name)
+    """The preset named by --preset, then the --config file's settings, then every flag given on
+    the command line."""
+    path = getattr(args, "config", None)
+    values, dropped = configfile.read(path) if path is not None else ({}, None)
+    cfg = (configfile.layered(values, getattr(args, "run.preset"), path) if path is not None
+           else preset(getattr(args, "run.preset") or "debug"))
     for sec, f, _ in config_fields():
         v = getattr(args, f"{sec}.{f.name}")
         if v is not None:
             setattr(getattr(cfg, sec), f.name, v)
-    if getattr(args, "run.out") is None:
-        cfg.run.out = f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if getattr(args, "run.out") is None and "out" not in values.get("run", {}):
+        cfg.run.out = f"runs/{cfg.run.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
     cfg.validate()
     try:
         if cfg.data.path is not None and not Path(cfg.data.path).exists():
@@ -100,6 +133,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         check_out(cfg.run.out)
     except OSError as e:  # a name too long for the file system, a path through a locked folder
         raise ConfigError(f"{e.filename or cfg.run.out}: {e.strerror or e}") from None
+    configfile.announce(path, dropped)
     return cfg
 
 

@@ -101,11 +101,11 @@ def _need(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def _check_choices(sub: Any) -> None:
+def _check_choices(sub: Any, label: Callable[[str], str]) -> None:
     for f in dataclasses.fields(sub):
         choices, v = f.metadata.get("choices", ()), getattr(sub, f.name)
-        _need(not choices or v in choices,
-              f"unknown {flag_of(f)} {v!r}; choose from {', '.join(c or repr(c) for c in choices)}")
+        _need(not choices or v in choices, f"unknown {label(f.name)} {v!r}; choose from "
+              f"{', '.join(c or repr(c) for c in choices)}")
 
 
 _hints = functools.cache(typing.get_type_hints)  # a sub-config class's field types
@@ -117,11 +117,16 @@ def _label(sub: Any) -> Callable[[str], str]:
     return lambda name: flag_of(fields[name]) or f"{type(sub).__name__}.{name}"
 
 
-def _check_fields(sub: Any) -> None:
+def check_values(sub: Any, section: str) -> None:
+    """`_check_fields`, naming each field `section.field` (a config file's key, not a flag)."""
+    _check_fields(sub, lambda name: f"{section}.{name}")
+
+
+def _check_fields(sub: Any, label: Callable[[str], str] | None = None) -> None:
     """Every field of a sub-config of its type: numbers finite and in their bounds
     (`recover.settings.check_fields`), a string non-empty unless "" is one of its choices, a
     list a list of strings, a choice one of its choices."""
-    label = _label(sub)
+    label = label or _label(sub)
     check_fields(sub, label)
     hints = _hints(type(sub))
     for f in dataclasses.fields(sub):
@@ -133,7 +138,7 @@ def _check_fields(sub: Any) -> None:
             _need(v is None or isinstance(v, str), f"{label(f.name)} must be a string (got {v!r})")
             _need(v is None or v.strip() != "" or "" in f.metadata.get("choices", ()),
                   f"{label(f.name)} must not be empty")
-    _check_choices(sub)
+    _check_choices(sub, label)
 
 
 @dataclass
@@ -260,8 +265,9 @@ class FaultToleranceConfig:
     store_shards: int = setting(0, "store servers the coordinator also hosts for the step "
                                 "decision's counts (0 or 1: none; ~1 per 1,000 ranks)",
                                 bounds=Bounds(0, MAX_STORE_SHARDS))
-    faults: list[str] = setting(help="inject a fault, e.g. kill:replica=2,step=10,"
-                                "phase=backward", flag="--fault", factory=list, metavar="SPEC")
+    faults: list[str] = setting(help="inject a fault (repeatable; its grammar and phases: at "
+                                "the end), e.g. kill:replica=2,step=10,phase=backward",
+                                flag="--fault", factory=list, metavar="SPEC")
 
     def validate(self) -> None:
         _check_fields(self)

@@ -1,31 +1,14 @@
 """Fault injection at a chosen (replica, step, phase): real SIGKILL, real SIGSTOP, real slowness.
 
 Invariant: a fault fires at most once, in the process of the replica it names, exactly at the
-named point of the step protocol; nothing else about the run changes. Spec grammar (CLI
-`--fault`, repeatable):
-
-    kill:replica=R,step=S[,phase=P][,microbatch=J][,rank=K]  SIGKILL this replica's process
-    hang:replica=R,step=S,seconds=X[,phase=P][,rank=K]       SIGSTOP it; SIGCONT after X s
-    slow:replica=R,factor=F[,step=S][,rank=K]                every microbatch takes F times as long
-    deadlock:replica=R,step=S[,phase=P][,rank=K]             its main thread blocks for ever
-                                                             (heartbeats go on)
-    partition:replica=R,step=S[,rank=K]                      its cross-replica traffic fails from
-                                                             step S on (heartbeats go on)
-    restart:replica=R,step=S                                 the launcher starts replica R's
-                                                             processes again once step S-1 has
-                                                             committed (they rejoin the run)
-    coordinator:replica=R,step=S[,phase=P][,microbatch=J]    this replica SIGKILLs the
-                                                             coordinator's process (a local run:
-                                                             `recover train` restarts it)
+named point of the step protocol; nothing else about the run changes. A spec (CLI `--fault`,
+repeatable) is `kind:key=value,...`; its grammar is the tables below (`KINDS`, `ALLOWED`,
+`REQUIRED`, `PHASES`), which `parse_fault` enforces and `grammar()` renders for
+`recover train --help`, so the help cannot drift from the parser.
 
 `rank=K` picks one rank of a multi-rank replica (hsdp/tp/pp layouts); default: its last rank.
 Every number is finite: X in (0, a week], F in [1, 1e5], R, S, J, K >= 0 and inside the run; a
 spec that breaks any rule (or names a key twice) is refused in one line before the run starts.
-
-phases: forward, backward (at local microbatch J, default 0), reduce (while the collective is in
-flight), commit (after the reduce, before the agreement), optimizer (after the commit decision),
-donate (a donor, as it starts streaming its state to a joiner at step S), receive (a joiner, as it
-starts receiving its state for admission at step S: the step of its `restart` fault).
 """
 
 from __future__ import annotations
@@ -45,8 +28,31 @@ from recover.settings import SECONDS, Bounds, Hooks
 
 log = logging.getLogger(__name__)
 
-PHASES = ("forward", "backward", "reduce", "commit", "optimizer", "donate", "receive")
-KINDS = ("kill", "hang", "slow", "deadlock", "partition", "restart", "coordinator")
+# Each phase: where in step S the fault fires.
+PHASE_HELP = {
+    "forward": "in the forward pass of local microbatch J (default 0)",
+    "backward": "in the backward pass of local microbatch J (default 0)",
+    "reduce": "while the cross-replica reduce is in flight",
+    "commit": "after the reduce, before the agreement",
+    "optimizer": "after the commit decision",
+    "donate": "a donor, as it starts streaming its state to a joiner at step S",
+    "receive": "a joiner, as it starts receiving its state for admission at step S (the step of "
+               "its restart fault)",
+}
+PHASES = tuple(PHASE_HELP)
+# Each kind: what it does to the replica (or, for coordinator, to the coordinator).
+KIND_HELP = {
+    "kill": "SIGKILL this replica's process",
+    "hang": "SIGSTOP it; SIGCONT after X seconds",
+    "slow": "every microbatch takes F times as long (from step S, default 0)",
+    "deadlock": "its main thread blocks for ever (heartbeats go on)",
+    "partition": "its cross-replica traffic fails from step S on (heartbeats go on)",
+    "restart": "the launcher starts replica R's processes again once step S-1 has committed "
+               "(they rejoin the run)",
+    "coordinator": "this replica SIGKILLs the coordinator's process (a local run: recover train "
+                   "restarts it)",
+}
+KINDS = tuple(KIND_HELP)
 
 
 @dataclass
@@ -77,6 +83,11 @@ class Fault:
 # A `slow` factor above this is no slower replica but a stopped one (a 10 ms microbatch takes
 # 17 minutes at 1e5); past it, `factor x` a microbatch's time overflows the timer's clock.
 MAX_SLOW_FACTOR = 1e5
+SLOW_FACTOR = Bounds(1.0, MAX_SLOW_FACTOR)
+# Every key, in the order the grammar lists them, with the letter its value is named by.
+KEYS = {"replica": "R", "step": "S", "seconds": "X", "factor": "F", "phase": "P",
+        "microbatch": "J", "rank": "K"}
+# The keys each kind takes, and those it cannot do without.
 ALLOWED = {"kill": {"replica", "step", "phase", "microbatch", "rank"},
            "hang": {"replica", "step", "phase", "microbatch", "seconds", "rank"},
            "slow": {"replica", "factor", "step", "rank"},
@@ -84,6 +95,26 @@ ALLOWED = {"kill": {"replica", "step", "phase", "microbatch", "rank"},
            "partition": {"replica", "step", "rank"},
            "restart": {"replica", "step"},
            "coordinator": {"replica", "step", "phase", "microbatch", "rank"}}
+REQUIRED = {"hang": {"replica", "step", "seconds"}, "slow": {"replica", "factor"}}
+REQUIRED.update({k: {"replica", "step"} for k in KINDS if k not in REQUIRED})
+EXAMPLES = ("kill:replica=1,step=10,phase=backward", "hang:replica=2,step=5,seconds=3")
+
+
+def grammar() -> str:
+    """The `--fault` grammar, rendered from the parser's tables (recover train --help)."""
+    lines = ["--fault SPEC (repeatable): SPEC is kind:key=value,... ([...]: optional)", ""]
+    for kind, what in KIND_HELP.items():
+        keys = sorted(ALLOWED[kind], key=lambda k: (k not in REQUIRED[kind], list(KEYS).index(k)))
+        spec = ",".join(f"{k}={KEYS[k]}" if k in REQUIRED[kind] else f"[{k}={KEYS[k]}]"
+                        for k in keys).replace(",[", "[,")
+        lines.append(f"  {kind}:{spec}")
+        lines.append(f"      {what}")
+    lines += ["", "phases (P, default forward):"]
+    lines += [f"  {name:<10} {what}" for name, what in PHASE_HELP.items()]
+    lines += ["", "rank=K: one rank of a multi-rank replica (hsdp, tp, pp; default its last); "
+              f"X {SECONDS.describe()} s, F {SLOW_FACTOR.describe()}.",
+              "examples:", *(f"  --fault {e}" for e in EXAMPLES)]
+    return "\n".join(lines)
 
 
 def parse_fault(spec: str) -> Fault:
@@ -97,22 +128,21 @@ def parse_fault(spec: str) -> Fault:
     unknown = sorted(set(fields) - ALLOWED[kind])
     if unknown:
         raise ConfigError(f"bad --fault {spec!r}: unknown key(s) {', '.join(unknown)}")
+    missing = [k for k in KEYS if k in REQUIRED[kind] - set(fields)]
+    if missing:
+        raise ConfigError(f"bad --fault {spec!r}: missing {'=, '.join(missing)}=")
     try:
         f = Fault(kind=kind, replica=int(fields["replica"]), step=int(fields.get("step", 0)),
                   phase=fields.get("phase", "forward"),
                   microbatch=int(fields.get("microbatch", 0)),
                   seconds=float(fields.get("seconds", 0)), factor=float(fields.get("factor", 1)),
                   rank=int(fields["rank"]) if "rank" in fields else None)
-    except KeyError as e:
-        raise ConfigError(f"bad --fault {spec!r}: missing {e.args[0]}=") from None
     except ValueError as e:
         raise ConfigError(f"bad --fault {spec!r}: {e}") from None
-    if kind not in ("slow",) and "step" not in fields:
-        raise ConfigError(f"bad --fault {spec!r}: missing step=")
     if f.phase not in PHASES:
         raise ConfigError(f"bad --fault {spec!r}: phase must be one of {', '.join(PHASES)}")
     checks = [("seconds=", f.seconds, SECONDS, "hang"),
-              ("factor=", f.factor, Bounds(1.0, MAX_SLOW_FACTOR), "slow")]
+              ("factor=", f.factor, SLOW_FACTOR, "slow")]
     for name, value, bounds, applies in checks:
         if kind == applies:
             try:

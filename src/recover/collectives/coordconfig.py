@@ -48,7 +48,8 @@ class CoordinatorConfig:
 
     replicas: int = field(metadata=_flag("--replicas", "replicas expected to join", int,
                                          Bounds(1, MAX_REPLICAS)))
-    host: str = field(default="0.0.0.0", metadata=_flag("--host"))
+    host: str = field(default="0.0.0.0", metadata=_flag(
+        "--host", "address the store and the liveness listener bind"))
     port: int = field(default=29600, metadata=_flag("--port", "store port (0 = any free port)",
                                                     int, PORT))
     # None: store port + 1 for a fixed store port (predictable for firewalls), else any.
@@ -59,8 +60,10 @@ class CoordinatorConfig:
         "--port-file", "write the chosen store port to this file"))
     stale_s: float = field(default=2.0, metadata=_flag("--stale-s", "heartbeat silence = lost",
                                                        float, SECONDS))
-    join_timeout_s: float = field(default=120.0, metadata=_flag("--join-timeout-s", None, float,
-                                                                SECONDS))
+    join_timeout_s: float = field(default=120.0, metadata=_flag(
+        "--join-timeout-s", "start without the replicas still missing after this long; give up a "
+        "joiner that got no state within it", float,
+        SECONDS))
     log_path: str | None = field(default=None, metadata=_flag(
         "--log", "append one JSON line per event to this file"))
     exit_when_done: bool = field(default=False, metadata=_flag(

@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
-from recover.errors import ConfigError, RecoverError
+from recover.errors import ConfigError, HelpFormatter, RecoverError
 from recover.sim.calibrate import COST_KEYS, calib_params, load_calibration, validation_rows
 from recover.sim.curve import FIT_MODES
 from recover.sim.faults import build_schedule
@@ -43,7 +43,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(
         prog="recover simulate",
-        argument_default=argparse.SUPPRESS,
+        argument_default=argparse.SUPPRESS,  # unset: the precedence above decides
+        formatter_class=HelpFormatter,
         description="Discrete-event simulation of pre-training under failures: recover "
         "vs ckpt-restart vs shrink-batch on the same failure sequence.",
     )

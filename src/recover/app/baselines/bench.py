@@ -21,9 +21,9 @@ from recover.app.baselines.measure import calibration, step_period, summarize
 from recover.app.baselines.report import plot, write_md
 from recover.app.baselines.runs import SystemRun, dump_runs, measure_ckpt_cost, run_once
 from recover.app.baselines.schedule import bench_schedule, describe
-from recover.app.config import RunConfig, preset
+from recover.app.config import PRESETS, RunConfig, preset
 from recover.app.faults import Fault
-from recover.errors import RecoverError
+from recover.errors import HelpFormatter, RecoverError
 from recover.sim.calibrate import validation_rows
 
 log = logging.getLogger(__name__)
@@ -35,14 +35,16 @@ SYSTEMS = ("recover", "ckpt-restart", "shrink-batch")
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="recover bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="recover bench", description=__doc__.splitlines()[0],
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--out", help="output folder (default runs/bench-<time>)")
     ap.add_argument("--quick", action="store_true",
                     help=f"a small run: {QUICK['replicas']} replicas, {QUICK['steps']} steps")
     ap.add_argument("--smoke", action="store_true",
                     help=f"the smallest run: {SMOKE['replicas']} replicas, {SMOKE['steps']} steps, "
                          "one kill (CI runs it)")
-    ap.add_argument("--preset", default="debug")
+    ap.add_argument("--preset", default="debug", choices=tuple(PRESETS),
+                    help="the run's named defaults")
     ap.add_argument("--replicas", type=int, help="R at the start (default 8)")
     ap.add_argument("--steps", type=int, help="steps (default: the preset's)")
     ap.add_argument("--kills", type=int, help="replicas killed one by one (default R // 2)")

@@ -61,8 +61,8 @@ class RunResult:
     aborted: list[int] = field(default_factory=list)
     t_abort: float = 0.0
     t_start: float = 0.0
-    # Every process of every replica, "replica.rank" -> exit code (multi-rank layouts: the killed
-    # rank -9, its fenced siblings 3).
+    # Every process of every replica, "replica<r>.rank<k>" -> exit code (multi-rank layouts:
+    # the killed rank -9, its fenced siblings 3).
     rank_exit_codes: dict[str, int | None] = field(default_factory=dict)
     # How each replica ended, in words: its exit code (replicas started here) and what the
     # coordinator saw (left cleanly / lost / fenced); the only source for external workers.
@@ -329,7 +329,8 @@ class _Launch:
         """The run's outcome, with each process's exit code (also written to DIR)."""
         out, cfg = self.out, self.cfg
         codes = {r: p.returncode for r, p in self.workers.items()}
-        rank_codes = {f"{r}.{k}": p.returncode for (r, k), p in self.procs.items()}
+        # "replica1.rank0", not "1.0": a key that reads as a number (a float) misleads readers.
+        rank_codes = {f"replica{r}.rank{k}": p.returncode for (r, k), p in self.procs.items()}
         if self.procs:  # who exited how: a fenced rank (3) left on its own, before the cleanup
             (out / "exit_codes.json").write_text(json.dumps(rank_codes) + "\n")
         exits = _describe_exits(cfg.layout.replicas, codes, seen)
