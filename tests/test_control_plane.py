@@ -21,6 +21,7 @@ import torch
 from rich.console import Console
 
 from recover.app.train.metrics import MetricsSink
+from recover.app.train.progress import ProgressView
 from recover.collectives import keys, shards
 from recover.recovery.step import MAX_MICROBATCHES
 from recover.testing.inproc import Fault, Harness
@@ -82,7 +83,7 @@ def test_store_key_count_is_flat(tmp_path: Path, n_shards: int) -> None:
     steps = 150
     h = Harness(tmp_path, 3, n=6, steps=steps, records=True, store_shards=n_shards)
     sink = MetricsSink(h.store(), tmp_path / "metrics.jsonl", 0, steps, 1, 0.0,
-                       Console(quiet=True), quiet=True)
+                       ProgressView(Console(quiet=True), 0, steps, quiet=True))
     counts: dict[int, int] = {}
     stop = threading.Event()
 

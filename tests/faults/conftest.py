@@ -42,10 +42,11 @@ def fault_args(*faults: str, replicas: int = 4, static: bool = True) -> list[str
 
 
 def faulty(tmp_path: Path, corpus: Path, *faults: str, static: bool = True,
-           extra: tuple[str, ...] = (), expect_rc: int | None = 0) -> Run:
-    """One faulty run; `expect_rc=None`: any non-zero exit."""
+           extra: tuple[str, ...] = (), expect_rc: int | None = 0,
+           env: dict[str, str] | None = None) -> Run:
+    """One faulty run; `expect_rc=None`: any non-zero exit; `env`: the launcher's environment."""
     run = recover_train(tmp_path / "run", *fault_args(*faults, static=static), *extra,
-                        data=corpus, timeout=150)
+                        data=corpus, timeout=150, env=env)
     ok = run.returncode != 0 if expect_rc is None else run.returncode == expect_rc
     assert ok, (run.returncode, run.stderr[-3000:])
     return run

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from faults.conftest import Row, check_run, faulty, measure
+from recover.testing import viewers
 from recover.testing.runs import Run
 
 pytestmark = pytest.mark.timeout(200)
@@ -48,3 +49,8 @@ def test_coordinator_killed_and_restarted(ref4: Run, corpus: Path, tmp_path: Pat
     assert resumed[0]["registered"]["2"] == {"0": -1}, resumed[0]
     for r in (0, 1, 3):
         assert run.log(r).count("the restarted coordinator resumed the run") == 2, run.log(r)
+    # Each restart is a text event in TensorBoard at the step the launcher was waiting for when
+    # the coordinator died (step 10's kill can come before the launcher read step 9's line).
+    texts = viewers.tensorboard(run.out / "tensorboard")[1]["events/coordinator"]
+    assert len(texts) == 2 and min(texts) == 6, texts
+    assert all(f"coordinator died (exit code -9) at step {s}" in t for s, t in texts.items()), texts

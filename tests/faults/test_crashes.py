@@ -10,11 +10,15 @@ microbatch-aimed faults rely on.
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from faults.conftest import Row, check_run, faulty, gaps, measure
+from recover.testing import viewers
 from recover.testing.runs import Run
 
 pytestmark = pytest.mark.timeout(200)
@@ -103,8 +107,14 @@ def test_straggler_and_rejoin_during_fault(ref: Run, corpus: Path, tmp_path: Pat
                                            record: Row) -> None:
     record.scenario = "straggler (3x slow) not fenced; a crash and its replacement rejoining"
     record.expected = "straggler stays a member; replica 2 rejoins, 4 live at the end"
+    # The run's views ride on this run (a kill and a rejoin): TensorBoard (on by default), W&B
+    # offline (no network; its files under tmp_path), the launcher's piped output.
+    wandb_dir = tmp_path / "wandb"
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir),
+           "WANDB_CONFIG_DIR": str(wandb_dir / "config"), "WANDB_CACHE_DIR": str(wandb_dir)}
     run = faulty(tmp_path, corpus, "slow:replica=1,factor=3", "kill:replica=2,step=4,"
-                 "phase=backward", "restart:replica=2,step=7", static=False)
+                 "phase=backward", "restart:replica=2,step=7", static=False,
+                 extra=("--wandb", "recover-tests"), env=env)
     record.measured = measure(run)
     recs = check_run(run, ref, [0, 1, 2, 3])
     assert all(1 in r["members"] for r in recs), "a straggler must not be fenced"
@@ -112,6 +122,51 @@ def test_straggler_and_rejoin_during_fault(ref: Run, corpus: Path, tmp_path: Pat
     assert any(2 in r["members"] for r in recs[7:8]), [r["members"] for r in recs]
     late = recs[-4:]  # speed-aware quotas: the 3x straggler gets fewer microbatches
     assert all(r["quotas"]["1"] < max(r["quotas"].values()) for r in late), late
+    fault = next(r["step"] for r in recs if 2 not in r["members"])
+    join = next(r["step"] for r in recs if "joined" in r)
+    assert recs[join]["joined"] == [2] and fault < join, (fault, join)
+    check_views(run, recs, fault, join, wandb_dir)
+    for r in range(4):  # the healthy reference's replica logs: a timestamped line per step
+        assert_timestamped_steps(ref.log(r), STEP_LOG, len(recs))
+    assert_timestamped_steps(ref.stderr, STEP_LINE, len(recs))
+
+
+# A launcher step line when piped (train/progress.py) and a replica's step line (logging).
+STEP_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d step +(\d+)/\d+  loss .* "
+                       r"elapsed \d+:\d\d:\d\d  eta (\?|\d+:\d\d:\d\d)$")
+STEP_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO \S+: step (\d+): loss ")
+
+
+def assert_timestamped_steps(text: str, line: re.Pattern, steps: int) -> None:
+    """A timestamped line for each of `steps` steps in `text`, and every line whole: each one
+    starts as a line of recover's output starts (a wrapped line's tail would not)."""
+    lines = [x for x in text.splitlines() if x.strip()]
+    assert lines, "empty output"
+    seen = sorted(int(m.group(1)) for m in map(line.match, lines) if m)
+    assert seen == list(range(steps)), (seen, text[-2000:])
+    heads = re.compile(r"^(\d{4}-\d\d-\d\d[T ]|recover: |replica exits: |done: )")
+    broken = [x for x in lines if not heads.match(x)]
+    assert not broken, broken
+
+
+def check_views(run: Run, recs: list[dict], fault: int, join: int, wandb_dir: Path) -> None:
+    """TensorBoard's and W&B's records of the run, read back with their own readers, hold
+    metrics.jsonl's losses and the fault and the join at their steps; the piped console output
+    has a timestamped line per step and no line broken by wrapping."""
+    scalars, texts = viewers.tensorboard(run.out / "tensorboard")
+    # TensorBoard stores scalars as float32: equal to metrics.jsonl's loss rounded so.
+    assert scalars["loss"] == {r["step"]: float(np.float32(r["loss"])) for r in recs}
+    assert {"lr", "grad_norm", "tokens_per_s", "live_replicas", "recovery_s"} <= set(scalars)
+    assert scalars["live_replicas"][fault] == 3 and scalars["live_replicas"][join] == 4
+    assert "replica 2 left the job" in texts["events/fault"][fault], texts
+    assert set(texts["events/join"]) == {join} and "replica 2 joined" in texts["events/join"][join]
+    (wb_run,) = (wandb_dir / "wandb").glob("offline-run-*")
+    history = viewers.wandb_history(wb_run)
+    assert {s: h["loss"] for s, h in history.items()} == {r["step"]: r["loss"] for r in recs}
+    assert "replica 2 left the job" in history[fault]["events/fault"], history[fault]
+    assert "replica 2 joined" in history[join]["events/join"], history[join]
+    assert viewers.wandb_config(wb_run)["run"]["steps"] == len(recs)
+    assert_timestamped_steps(run.stderr, STEP_LINE, len(recs))
 
 
 def test_deadlock_fenced_in_time(ref: Run, corpus: Path, tmp_path: Path, record: Row) -> None:

@@ -171,10 +171,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from recover.app.train.launch import launch
     from recover.app.train.reference import compare_final_params, max_rel_loss_diff, plot_trajectory
+    from recover.app.train.writers import check as check_writers
+    from recover.app.train.writers import tensorboard_dir
 
     console = Console(stderr=True)
     cfg = config_from_args(args)
     host = check_coordinator(cfg, args)
+    check_writers(cfg)  # before any process: an explicit --tensorboard/--wandb not installed
     if cfg.run.reference:
         cfg.run.dump_final = True  # the final parameters are compared with the reference's too
     res = launch(cfg, console, external_workers=args.external_workers, port=args.port,
@@ -184,9 +187,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 1
     _summary(console, res)
     if cfg.run.reference:
+        # Its own TensorBoard folder (DIR/reference/tensorboard) when TensorBoard is on, and no
+        # second W&B run.
+        tb = "none" if tensorboard_dir(cfg) is None else "auto"
         ref_cfg = cfg.replace(ft={"faults": []}, run={"reference": False, "resume": False,
-                                                      "out": str(Path(cfg.run.out) / "reference")})
-        console.print("recover: running the failure-free reference ...", highlight=False)
+                                                      "out": str(Path(cfg.run.out) / "reference"),
+                                                      "tensorboard": tb, "wandb": None})
+        console.print("recover: running the failure-free reference ...", highlight=False,
+                      soft_wrap=True)
         ref = launch(ref_cfg, console, quiet=True)
         if not ref.ok:
             print(f"recover train: reference run failed: {ref.message}", file=sys.stderr)
@@ -195,7 +203,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         plot_trajectory(res.records, ref.records, png)
         diff = max_rel_loss_diff(res.records, ref.records)
         equal, rel_l2 = compare_final_params(Path(cfg.run.out), Path(ref_cfg.run.out))
-        console.print(f"trajectory plot: {png}", highlight=False)
+        console.print(f"trajectory plot: {png}", highlight=False, soft_wrap=True)
         print(f"final_params_bitwise_equal={str(equal).lower()} final_params_rel_l2={rel_l2:.3e}")
         # Exactly zero is printed as 0: exact mode's promise is that, not a small number.
         print(f"max_rel_loss_diff={diff:.3e}" if diff else "max_rel_loss_diff=0", flush=True)
@@ -216,7 +224,8 @@ def _summary(console, res) -> None:  # type: ignore[no-untyped-def]
         f"[bold]done[/]: {len(recs)} steps, final loss {last['loss']:.4f}, val loss {val:.4f}, "
         f"{tokens / max(train_s, 1e-9):,.0f} tok/s while training ({res.wall_s:.1f}s wall incl. "
         f"startup), live replicas {last['live_replicas']}, membership changes {gens}, "
-        f"microbatches recovered {recovered}; outputs in {res.out}", highlight=False)
+        f"microbatches recovered {recovered}; outputs in {res.out}", highlight=False,
+        soft_wrap=True)  # one line, never wrapped: piped output is grepped
 
 
 def cmd_coordinator(argv: list[str]) -> int:

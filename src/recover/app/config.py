@@ -349,6 +349,16 @@ class RunSettings:
                                "compare them)", flag="--dump-final-params")
     reference: bool = setting(False, "also run the failure-free reference and compare "
                               "trajectories")
+    # What the run is seen through; none of it touches the trajectory.
+    tensorboard: str = setting("auto", "TensorBoard event files: a folder, auto (DIR/tensorboard "
+                               "when the tensorboard package is installed) or none",
+                               metavar="DIR")
+    wandb: str | None = setting(None, "also log to this Weights & Biases project (off by "
+                                "default; WANDB_MODE=offline works without a network)",
+                                metavar="PROJECT")
+    log_every: int = setting(1, "steps between progress lines when the output is not a terminal "
+                             "(faults, recoveries, joins and val losses are always shown)",
+                             bounds=Bounds(1, MAX_STEPS), metavar="K")
 
     def validate(self) -> None:
         _check_fields(self)

@@ -21,8 +21,10 @@ from recover.app.train.launch import PRELOAD as APP_PRELOAD
 from recover.procs import Process, Spawner
 
 # What the session's fork server imports: the CLI (tests fork `recover train` launchers), the
-# processes a launch starts, the harness itself.
-PRELOAD = ("recover.app.cli", "recover.app.train.launch", *APP_PRELOAD, "recover.testing.runs")
+# processes a launch starts, the harness itself, and TensorBoard's writer (on by default in every
+# launcher: imported once here, not once per run).
+PRELOAD = ("recover.app.cli", "recover.app.train.launch", *APP_PRELOAD, "recover.testing.runs",
+           "torch.utils.tensorboard")
 
 _SESSION: list[Spawner] = []  # the session's spawner, made on first use
 

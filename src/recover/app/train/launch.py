@@ -7,7 +7,9 @@ RecoverErrors. Processes are started by `recover.procs.Spawner` (forked by the s
 fork server, which imports torch once for the whole launch, not once per process; plain
 subprocesses with `RECOVER_FORKSERVER=0`), and every one of them is ended by PID when the launch
 ends, whatever happened. What a user reads (the run's header, how replicas exited, a coordinator
-restart, what `--resume` chose) goes to the console the CLI passes in; the rest to logging.
+restart, what `--resume` chose) goes to the console the CLI passes in; the rest to logging. The
+metrics sink's progress view and writers (TensorBoard, W&B) are closed before the processes are
+ended, whatever happened.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from recover.app.runtoken import resume_token, run_token
 from recover.app.train import foreign
 from recover.app.train.data import prepare_data
 from recover.app.train.metrics import MetricsSink, truncate_metrics
+from recover.app.train.progress import ProgressView
+from recover.app.train.writers import check as check_writers
+from recover.app.train.writers import open_writers
 from recover.collectives import CoordinatorConfig, connect_store, keys, try_get
 from recover.errors import CheckpointError, ConfigError, ExitCode, RecoverError
 from recover.procs import Process, Spawner, stop_all, wait_exit
@@ -85,6 +90,7 @@ def prepare_run(cfg: RunConfig, console: Console | None = None) -> tuple[RunConf
     cfg.validate()
     validate_faults(cfg.ft.faults, cfg.layout.replicas, cfg.run.steps,
                     cfg.layout.ranks_per_replica())
+    check_writers(cfg)  # an explicit --tensorboard/--wandb whose package is missing
     foreign.resolve(cfg.model)  # what the model is: compared on --resume, in the fingerprint
     out = Path(cfg.run.out)
     start = 0
@@ -253,27 +259,37 @@ class _Launch:
         """Start the processes, supervise them to the end, end them; what happened."""
         cfg = self.cfg
         coord = self.start_coordinator(port)
+        sink: MetricsSink | None = None
         try:
             store = connect_store("127.0.0.1", self.port, 30.0)
             for r in range(0 if external else cfg.layout.replicas):
                 self.start_replica(r)
             watch = _AbortWatch(self.workers) if abort_on_loss else None
-            tokens = cfg.data.microbatches * cfg.data.microbatch_size * cfg.model.block_size
-            sink = MetricsSink(store, self.out / "metrics.jsonl", self.start, self.end, tokens,
-                               self.t_start, console, quiet)
             if not quiet:
                 _say(console, f"recover: {cfg.layout.replicas} replicas, "
                               f"N={cfg.data.microbatches} microbatches x "
                               f"{cfg.data.microbatch_size} x {cfg.model.block_size} tokens, "
                               f"model {cfg.model.name}, steps {self.start}..{self.end - 1}, "
                               f"out {self.out}")
+            # Opened while the replicas start (W&B's service takes a moment); the records wait
+            # in the store meanwhile.
+            writers, where = open_writers(cfg, self.start)
+            for line in where if not quiet else []:
+                _say(console, f"recover: {line}")
+            tokens = cfg.data.microbatches * cfg.data.microbatch_size * cfg.model.block_size
+            sink = MetricsSink(store, self.out / "metrics.jsonl", self.start, self.end, tokens,
+                               self.t_start, ProgressView(console, self.start, self.end, quiet,
+                                                          cfg.run.log_every), writers)
             message = self.supervise(sink, external, console, quiet)
             if watch is not None:
                 watch.stop()
             message, seen = self.wind_down(sink.store, external, message)
         finally:
+            if sink is not None:
+                sink.close()
             stop_all(list(self.procs.values()))
             stop_all([p for p in (coord, self.coord) if p is not None])
+        assert sink is not None  # made, or the exception above went on
         return self.result(sink, message, seen, watch, console, quiet)
 
     def supervise(self, sink: MetricsSink, external: bool, console: Console,
@@ -303,6 +319,7 @@ class _Launch:
                 coord_restarts -= 1
                 if not quiet:
                     _say(console, f"recover: {why}; restarting it (--recover)")
+                sink.note("events/coordinator", f"{why}; restarted (--recover)")
                 self.start_coordinator(self.port, recover=True)
                 sink.store = connect_store("127.0.0.1", self.port, 30.0)
 

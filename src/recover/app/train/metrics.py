@@ -1,4 +1,5 @@
-"""Metrics: one JSON line per committed step in `DIR/metrics.jsonl`, and the console progress.
+"""Metrics: one JSON line per committed step in `DIR/metrics.jsonl`; the same to the console view
+and the metrics writers (TensorBoard, W&B), with the run's events at their step.
 
 Invariant: `metrics.jsonl` holds exactly one line per committed step, in step order, written by
 the launcher from the step records the replicas publish in the store (`rec/{t}`: every live
@@ -19,8 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-
+from recover.app.train.progress import ProgressView
+from recover.app.train.writers import Writers
 from recover.collectives import keys
 from recover.recovery import StepResult
 
@@ -57,17 +58,35 @@ def step_record(res: StepResult, lr: float, grad_norm: float, timer: StepTimer) 
             "mb_time_s": round(timer.busy_s / max(1, timer.count), 5)}
 
 
+SHOWN = ("events/fault", "events/join")  # the events the console view shows at their step
+
+
 class MetricsSink:
+    """Writes `metrics.jsonl` (see the module's invariant), and hands each line to the console
+    view and to the metrics writers (TensorBoard, W&B: train/writers.py), with the run's events
+    at that step: a replica lost or evicted (the coordinator's reason, from coordinator.jsonl),
+    microbatches recovered, a replica joined, the coordinator restarted, a save that failed."""
+
     def __init__(self, store: Any, path: Path, start_step: int, steps: int, tokens_per_step: int,
-                 run_start: float, console: Console, quiet: bool = False) -> None:
+                 run_start: float, view: ProgressView, writers: Writers | None = None) -> None:
         self.store, self.path = store, path
         self.next, self.steps = start_step, steps
         self.tokens_per_step = tokens_per_step
         self.run_start = run_start
-        self.console, self.quiet = console, quiet
+        self.view = view
+        self.writers = writers or Writers()
         self.records: list[dict[str, Any]] = []
-        self._live: int | None = None
-        self._every = max(1, steps // 40)
+        self._pending: list[tuple[str, str]] = []  # (tag, text) for the next committed step
+
+    def note(self, tag: str, text: str) -> None:
+        """An event seen between steps (a coordinator restart): written with the next step this
+        sink writes, the one it was waiting for when the event came."""
+        self._pending.append((tag, text))
+
+    def close(self) -> None:
+        """Stop the progress bar, flush and close every writer (once; whatever happened)."""
+        self.view.close()
+        self.writers.close()
 
     def poll(self) -> int:
         """Write every record that has arrived, in order; return how many were written."""
@@ -84,13 +103,15 @@ class MetricsSink:
             self._note_joins(rec)
             with open(self.path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
+            events = self._events(rec)
             self.records.append(rec)
-            self._show(rec)
+            # A save's failure and a coordinator restart were printed when they happened.
+            self.view.step(rec, [text for tag, text in events if tag in SHOWN])
+            self.writers.write(rec["step"], scalars_of(rec), _by_tag(events))
             self.next += 1
             n += 1
             self._forget(rec["step"] - 2)
         return n
-
     def _settled(self, step: int) -> dict[str, Any] | None:
         """The record of `step` to write, or None while there is none yet, or while a save
         point's record may still be replaced by the writer's (which carries the save's outcome:
@@ -134,27 +155,58 @@ class MetricsSink:
         if step >= 0:
             self.store.delete_key(keys.record_key(step))
 
-    def _show(self, rec: dict[str, Any]) -> None:
-        if "ckpt_error" in rec:  # even when quiet: a run without checkpoints must be noticed
-            then = ("training goes on; the next save point tries again"
-                    if rec["step"] < self.steps - 1 else "the run's last checkpoint is missing")
-            self.console.print(f"recover: step {rec['step']}: {rec['ckpt_error']} ({then})",
-                               highlight=False, markup=False, soft_wrap=True)
-        if self.quiet:
-            return
-        changed = self._live is not None and rec["live_replicas"] != self._live
-        self._live = rec["live_replicas"]
-        if changed or rec["recovered"] or rec["step"] % self._every == 0 or "val_loss" in rec \
-                or rec["step"] == self.steps - 1:
-            val = f"  val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
-            rcv = (f"  [yellow]recovered {len(rec['recovered'])} microbatch(es) in "
-                   f"{rec['recovery_s']:.2f}s[/]" if rec["recovered"] or rec["attempts"] > 1
-                   else "")
-            live = f"[red]{rec['live_replicas']}[/]" if changed else str(rec["live_replicas"])
-            self.console.print(
-                f"step {rec['step']:>5}  loss {rec['loss']:.4f}{val}  lr {rec['lr']:.2e}  "
-                f"{rec['tokens_per_s']:>9,.0f} tok/s  live {live}  gen {rec['generation']}"
-                f"{rcv}", highlight=False)
+    def _events(self, rec: dict[str, Any]) -> list[tuple[str, str]]:
+        """The run's events at this step, as (tag, text): replicas that left since the previous
+        line (with the coordinator's reason: lost, evicted, fenced), microbatches recovered,
+        replicas that joined, and what was noted in between (a coordinator restart)."""
+        events, self._pending = self._pending, []
+        prev = self.records[-1] if self.records else None
+        if prev is not None and "members" in prev:
+            gone = sorted(set(prev["members"]) - set(rec["members"]))
+            if gone:
+                why = self._reasons(prev["generation"], rec["generation"]) or "no reason logged"
+                events.append(("events/fault", f"replica {', '.join(map(str, gone))} left the "
+                               f"job: {why} (generation {rec['generation']})"))
+        if rec["recovered"]:
+            events.append(("events/fault", f"recovered {len(rec['recovered'])} microbatch(es) "
+                           f"in {rec['recovery_s']:.2f}s ({rec['attempts']} attempts)"))
+        elif rec["attempts"] > 1 and "joined" not in rec:  # a join's new plan is no fault
+            events.append(("events/fault", f"step retried: {rec['attempts']} attempts in "
+                           f"{rec['recovery_s']:.2f}s"))
+        if "joined" in rec:
+            took = f", state transfer {rec['transfer_s']:.2f}s" if "transfer_s" in rec else ""
+            events.append(("events/join", f"replica {', '.join(map(str, rec['joined']))} joined "
+                           f"(generation {rec['generation']}{took})"))
+        if "ckpt_error" in rec:
+            events.append(("events/checkpoint", str(rec["ckpt_error"])))
+        return events
+
+    def _reasons(self, after: int, upto: int) -> str:
+        """The coordinator's reasons for generations after..upto (coordinator.jsonl: the one
+        source that says why a member went: lost, evicted on evidence, fenced)."""
+        try:
+            gens = {e["gen"]: e.get("reason", "") for e in read_metrics(
+                self.path.parent / "coordinator.jsonl") if e.get("event") == "generation"}
+        except (OSError, ValueError):
+            return ""
+        return "; ".join(gens[g] for g in range(after + 1, upto + 1) if gens.get(g))
+
+
+def scalars_of(rec: dict[str, Any]) -> dict[str, float]:
+    """Every numeric field of a metrics line (not the step: the x axis), and the count of
+    microbatches recovered and of replicas joined."""
+    out = {k: float(v) for k, v in rec.items()
+           if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+    out["recovered_microbatches"] = float(len(rec.get("recovered") or []))
+    out["joined_replicas"] = float(len(rec.get("joined") or []))
+    return out
+
+
+def _by_tag(events: list[tuple[str, str]]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for tag, text in events:
+        out[tag] = f"{out[tag]}; {text}" if tag in out else text
+    return out
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
