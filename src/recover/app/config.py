@@ -343,6 +343,9 @@ class RunSettings:
                                "compare them)", flag="--dump-final-params")
     reference: bool = setting(False, "also run the failure-free reference and compare "
                               "trajectories")
+    report: bool = setting(True, "do not write DIR/report (report.md and plots, ~1 s) at the end "
+                           "of the run; `recover report DIR` writes it on demand",
+                           flag="--no-report", const=False)
 
     def validate(self) -> None:
         _check_fields(self)
