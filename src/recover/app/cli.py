@@ -87,7 +87,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                    help="serve the run's status read-only over HTTP on this port (GET /status: "
                         "JSON, GET /metrics: Prometheus; 0 = any free port, written to "
                         "DIR/http.port; default: no endpoint)")
-    p.add_argument("--http-host", default="127.0.0.1",
+    p.add_argument("--http-host", default=None,
                    help="the one address the HTTP endpoint binds (default: 127.0.0.1)")
     # SUPPRESS: given here, it overrides the top-level option; absent, the top-level one stays.
     p.add_argument("--log-level", choices=LOG_LEVELS, default=argparse.SUPPRESS, help=LOG_HELP)
@@ -142,6 +142,22 @@ def check_coordinator(cfg: RunConfig, args: argparse.Namespace) -> str:
     return host
 
 
+def http_config(args: argparse.Namespace) -> Any:
+    """The endpoint's `HttpConfig` (None: no --http-port), checked before anything starts: the
+    port's bounds, prometheus_client installed, the address bindable here."""
+    if args.http_port is None:
+        if args.http_host is not None:
+            raise ConfigError("--http-host needs --http-port (the endpoint is off without it)")
+        return None
+    from recover.app.endpoint import HttpConfig, check_address, need_prometheus
+
+    PORT.check("--http-port", args.http_port, integer=True)
+    need_prometheus()
+    http = HttpConfig(args.http_port, args.http_host or "127.0.0.1")
+    check_address(http)
+    return http
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -153,14 +169,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     host = check_coordinator(cfg, args)
     if cfg.run.reference:
         cfg.run.dump_final = True  # the final parameters are compared with the reference's too
-    http = None
-    if args.http_port is not None:
-        from recover.app.endpoint import HttpConfig, check_address, need_prometheus
-
-        PORT.check("--http-port", args.http_port, integer=True)
-        need_prometheus()  # before anything starts: a missing extra is one line
-        http = HttpConfig(args.http_port, args.http_host)
-        check_address(http)
+    http = http_config(args)
     res = launch(cfg, console, external_workers=args.external_workers, port=args.port,
                  host=host, http=http)
     if cfg.run.report:

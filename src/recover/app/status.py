@@ -68,6 +68,10 @@ def read_status(run_dir: Path | str, now: float | None = None) -> dict[str, Any]
     model.update(_progress(recs, end, t0, now, exits is not None))
     faults = _faults(events, recs, t0)
     model.update(_membership(events, recs, replicas, exits or {}))
+    if exits is not None and recs:
+        # Over, the coordinator's newest generations are the replicas leaving one by one: the
+        # run's own last generation is the last committed step's.
+        model["generation"] = recs[-1].get("generation")
     model["faults"] = faults
     model["recoveries"] = [{"step": r["step"], "time_s": r.get("time_s"),
                             "microbatches": len(r.get("recovered", [])),

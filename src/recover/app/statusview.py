@@ -52,16 +52,16 @@ def headline(m: dict[str, Any]) -> str:
             f"{m['replicas']}, {members}")
 
 
-def render(m: dict[str, Any]) -> Group:
-    """One screen: the headline, each replica, the last faults and recoveries."""
+def render(m: dict[str, Any], head: bool = True) -> Group:
+    """One screen: the headline (unless not `head`), each replica, the last faults and
+    recoveries."""
     reps = Table(title="replicas", title_justify="left", expand=False)
     for col in ("replica", "state", "since", "quota", "ended"):
         reps.add_column(col)
     for r in m["replica_states"]:
         reps.add_row(str(r["replica"]), r["state"], _clock(r["since"]),
                      _num(r["quota"], "d"), r["exit"] or "-")
-    # Never wrapped: a piped `recover status | grep` must see each fact on its own whole line.
-    parts: list[Any] = [Text(headline(m), no_wrap=True, overflow="ignore"), reps]
+    parts: list[Any] = [Text(headline(m)), reps] if head else [reps]
     if m["faults"]:
         ft = Table(title=f"last faults ({len(m['faults'])} in all)", title_justify="left")
         for col in ("time", "step", "replica", "what", "reason"):
@@ -126,7 +126,10 @@ def run_cli(cmd: str, argv: list[str]) -> int:
 
             print(json.dumps(model, indent=1))
         else:
-            console.print(render(model), highlight=False)
+            # The headline neither wrapped nor cropped: a piped `recover status | grep` sees each
+            # fact whole on its line, whatever the width.
+            console.print(headline(model), highlight=False, markup=False, soft_wrap=True)
+            console.print(render(model, head=False), highlight=False)
         return ExitCode.OK
     return _watch(args, model, console)
 
@@ -149,4 +152,6 @@ def _watch(args: argparse.Namespace, model: dict[str, Any], console: Console) ->
                 live.update(render(model), refresh=True)
     except KeyboardInterrupt:
         pass  # stopping to watch is what Ctrl-C means here: not an error
+    if not console.is_terminal:
+        console.line()  # piped, Live leaves its last frame without the final line break
     return ExitCode.OK
