@@ -4,14 +4,15 @@ One short run (4 replicas, one slowed so that there is time to look, one killed 
 watched while it trains: `/status` and `/metrics` are scraped before and after the kill (the live
 replica count drops, the fault counter rises), writes are refused, the endpoint is not reachable
 on another local address, `recover status` prints the members and the fault during and after the
-run, `recover watch` returns once the run ends, and the end-of-run report is on disk. The rest are
-in-process checks of user mistakes.
+run, `recover watch` returns once the run ends, the end-of-run report is on disk and `recover
+report` draws it again. The rest are in-process checks.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import shutil
 import socket
 import sys
 import time
@@ -23,7 +24,7 @@ from recover.app import cli, report, statusview
 from recover.app.status import read_jsonl, read_status
 from recover.testing.runs import BASE, Launch
 
-KILLED, AT = 3, 5
+KILLED, AT = 3, 4
 TIMEOUT_S = 5.0
 
 
@@ -74,9 +75,9 @@ def _status_text(capsys: pytest.CaptureFixture[str], run_dir: Path) -> str:
 def test_watch_a_run_with_a_kill(corpus: Path, tmp_path: Path,
                                  capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
-    # Replica 0 computes every step's share 3x slower (equal quotas): ~0.2 s a step, time to look.
-    launch = Launch(out, *BASE, "--steps", "10", "--replicas", "4", "--no-speed-aware",
-                    "--http-port", "0", "--fault", "slow:replica=0,factor=3", "--fault",
+    # Replica 0 computes every step's share 2x slower (equal quotas): time to look.
+    launch = Launch(out, *BASE, "--steps", "8", "--replicas", "4", "--no-speed-aware",
+                    "--http-port", "0", "--fault", "slow:replica=0,factor=2", "--fault",
                     f"kill:replica={KILLED},step={AT}", data=corpus, report=True)
     try:
         port = int(_wait_for(lambda: (out / "http.port").exists() and
@@ -109,9 +110,6 @@ def test_watch_a_run_with_a_kill(corpus: Path, tmp_path: Path,
         with pytest.raises(OSError), socket.create_connection(("127.0.0.2", port),
                                                               timeout=TIMEOUT_S):
             pass
-        # `recover report` on demand works on a running run too (drawn while it trains).
-        assert report.run_cli([str(out)]) == 0
-        assert "| state | running |" in (out / "report" / "report.md").read_text()
         # `recover watch` returns by itself once the run's end is on disk.
         assert statusview.run_cli("watch", [str(out), "--interval", "0.2",
                                             "--timeout", "120"]) == 0
@@ -133,7 +131,7 @@ def test_watch_a_run_with_a_kill(corpus: Path, tmp_path: Path,
     assert states == {0: "left cleanly", 1: "left cleanly", 2: "left cleanly", 3: "lost"}
     assert model["committed"] == len(read_jsonl(out / "metrics.jsonl"))
 
-    # The end-of-run report (it replaced the one drawn on demand), with every plot it names.
+    # The end-of-run report, with every plot it names; then `recover report` on demand.
     md = (out / "report" / "report.md").read_text()
     assert "| state | finished |" in md
     pngs = sorted(p.name for p in (out / "report").glob("*.png"))
@@ -142,6 +140,10 @@ def test_watch_a_run_with_a_kill(corpus: Path, tmp_path: Path,
         assert f"({name})" in md
         assert (out / "report" / name).read_bytes()[:4] == b"\x89PNG"
     assert f"| {AT} | {KILLED} | lost |" in md
+    shutil.rmtree(out / "report")
+    assert report.run_cli([str(out)]) == 0
+    assert (out / "report" / "report.md").read_text() == md
+    assert sorted(p.name for p in (out / "report").glob("*.png")) == pngs
 
 
 def test_not_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -34,6 +34,7 @@ def write_report(run_dir: Path | str) -> Path:
     model = read_status(out)
     recs = read_jsonl(out / "metrics.jsonl")
     tmp = Path(tempfile.mkdtemp(prefix=".report-", dir=out))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would hide the report from whoever else reads the run
     try:
         plots = _plots(model, recs, tmp)
         (tmp / "report.md").write_text(markdown(model, plots))
