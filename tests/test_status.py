@@ -129,6 +129,12 @@ def test_watch_a_run_with_a_kill(corpus: Path, tmp_path: Path,
     assert (fault["replica"], fault["kind"], fault["step"]) == (KILLED, "lost", AT)
     states = {r["replica"]: r["state"] for r in model["replica_states"]}
     assert states == {0: "left cleanly", 1: "left cleanly", 2: "left cleanly", 3: "lost"}
+    # Quota and speed as the last step saw them: the lost replica had neither.
+    last = read_jsonl(out / "metrics.jsonl")[-1]
+    assert [(r["quota"], r["mb_time_s"]) for r in model["replica_states"]] == [
+        (last["quotas"].get(str(r)), last["speeds"].get(str(r))) for r in range(4)]
+    assert [r["mb_time_s"] is not None and r["mb_time_s"] > 0
+            for r in model["replica_states"]] == [True, True, True, False]
     assert model["committed"] == len(read_jsonl(out / "metrics.jsonl"))
 
     # The end-of-run report, with every plot it names; then `recover report` on demand.

@@ -85,6 +85,13 @@ class StatusCollector:
         for r, q in sorted(m["quotas"].items()):
             quota.add_metric([str(r)], q)
         yield quota
+        speed = GaugeMetricFamily("recover_replica_microbatch_seconds",
+                                  "a replica's seconds per microbatch, as the last step measured",
+                                  labels=["replica"])
+        for r in m["replica_states"]:
+            if r["mb_time_s"] is not None:
+                speed.add_metric([str(r["replica"])], r["mb_time_s"])
+        yield speed
         # Unlabelled, so that it exists (at 0) before the first fault: a rate() needs that.
         yield CounterMetricFamily("recover_faults", "faults seen by the coordinator (a replica "
                                   "lost or fenced, a coordinator restarted)",

@@ -121,9 +121,10 @@ def markdown(m: dict[str, Any], plots: dict[str, str]) -> str:
              f"| generations | {_f(m['generation'], 'd')} |",
              f"| faults | {len(m['faults'])} |",
              f"| coordinator restarts | {m['coordinator_restarts']} |", "",
-             "## Replicas", "", "| replica | state | quota | how it ended |", "|---|---|---|---|"]
-    lines += [f"| {r['replica']} | {r['state']} | {_f(r['quota'], 'd')} | {r['exit'] or '-'} |"
-              for r in m["replica_states"]]
+             "## Replicas", "", "| replica | state | quota | s/microbatch | how it ended |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['replica']} | {r['state']} | {_f(r['quota'], 'd')} | "
+              f"{_f(r['mb_time_s'], '.4f')} | {r['exit'] or '-'} |" for r in m["replica_states"]]
     lines += ["", "## Faults", ""]
     lines += (["| at (s) | step | replica | what | reason |", "|---|---|---|---|---|"]
               + [f"| {_f(f['time_s'], '.2f')} | {_f(f['step'], 'd')} | {_f(f['replica'], 'd')} "

@@ -171,7 +171,8 @@ def _faults(events: list[dict], recs: list[dict], t0: float | None) -> list[dict
 def _membership(events: list[dict], recs: list[dict], replicas: int,
                 exits: dict[str, str]) -> dict[str, Any]:
     """Each replica's state now (member / joining / lost / fenced / left cleanly / not joined)
-    as the coordinator's events tell it, its quota in the last committed step, how it ended."""
+    as the coordinator's events tell it, its quota and speed (seconds per microbatch) in the
+    last committed step, how it ended."""
     state = {r: "not joined" for r in range(replicas)}
     since: dict[int, float | None] = {r: None for r in range(replicas)}
     why: dict[int, str] = {}
@@ -193,8 +194,10 @@ def _membership(events: list[dict], recs: list[dict], replicas: int,
                 elif m not in members and state[m] == "member":
                     state[m], since[m] = _ended(why.get(m, "")), e.get("time")
     quotas = recs[-1].get("quotas", {}) if recs else {}
+    speeds = recs[-1].get("speeds", {}) if recs else {}
     table = [{"replica": r, "state": state[r], "since": since[r], "reason": why.get(r),
-              "quota": quotas.get(str(r)), "exit": exits.get(str(r))} for r in range(replicas)]
+              "quota": quotas.get(str(r)), "mb_time_s": speeds.get(str(r)),
+              "exit": exits.get(str(r))} for r in range(replicas)]
     return {"generation": generation if generation is not None else
             (recs[-1].get("generation") if recs else None),
             "members": members, "live_replicas": len(members),

@@ -56,11 +56,11 @@ def render(m: dict[str, Any], head: bool = True) -> Group:
     """One screen: the headline (unless not `head`), each replica, the last faults and
     recoveries."""
     reps = Table(title="replicas", title_justify="left", expand=False)
-    for col in ("replica", "state", "since", "quota", "ended"):
+    for col in ("replica", "state", "since", "quota", "s/microbatch", "ended"):
         reps.add_column(col)
     for r in m["replica_states"]:
         reps.add_row(str(r["replica"]), r["state"], _clock(r["since"]),
-                     _num(r["quota"], "d"), r["exit"] or "-")
+                     _num(r["quota"], "d"), _num(r["mb_time_s"], ".4f"), r["exit"] or "-")
     parts: list[Any] = [Text(headline(m)), reps] if head else [reps]
     if m["faults"]:
         ft = Table(title=f"last faults ({len(m['faults'])} in all)", title_justify="left")
