@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from recover.app.status import read_status
 from recover.testing.runs import (
     BASE,
     Launch,
@@ -50,6 +51,12 @@ def test_reference_run_outputs(ref4: Run) -> None:
     finals = ref4.finals()
     assert sorted(finals) == [0, 1, 2, 3]
     assert all(bitwise_equal(finals[0], f) for f in finals.values()), "replicas diverged"
+    # The status model of a failure-free finished run (recover status, /status, the report).
+    model = read_status(ref4.out)
+    assert (model["state"], model["committed"], model["step"]) == ("finished", 14, 13)
+    assert model["faults"] == [] and model["recoveries"] == [] and model["generation"] == 0
+    assert model["step_members"] == [0, 1, 2, 3] and model["loss"] == recs[-1]["loss"]
+    assert {r["state"] for r in model["replica_states"]} == {"left cleanly"}
 
 
 @pytest.mark.parametrize(("replicas", "forkserver"), [(2, "1"), (1, "0")])

@@ -1,4 +1,7 @@
-"""The `recover` command line: train | sample | export | coordinator | simulate | bench | prepare.
+"""The `recover` command line: train, and status, watch, report, sample, export, prepare, etc.
+
+The commands: train | status | watch | report | sample | export | coordinator | simulate | bench |
+prepare.
 
 Invariant: a user mistake ends in one readable line on stderr and a non-zero exit, never a
 traceback (`recover.errors.usage_line`, exit 2 for a bad flag, value or path, checked before any
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import signal
 import sys
 import tempfile
@@ -109,6 +113,12 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default=None,
                    help="address the coordinator's store and liveness listener bind (default: "
                         "127.0.0.1, or every interface with --external-workers)")
+    p.add_argument("--http-port", type=Number(int, PORT), default=None,
+                   help="serve the run's status read-only over HTTP on this port (GET /status: "
+                        "JSON, GET /metrics: Prometheus; 0 = any free port, written to "
+                        "DIR/http.port; default: no endpoint)")
+    p.add_argument("--http-host", default=None,
+                   help="the one address the HTTP endpoint binds (default: 127.0.0.1)")
     # SUPPRESS: given here, it overrides the top-level option; absent, the top-level one stays.
     p.add_argument("--log-level", choices=LOG_LEVELS, default=argparse.SUPPRESS, help=LOG_HELP)
 
@@ -166,6 +176,22 @@ def check_coordinator(cfg: RunConfig, args: argparse.Namespace) -> str:
     return host
 
 
+def http_config(args: argparse.Namespace) -> Any:
+    """The endpoint's `HttpConfig` (None: no --http-port), checked before anything starts: the
+    port's bounds, prometheus_client installed, the address bindable here."""
+    if args.http_port is None:
+        if args.http_host is not None:
+            raise ConfigError("--http-host needs --http-port (the endpoint is off without it)")
+        return None
+    from recover.app.endpoint import HttpConfig, check_address, need_prometheus
+
+    PORT.check("--http-port", args.http_port, integer=True)
+    need_prometheus()
+    http = HttpConfig(args.http_port, args.http_host or "127.0.0.1")
+    check_address(http)
+    return http
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -180,8 +206,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_writers(cfg)  # before any process: an explicit --tensorboard/--wandb not installed
     if cfg.run.reference:
         cfg.run.dump_final = True  # the final parameters are compared with the reference's too
+    http = http_config(args)
     res = launch(cfg, console, external_workers=args.external_workers, port=args.port,
-                 host=host)
+                 host=host, http=http)
+    if cfg.run.report:
+        _write_report(console, res.out)
     if not res.ok:
         print(f"recover train: {res.message}", file=sys.stderr)
         return 1
@@ -208,6 +237,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         # Exactly zero is printed as 0: exact mode's promise is that, not a small number.
         print(f"max_rel_loss_diff={diff:.3e}" if diff else "max_rel_loss_diff=0", flush=True)
     return 0
+
+
+def _write_report(console: Any, out: Path) -> None:
+    """The end-of-run report (recover.app.report); a failure to draw it is said, and changes
+    nothing about how the run ended."""
+    from recover.app.report import write_report
+
+    try:
+        path = write_report(out)
+    except Exception as e:  # a report is never worth failing a trained run for
+        logging.getLogger(__name__).warning("no report written: %s", e)
+        return
+    console.print(f"report: {path}", highlight=False, markup=False, soft_wrap=True)
 
 
 def _summary(console, res) -> None:  # type: ignore[no-untyped-def]
@@ -254,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("simulate", help="cluster-scale discrete-event simulator")
     sub.add_parser("bench", help="recover vs checkpoint-restart vs shrink-batch, side by side")
     sub.add_parser("prepare", help="tokenise a corpus into token shards for train --data")
+    sub.add_parser("status", help="print a run's state: step, ETA, replicas, faults")
+    sub.add_parser("watch", help="show a run's state, refreshed until it ends")
+    sub.add_parser("report", help="write a run's Markdown report and plots (DIR/report)")
     return ap
 
 
@@ -272,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     if level is not None and level not in LOG_LEVELS:
         return usage_line("recover", f"--log-level {level!r}: choose from {', '.join(LOG_LEVELS)}")
     logs.setup(level or "info", export=True)  # worker processes inherit the level
-    if rest and rest[0] in ("coordinator", "simulate", "bench", "prepare", "sample", "export"):
+    if rest and rest[0] in ("coordinator", "simulate", "bench", "prepare", "sample", "export",
+                            "status", "watch", "report"):
         return _run_tool(rest[0], rest[1:])
     args = build_parser().parse_args(argv)
     logs.setup(args.log_level, export=True)  # `recover train --log-level L` may override
@@ -291,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_tool(cmd: str, argv: list[str]) -> int:
     """The commands that parse their own arguments: coordinator, simulate, bench, prepare,
-    sample, export."""
+    sample, export, status, watch, report."""
     if cmd == "coordinator":
         return cmd_coordinator(argv)
     if cmd == "sample":
@@ -302,6 +348,14 @@ def _run_tool(cmd: str, argv: list[str]) -> int:
         from recover.app.export import run_cli as export_cli
 
         return export_cli(argv)
+    if cmd in ("status", "watch"):
+        from recover.app.statusview import run_cli as status_cli
+
+        return status_cli(cmd, argv)
+    if cmd == "report":
+        from recover.app.report import run_cli as report_cli
+
+        return report_cli(argv)
     if cmd == "prepare":
         from recover.app.prepare import run_cli as prepare_cli
 

@@ -359,6 +359,9 @@ class RunSettings:
     log_every: int = setting(1, "steps between progress lines when the output is not a terminal "
                              "(faults, recoveries, joins and val losses are always shown)",
                              bounds=Bounds(1, MAX_STEPS), metavar="K")
+    report: bool = setting(True, "do not write DIR/report (report.md and plots, ~1 s) at the end "
+                           "of the run; `recover report DIR` writes it on demand",
+                           flag="--no-report", const=False)
 
     def validate(self) -> None:
         _check_fields(self)

@@ -3,7 +3,8 @@
 Invariant: a `Launch` starts one `recover train` (or `recover bench`) launcher in its own session,
 forked by the session's spawner (`recover.testing.processes`: torch already imported) or, with
 `fresh=True` or `RECOVER_FORKSERVER=0`, as a fresh `python -m recover`; its stdout and stderr go to
-files next to the run directory (`<out>.launcher.out`, `.err`). Whatever happens, the launcher is
+files next to the run directory (`<out>.launcher.out`, `.err`); a train run writes no end-of-run
+report unless asked (`report=True`). Whatever happens, the launcher is
 ended by its PID and so is every process it had started (found in /proc before the launcher is
 ended: its descendants); every wait is bounded. `fresh_dir` gives a bench its own empty folder.
 """
@@ -98,8 +99,11 @@ class Launch:
     """A started `recover train` (`command="bench"`: `recover bench`); `finish()` waits for it."""
 
     def __init__(self, out: Path, *args: str, data: Path | None = None, fresh: bool = False,
-                 env: Mapping[str, str] | None = None, command: str = "train") -> None:
+                 env: Mapping[str, str] | None = None, command: str = "train",
+                 report: bool = False) -> None:
         argv = [command, "--out", str(out), *args]
+        if command == "train" and not report:
+            argv.append("--no-report")  # ~1 s of matplotlib per run, x the suite's ~100 runs
         if data is not None:
             argv += ["--data", str(data)]
         self.out, self.argv = out, argv

@@ -28,6 +28,7 @@ from typing import Any
 from rich.console import Console
 
 from recover.app.config import RunConfig, fingerprint, flatten
+from recover.app.endpoint import HttpConfig, serve
 from recover.app.faults import validate_faults
 from recover.app.runtoken import resume_token, run_token
 from recover.app.train import foreign
@@ -163,7 +164,8 @@ def _say(console: Console, line: str) -> None:
 
 def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
            external_workers: bool = False, port: int = 0,
-           abort_on_loss: bool = False, host: str | None = None) -> RunResult:
+           abort_on_loss: bool = False, host: str | None = None,
+           http: HttpConfig | None = None) -> RunResult:
     """Run training to the end (or until it cannot go on) and return what happened.
 
     With `external_workers`, no replica is started here: they are launched elsewhere (one
@@ -181,9 +183,11 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
     # coordinator is then the only local process.
     spawner = Spawner((*PRELOAD, *foreign.preload(cfg.model)),
                       fork=False if external_workers else None).warm()
+    endpoint = None
     try:
         cfg, start = prepare_run(cfg, console)
         truncate_metrics(Path(cfg.run.out) / "metrics.jsonl", start)
+        endpoint = serve(Path(cfg.run.out), http)
         t_start = time.time()
         # On disk too: `time_s` in metrics.jsonl is relative to it, and other logs
         # (coordinator.jsonl) carry absolute clocks; bench/rejoin.py lines them up.
@@ -192,6 +196,8 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
         run = _Launch(cfg, start, t_start, spawner, host)
         return run.run(console, quiet, external_workers, port, abort_on_loss)
     finally:
+        if endpoint is not None:
+            endpoint.close()
         spawner.close()
 
 

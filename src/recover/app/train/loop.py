@@ -173,6 +173,9 @@ class Trainer:
             self.opt.step()
             self.applied = step + 1
             rec = step_record(res, lr, grad_norm, self.timer)
+            # Each replica's seconds per microbatch as the step's reduced trailer carried them
+            # (what speed-aware quotas follow): the same on every replica, so in every record.
+            rec["speeds"] = {str(r): round(v, 6) for r, v in sorted(rep.engine.speeds.items())}
             # Epochs read so far (2.5: two whole epochs, half the third): ids are global.
             rec["epoch"] = round(self.batches.epoch(self.applied * cfg.data.microbatches), 6)
             last = step == end - 1
