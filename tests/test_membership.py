@@ -213,3 +213,19 @@ def test_a_stale_or_empty_cut_report_changes_nothing() -> None:
     m.cut(0, 0, [0])  # only itself
     m.cut(0, 0, [9])  # no such member
     assert m.lost == {} and m.pending_since is None and m.cuts == {}
+
+
+def test_a_replacement_before_its_predecessors_loss_is_published_joins() -> None:
+    """Replica 1's connection closes; its replacement says hello before the debounce published
+    the generation without it: it is a joiner (announced with that generation), not the member
+    being dropped (welcomed as that member, it was fenced at once and the join never came)."""
+    m, store, wire = started(3)
+    m.closed(1)
+    assert m.hello(11, Hello(1, 0, 1, 201, join_at=6))
+    assert not [x for x in wire.to(11) if x.startswith(("welcome", "joining"))], wire.to(11)
+    m.publish_next()
+    assert members(store, 1) == [0, 2]
+    join = m.joins[1]
+    assert join.epoch >= 0 and join.at == 6
+    assert wire.to(11)[-1] == f"joining {join.epoch} 1 0\n", wire.to(11)
+    assert f"join 1 {join.epoch} 6\n" in wire.to(0)

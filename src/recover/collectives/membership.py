@@ -143,17 +143,19 @@ class Membership:
             self.newest_seen = max(self.newest_seen, h.generation)
             self.last_hello = time.monotonic()
             return True
-        if self.generation < 0 or replica in self.members:
+        if self.generation < 0 or (replica in self.members and replica not in self.lost):
             self.replicas.setdefault(replica, Registration(nranks)).ranks.add(rank)
             self.wire.send(conn, f"welcome {self.floor}\n")
             return True
         # Mid-run: admission at a step boundary, after a live state transfer (docs/DESIGN.md,
-        # "Checkpoints, rejoin and trust").
+        # "Checkpoints, rejoin and trust"). A replacement whose predecessor's loss is not yet
+        # published joins too (announced with that generation, `_publish`): welcomed, it took
+        # itself for the member the survivors are dropping, and was fenced at once.
         join = self.joins.setdefault(replica, Join(nranks))
         join.ranks.add(rank)
         join.at = max(join.at, h.join_at)
         self._set_exit(replica, "joining")
-        if len(join.ranks) == join.nranks and join.epoch < 0:
+        if len(join.ranks) == join.nranks and join.epoch < 0 and replica not in self.members:
             self._announce_join(replica, join)
         elif join.epoch >= 0:
             self.wire.send(conn, f"joining {join.epoch} {self.generation} {self.floor}\n")
@@ -472,6 +474,9 @@ class Membership:
         self.store.set(keys.reason_key(g), reason)
         self.store.add(keys.GEN_COUNT, g + 1 - self.gen_count)  # after a recover gap too
         self.gen_count = g + 1
+        for r, join in sorted(self.joins.items()):  # replacements that came before this
+            if r not in self.members and join.epoch < 0 and len(join.ranks) == join.nranks:
+                self._announce_join(r, join)
 
     def _set_exit(self, replica: int, how: str, keep: bool = False) -> None:
         """Record how a replica ended (first word: left / lost / fenced) for the launcher."""
