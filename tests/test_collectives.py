@@ -128,11 +128,12 @@ class Cluster:
         return self.port
 
     def start_replicas(self, *, numel: int, iters: int | None = None, until: float | None = None,
-                       compute_s: float = 0.0) -> None:
+                       compute_s: float = 0.0, sleep_s: float = 0.0) -> None:
         self.spawned_at = time.time()
         for i in range(self.n):
             argv = ["--coordinator", f"127.0.0.1:{self.port}", "--replica", str(i),
                     "--numel", str(numel), "--compute-s", str(compute_s),
+                    "--sleep-s", str(sleep_s),
                     "--log", str(self.log_path(i))]
             argv += ["--until", repr(until)] if until else ["--iters", str(iters)]
             self.replicas[i] = Proc(f"replica{i}", "recover.collectives.selftest:main", argv,
@@ -348,9 +349,11 @@ def test_second_kill_during_recovery(cluster: Cluster) -> None:
 def test_sigstop_is_fenced_and_exits_by_itself(cluster: Cluster) -> None:
     victim, survivors = 2, [0, 1, 3]
     cluster.start_coordinator()
-    # Busy compute keeps every iteration >= 40 ms, so the survivors' 160 iterations outlast the
-    # 3 s stop plus the victim's exit on any machine.
-    cluster.start_replicas(numel=1_000_000, iters=160, compute_s=0.04)
+    # An idle 40 ms per iteration keeps every iteration >= 40 ms, so the survivors' 120
+    # iterations outlast the 3 s stop plus the victim's exit on any machine (idle, not busy:
+    # fencing a stopped process does not depend on load; test_no_false_alarm_under_load is the
+    # one under load, and busy survivors cost the suite ~19 CPU-s here).
+    cluster.start_replicas(numel=1_000_000, iters=120, sleep_s=0.04)
     cluster.wait_joined()
     cluster.wait_for(lambda: cluster.n_reduces(victim) >= 5, 60.0, "5 reduces")
     cluster.replicas[victim].signal(signal.SIGSTOP)

@@ -50,7 +50,10 @@ def test_coordinator_killed_and_restarted(ref4: Run, corpus: Path, tmp_path: Pat
     for r in (0, 1, 3):
         assert run.log(r).count("the restarted coordinator resumed the run") == 2, run.log(r)
     # Each restart is a text event in TensorBoard at the step the launcher was waiting for when
-    # the coordinator died (step 10's kill can come before the launcher read step 9's line).
+    # the coordinator died: the killed step's, or the one before if the kill came before the
+    # launcher read that step's line (it polls the store every 20 ms).
     texts = viewers.tensorboard(run.out / "tensorboard")[1]["events/coordinator"]
-    assert len(texts) == 2 and min(texts) == 6, texts
+    assert len(texts) == 2, texts
+    first, second = sorted(texts)
+    assert first in (5, 6) and second in (9, 10), texts
     assert all(f"coordinator died (exit code -9) at step {s}" in t for s, t in texts.items()), texts

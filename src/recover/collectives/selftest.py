@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--until", type=float, default=0.0,
                     help="wall-clock time (epoch s) to stop at, shared by all replicas")
     ap.add_argument("--compute-s", type=float, default=0.0, help="busy compute between reduces")
+    ap.add_argument("--sleep-s", type=float, default=0.0,
+                    help="idle time between reduces: a step's length without its CPU")
     ap.add_argument("--stale-s", type=float, default=2.0)
     ap.add_argument("--timeout-s", type=float, default=30.0)
     ap.add_argument("--log")
@@ -52,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         while time.monotonic() - t0 < args.compute_s:
             x = torch.tanh(x @ x.T / 256.0)  # real CPU load, like a training step
+        time.sleep(args.sleep_s)
         g = member.generation()
         members = member.members(g)
         res = torch.full((args.numel,), float(args.replica + 1))
