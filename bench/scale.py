@@ -109,6 +109,15 @@ from _common import (
     say,
     table,
 )
+from _scale_analysis import (
+    AFTER,
+    PARTS,
+    TAIL,
+    breakdown,
+    failure_free,
+    failure_requests,
+    recovery_cpu,
+)
 from _store_rate import request_cpu_s
 from recover.testing.scale import (
     Children,
@@ -124,15 +133,9 @@ from recover.testing.scale import (
 
 log = logging.getLogger("bench.scale")
 CURVE = BENCH_DIR.parent / "src" / "recover" / "sim" / "data" / "scale_curve.json"
-PARTS = ("detect", "agree", "recomp", "rebuild", "reduce", "rest")  # add up to "total"
 EXTRA = (*PARTS, "total", "teardown", "agree_med", "agree_cpu", "rebuild_cpu", "store_cpu",
          "recovery_ops", "recovery_cpu", "main_reqs", "main_max", "shard_reqs", "rank_main_reqs",
          "coord_reqs")
-# Steps after a failure's first commit in the new generation that its requests are counted
-# over: its keys are deleted when the commit two steps later is decided, on a background thread
-# whose requests land in the step after (recovery/lifetime.py).
-TAIL = 3
-AFTER = 3  # the failure-free steps after that window whose rate is subtracted
 
 
 class FalseAlarm(RuntimeError):
@@ -142,119 +145,6 @@ class FalseAlarm(RuntimeError):
 class ProtocolFailure(RuntimeError):
     """A survivor died or committed a wrong gradient: a failure of the library, not of the
     bench (its logs, with every live rank's stacks, stay in the scale's folder)."""
-
-
-# -- analysis (pure functions of the logs) --------------------------------------------------
-def failure_free(steps: dict[Any, list[dict]], lo: int, hi: int) -> dict[str, float]:
-    """Store round trips and control-plane time of the steps lo..hi-1 that every rank
-    committed at its first attempt in generation 0."""
-    by_step: dict[int, list[dict]] = {}
-    for recs in steps.values():
-        for s in recs:
-            if lo <= s["step"] < hi and s["gen"] == 0 and s["attempts"] == 1:
-                by_step.setdefault(s["step"], []).append(s)
-    full = {t: rs for t, rs in by_step.items() if len(rs) == len(steps)}
-    if not full:
-        raise ValueError(f"no failure-free step in {lo}..{hi - 1} committed by every rank")
-    ops = [max(s["ops"] + s["waits"] for s in rs) for rs in full.values()]
-    mean = [sum(s["ops"] + s["waits"] for s in rs) / len(rs) for rs in full.values()]
-    eng = [max(s["ops"] for s in rs) for rs in full.values()]
-    ctl = [max(s["t_commit"] for s in rs) - max(s["reduces"][-1][2] for s in rs)
-           for rs in full.values()]
-    commits = sorted(max(s["t_commit"] for s in rs) for rs in full.values())
-    cpu = [max(s["control_cpu"] for s in rs) for rs in full.values()]
-    return {"store_ops": sum(ops) / len(ops), "store_ops_max": max(ops),
-            "store_ops_mean": sum(mean) / len(mean),
-            "engine_ops": sum(eng) / len(eng), "control_s": median(ctl),
-            "control_cpu_s": median(cpu),
-            "period_s": median([b - a for a, b in zip(commits, commits[1:], strict=False)]),
-            "steps": len(full)}
-
-
-def breakdown(steps: dict[Any, list[dict]], t_kill: float, t_gen: float, g0: int
-              ) -> dict[str, float]:
-    """Kill -> every survivor (the keys of `steps`) committed in a generation after g0.
-
-    The parts (PARTS) add up to `total` and follow the last survivor to start its reduce in the
-    new generation; `teardown` (the part of its agree) is the time its engine spent discarding
-    failed reduces (end of reduce_ -> the engine's next hook) after the generation was
-    published, and `agree_med` the median survivor's agree."""
-    start, rebuild, coll, commit, recomp, teardown, cpu = {}, {}, {}, {}, {}, {}, {}
-    agree_cpu: dict[Any, float] = {}
-    ops: dict[Any, float] = {}  # store round trips of its step that reduced in the new gen
-    raised = 0
-    for k, recs in steps.items():
-        calls = [c for s in recs for c in s["reduces"]]
-        for s in recs:
-            call = next((c for c in s["reduces"] if c[0] > g0), None)
-            if call is not None and k not in start:
-                start[k], commit[k], ops[k] = call[1], s["t_commit"], s["ops"] + s["waits"]
-                rebuild[k], coll[k], cpu[k] = call[4] + call[5], call[6], call[7]
-                before = [c for c in calls if c[1] < call[1]]
-                if before and len(call) > 8:  # its CPU from its last reduce before to this one
-                    agree_cpu[k] = call[8] - before[-1][8]
-        if k not in start:
-            raise ValueError(f"rank {k} has no reduce after generation {g0}")
-        failed = [(c, t) for s in recs for c, t in zip(s["reduces"], s["after"], strict=False)
-                  if c[3] is not True and c[2] >= t_kill]
-        raised += len(failed)
-        teardown[k] = sum(max(0.0, min(t, start[k]) - max(c[2], t_gen)) for c, t in failed)
-        recomp[k] = sum(max(0.0, min(c1, start[k]) - max(c0, t_gen))
-                        for s in recs for c0, c1 in s["computes"])
-    last = max(start, key=start.get)
-    res = {"detect": t_gen - t_kill, "agree": start[last] - t_gen - recomp[last],
-           "recomp": recomp[last], "rebuild": rebuild[last], "reduce": coll[last],
-           "total": max(commit.values()) - t_kill, "raised": float(raised),
-           "teardown": teardown[last], "rebuild_cpu": cpu[last],
-           "agree_cpu": max(agree_cpu.values(), default=float("nan")),
-           "agree_med": median([start[k] - t_gen - recomp[k] for k in start]),
-           "step_ops": max(ops.values())}
-    res["rest"] = res["total"] - sum(res[p] for p in PARTS[:-1])
-    return res
-
-
-def failure_requests(steps: dict[Any, list[dict]], t_kill: float, g0: int, coord: float
-                     ) -> dict[str, float]:
-    """The requests a failure added, per surviving replica (the keys of `steps` are (replica,
-    position) of the survivors, each with all its step records, cumulative counts at each
-    commit): each survivor's count from the step in flight at the kill through TAIL steps after
-    its first commit in a generation after g0, less as many of its steps at the mean rate of
-    the AFTER steps that follow (the new membership's failure-free steps: who deletes old keys
-    or tops a shard's count may have changed with it); `coord` (the coordinator's own requests
-    over the failure) is added to the main store's."""
-    per_replica: dict[int, dict[str, float]] = {}
-    for (rep, pos), recs in steps.items():
-        recs = sorted(recs, key=lambda s: s["step"])
-        first = next(i for i, s in enumerate(recs) if s["t_commit"] > t_kill)
-        end = next(i for i, s in enumerate(recs) if s["gen"] > g0) + TAIL
-        if first == 0 or end + AFTER >= len(recs):
-            raise ValueError(f"rank {(rep, pos)}: its steps do not cover the failure's window")
-        mine = per_replica.setdefault(rep, {"main_reqs": 0.0, "shard_reqs": 0.0})
-        for key in mine:
-            rate = (recs[end + AFTER][key] - recs[end][key]) / AFTER
-            mine[key] += recs[end][key] - recs[first - 1][key] - (end - first + 1) * rate
-    reps = len(per_replica)
-    ranks = sum(r["main_reqs"] for r in per_replica.values())
-    return {"main_reqs": (ranks + coord) / reps, "rank_main_reqs": ranks / reps,
-            "coord_reqs": coord, "main_max": max(r["main_reqs"] for r in per_replica.values()),
-            "shard_reqs": sum(r["shard_reqs"] for r in per_replica.values()) / reps}
-
-
-def recovery_cpu(steps: dict[Any, list[dict]], t_kill: float, g0: int) -> float:
-    """The most CPU any survivor's process spent from the kill to its first commit in a
-    generation after g0. Its CPU clock at the kill is its last reading before it (every hook,
-    microbatch and commit logs one): an upper bound, by at most the CPU between readings."""
-    most = 0.0
-    for k, recs in steps.items():
-        marks = [m for s in recs for m in s["marks"]]
-        marks += [[s["t_commit"], s["cpu_commit"]] for s in recs]
-        before = [m for m in marks if m[0] <= t_kill]
-        if not before:
-            raise ValueError(f"rank {k} has no CPU reading before the kill")
-        at_kill = max(before)[1]
-        done = min((s for s in recs if s["gen"] > g0), key=lambda s: s["step"])
-        most = max(most, done["cpu_commit"] - at_kill)
-    return most
 
 
 # -- one scale ------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from recover.app.status import read_jsonl
 from recover.app.train.progress import ProgressView
 from recover.app.train.writers import Writers
 from recover.collectives import keys
@@ -184,11 +185,12 @@ class MetricsSink:
     def _reasons(self, after: int, upto: int) -> str:
         """The coordinator's reasons for generations after..upto (coordinator.jsonl: the one
         source that says why a member went: lost, evicted on evidence, fenced)."""
+        # The coordinator may be writing its last line right now: read_jsonl skips that one.
         try:
-            gens = {e["gen"]: e.get("reason", "") for e in read_metrics(
-                self.path.parent / "coordinator.jsonl") if e.get("event") == "generation"}
-        except (OSError, ValueError):
+            events = read_jsonl(self.path.parent / "coordinator.jsonl")
+        except OSError:
             return ""
+        gens = {e["gen"]: e.get("reason", "") for e in events if e.get("event") == "generation"}
         return "; ".join(gens[g] for g in range(after + 1, upto + 1) if gens.get(g))
 
 
