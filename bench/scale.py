@@ -45,7 +45,7 @@ scale:
                  bound, by at most the CPU between two readings);
      main_req    every request the main store served because of the failure, per replica:
                  each survivor's requests on every main-store client it opened (counted on the
-                 client side, `recover.testing.storecount`: redo, chain, evidence counts,
+                 client side, `recover.collectives.storecount`: redo, chain, evidence counts,
                  decisions, generation reads, key deletions and, without shards, the
                  rendezvous) from the step in flight at the kill to TAIL steps after its first
                  commit in the new generation (the failure's keys are deleted two commits

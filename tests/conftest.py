@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 sys.path.insert(0, str(Path(__file__).parent))
 # Every TCPStore connection makes torch look up the peer's name ([::ffff:127.0.0.1], which
@@ -50,11 +52,34 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return p
 
 
+SHARED_LIMIT_S = 600  # a shared run's maker has this long (its own test timeout is shorter)
+
+
+def shared_run(factory: pytest.TempPathFactory, name: str, make: Callable[[Path], Run]) -> Run:
+    """A session run made once for the whole test session: under pytest-xdist every worker is
+    a process with its own session fixtures, so the first to ask makes the run (under a file
+    lock in the workers' common temporary directory) and the others read it; the runs are
+    read-only references. A failed run is not shared: each asker sees its own failure."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return make(factory.mktemp(name) / "run")
+    root = factory.getbasetemp().parent / name
+    with FileLock(f"{root}.lock", timeout=SHARED_LIMIT_S):
+        done = root / "done.json"
+        if done.exists():
+            return Run(**{**json.loads(done.read_text()), "out": root / "run"})
+        root.mkdir(exist_ok=True)
+        run = make(root / "run")
+        if run.returncode == 0:
+            done.write_text(json.dumps({"returncode": run.returncode, "stdout": run.stdout,
+                                        "stderr": run.stderr}))
+        return run
+
+
 @pytest.fixture(scope="session")
 def ref4(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
-    """The failure-free R=4, N=8 run (tests/_run.BASE) that many tests compare against."""
-    run = recover_train(tmp_path_factory.mktemp("ref4") / "run", *BASE, "--replicas", "4",
-                        "--dump-final-params", data=corpus)
+    """The failure-free R=4, N=8 run (recover.testing.runs.BASE) that many tests compare against."""
+    run = shared_run(tmp_path_factory, "ref4", lambda out: recover_train(
+        out, *BASE, "--replicas", "4", "--dump-final-params", data=corpus))
     assert run.returncode == 0, run.stderr[-3000:]
     return run
 
@@ -63,8 +88,8 @@ def ref4(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
 def single_replica(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
     """One plain replica computes all N microbatches (LAYOUT_ARGS): every multi-rank layout, with
     or without faults and resumes, must follow its trajectory."""
-    run = recover_train(tmp_path_factory.mktemp("single") / "run", *LAYOUT_ARGS,
-                        "--dump-final-params", "--replicas", "1", data=corpus)
+    run = shared_run(tmp_path_factory, "single", lambda out: recover_train(
+        out, *LAYOUT_ARGS, "--dump-final-params", "--replicas", "1", data=corpus))
     assert run.returncode == 0, run.stderr[-3000:]
     return run
 

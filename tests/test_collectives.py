@@ -410,9 +410,9 @@ def test_sigstop_is_fenced_and_exits_by_itself(cluster: Cluster) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_no_false_alarm_under_load(cluster: Cluster) -> None:
-    # 5 x the 2 s silence bound: a heartbeat starved past the bound anywhere in it would show
+    # 3 x the 2 s silence bound: a heartbeat starved past the bound anywhere in it would show
     # as an eviction (bench/soak.py runs for minutes).
-    busy_s = 10.0
+    busy_s = 6.0
     cluster.start_coordinator()
     # The spawner is warm once the coordinator is up: the replicas join within ~0.1 s (measured;
     # seconds on a loaded 2-core machine); they stop together at `until`.
@@ -445,6 +445,6 @@ def test_no_false_alarm_under_load(cluster: Cluster) -> None:
         faults = [e for e in cluster.events(i, "fault") if e["t"] < first_leave]
         assert not faults, f"replica {i}: {faults}"
     counts = [len(cluster.events(i, "reduce")) for i in range(N)]
-    assert min(counts) > 20, counts  # >= 50 ms each (busy compute): <= 20 a second
+    assert min(counts) > 12, counts  # >= 50 ms each (busy compute): <= 20 a second
     print(f"\nno false alarm: {until - joined:.1f} s busy, reduces per replica {counts}, "
           f"{len(gen_events)} generations ({len(gen_events) - 1} from the final leaves)")

@@ -23,9 +23,9 @@ from rich.console import Console
 from recover.app.train.metrics import MetricsSink
 from recover.app.train.progress import ProgressView
 from recover.collectives import keys, shards
+from recover.collectives.storecount import Tally, counting_connect
 from recover.recovery.step import MAX_MICROBATCHES
 from recover.testing.inproc import Fault, Harness
-from recover.testing.storecount import Tally, counting_connect
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -9,12 +9,14 @@ the bridge (kept down, or brought back), or its worker SIGKILLed, a few steps in
 three at once, in one run of four replicas: the fourth ends alone), and a cut between two
 replicas' hosts that both still reach the coordinator.
 
-Each run is judged on: the loss trajectory against the failure-free run (1e-5 relative at every
-step), N microbatches on every metrics line, every surviving replica's exit code (0, its
-`torchrun`'s), the faulty replica's own exit within 3 x --stale-s + 10 s of the fault, and the
-final checkpoint's label against the AdamW step count it holds. Skipped, with the reason, where
-network namespaces are unavailable (not root, no `ip`, or the kernel refuses). Every process is
-ended by its PID; every namespace is deleted (and with it the bridge and the links).
+Each run is judged on: a failure-free start across the hosts (generation 0, every replica live,
+no data path off its host's address), the loss trajectory against the failure-free run (the
+recipe's settings on one replica, in this host; 1e-5 relative at every step), N microbatches
+on every metrics line, every surviving replica's exit code (0, its `torchrun`'s), the faulty
+replica's own exit within 3 x --stale-s + 10 s of the fault, and the final checkpoint's label
+against the AdamW step count it holds. Skipped, with the reason, where network namespaces are
+unavailable (not root, no `ip`, or the kernel refuses). Every process is ended by its PID;
+every namespace is deleted (and with it the bridge and the links).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch
 from recover.collectives import FaultTolerantComm, GlooInterfaceError
 from recover.collectives.netif import is_loopback
 from recover.testing.processes import Proc, stop_all
-from recover.testing.runs import max_rel
+from recover.testing.runs import Run, max_rel, recover_train
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 SUBNET = "10.77.0"  # only ever assigned inside this test's own namespaces
@@ -343,9 +345,24 @@ def adam_steps(ckpt: Path, tmp: Path) -> set[int]:
 
 
 # -- the judgement -----------------------------------------------------------------------------
-def check_run(o: Outcome, ref: Outcome, tmp: Path) -> None:
+# What a replica logs when its data path did not cross the hosts (recover.collectives.netif).
+FALLBACKS = ("reached over loopback", "could not connect from")
+
+
+def check_before_fault(o: Outcome) -> None:
+    """Until the fault, the run was a failure-free one across the hosts: every replica a member
+    of generation 0 at every step, and no replica's data path fell back off its own address."""
+    recs = o.metrics()[:FAULT_AFTER_STEPS]
+    assert {r["live_replicas"] for r in recs} == {len(o.replicas)}, recs
+    assert {r["generation"] for r in recs} == {0}, "membership changed before the fault"
+    for p in o.replicas:
+        assert not any(f in p.stderr() for f in FALLBACKS), p.stderr()[-2000:]
+
+
+def check_run(o: Outcome, ref: Run, tmp: Path) -> None:
     why = o.diagnostics()
     assert o.coordinator.returncode == 0, f"the coordinator's `recover train` failed\n{why}"
+    check_before_fault(o)
     n = json.loads((o.out / "config.json").read_text())["data"]["microbatches"]
     recs = o.metrics()
     assert [r["step"] for r in recs] == list(range(STEPS)), why
@@ -373,21 +390,15 @@ def check_run(o: Outcome, ref: Outcome, tmp: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Outcome:
-    """The failure-free run of the recipe, the trajectory every faulty run must follow."""
-    return run_recipe(tmp_path_factory.mktemp("multihost-ref"), corpus)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_failure_free(reference: Outcome, tmp_path: Path) -> None:
-    check_run(reference, reference, tmp_path)
-    recs = reference.metrics()
-    assert {r["live_replicas"] for r in recs} == {REPLICAS}, reference.diagnostics()
-    assert {r["generation"] for r in recs} == {0}, "a failure-free run changed its membership"
-    # The data path crossed hosts: no replica fell back to anything but its own address.
-    for p in reference.replicas:
-        assert "recover:" not in p.stderr(), p.stderr()[-2000:]
+def reference(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """The failure-free trajectory every faulty run must follow: the recipe's settings on one
+    replica on this host (the trajectory is a function of (seed, data, N) alone:
+    docs/DESIGN.md, "The invariant"). Every recipe run below is failure-free across the hosts
+    until its fault lands, and is checked so (`check_before_fault`)."""
+    run = recover_train(tmp_path_factory.mktemp("multihost-ref") / "run", "--steps", str(STEPS),
+                        "--replicas", "1", data=corpus)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -402,7 +413,7 @@ def three_faults(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Outc
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_link_cut_and_kept_down(reference: Outcome, three_faults: Outcome,
+def test_link_cut_and_kept_down(reference: Run, three_faults: Outcome,
                                 tmp_path: Path) -> None:
     """The leader's cable is cut for good: it gives up by itself; the others go on and save."""
     o = three_faults
@@ -414,7 +425,7 @@ def test_link_cut_and_kept_down(reference: Outcome, three_faults: Outcome,
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_link_cut_and_brought_back(reference: Outcome, three_faults: Outcome,
+def test_link_cut_and_brought_back(reference: Run, three_faults: Outcome,
                                    tmp_path: Path) -> None:
     """The cable comes back as soon as the coordinator has dropped the replica: it learns that
     it was dropped (or, if TCP's retransmission timer is slower than its silence bound, gives
@@ -431,7 +442,7 @@ def test_link_cut_and_brought_back(reference: Outcome, three_faults: Outcome,
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_sigkill(reference: Outcome, three_faults: Outcome, tmp_path: Path) -> None:
+def test_sigkill(reference: Run, three_faults: Outcome, tmp_path: Path) -> None:
     o = three_faults
     check_run(o, reference, tmp_path)
     assert o.exits()[1].startswith("coordinator: lost: connection closed"), o.exits()
@@ -442,13 +453,14 @@ CUT_STOP_AT = 8  # steps: the cut lands after FAULT_AFTER_STEPS, the rest run wi
 COMMIT_GAP_S = 3 * STALE_S + 5  # the issue's bound on the pause a cut may cause
 
 
-def check_cut(o: Outcome, ref: Outcome, replicas: int) -> None:
+def check_cut(o: Outcome, ref: Run, replicas: int) -> None:
     """Exactly one side of the cut is evicted (fenced, and says why); the others train every
     step to the end with N microbatches, on the failure-free trajectory, without a long pause.
     The reference has another replica count: the trajectory is a function of (seed, data, N)
     alone (docs/DESIGN.md, "The invariant"); --stop-at keeps its --steps, so its schedule."""
     why = o.diagnostics()
     assert o.coordinator.returncode == 0, f"the coordinator's `recover train` failed\n{why}"
+    check_before_fault(o)
     assert o.cut is not None
     n = json.loads((o.out / "config.json").read_text())["data"]["microbatches"]
     recs = o.metrics()
@@ -475,7 +487,7 @@ def check_cut(o: Outcome, ref: Outcome, replicas: int) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_cut_between_two_of_four_replicas_evicts_one_side(
-        reference: Outcome, corpus: Path, tmp_path: Path) -> None:
+        reference: Run, corpus: Path, tmp_path: Path) -> None:
     """Replicas 2 and 3 lose each other for good (silently: packets dropped, as a failed link
     does) while all four reach the coordinator: one of them is evicted on the evidence."""
     o = run_recipe(tmp_path, corpus, {2: "partition 3 drop"}, replicas=4, stop_at=CUT_STOP_AT)
@@ -485,7 +497,7 @@ def test_a_cut_between_two_of_four_replicas_evicts_one_side(
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_cut_between_the_only_two_replicas_evicts_one(
-        reference: Outcome, corpus: Path, tmp_path: Path) -> None:
+        reference: Run, corpus: Path, tmp_path: Path) -> None:
     """Two replicas, each naming the other: the first to report stays (a blackhole route this
     time: the kernel refuses at once, the other way a cut shows)."""
     o = run_recipe(tmp_path, corpus, {0: "partition 1 blackhole"}, replicas=2,
@@ -498,7 +510,8 @@ class _Member:
     """What FaultTolerantComm reads of a Member: replica 1 of [0, 1], joined from `local_addr`."""
 
     def __init__(self, store: object, local_addr: str, coordinator_remote: bool) -> None:
-        self.store, self.local_addr = store, local_addr
+        self.store = self.plain_store = store
+        self.local_addr = local_addr
         self.coordinator_remote = coordinator_remote
         self.replica, self.host, self.fenced = 1, f"{SUBNET}.1", False
         self.failed: list[int] = []

@@ -52,7 +52,8 @@ def _scrape(port: int) -> dict[str, float | None]:
     assert status == 200
     text = body.decode()
     return {k: _sample(text, f"recover_{k}") for k in
-            ("live_replicas", "faults_total", "steps_committed_total", "generation")}
+            ("live_replicas", "faults_total", "steps_committed_total", "generation",
+             "store_requests_total")}
 
 
 def _wait_for(cond, what: str, launch: Launch, limit_s: float = 120.0):  # type: ignore[no-untyped-def]
@@ -92,6 +93,9 @@ def test_watch_a_run_with_a_kill(corpus: Path, tmp_path: Path,
         after = _wait_for(lambda: (m := _scrape(port))["live_replicas"] == 3 and m,
                           "3 live replicas", launch)
         assert after["faults_total"] == 1
+        # The main store's requests (the coordinator's file, rewritten every 2 s) only grow.
+        assert before["store_requests_total"] is not None
+        assert after["store_requests_total"] >= before["store_requests_total"] > 0
         assert after["generation"] > before["generation"]
         assert after["steps_committed_total"] >= before["steps_committed_total"]
         text = _status_text(capsys, out)
@@ -136,6 +140,11 @@ def test_watch_a_run_with_a_kill(corpus: Path, tmp_path: Path,
     assert [r["mb_time_s"] is not None and r["mb_time_s"] > 0
             for r in model["replica_states"]] == [True, True, True, False]
     assert model["committed"] == len(read_jsonl(out / "metrics.jsonl"))
+    # Every member's requests reached the coordinator's count (its heartbeats carry them, the
+    # lost replica's up to its last one): at least one a step for each of the three that went
+    # through to the end, and their count at the end is what the file holds.
+    assert model["store_requests"] >= 3 * model["committed"], model["store_requests"]
+    assert f"store requests {model['store_requests']:,d}" in text, text
 
     # The end-of-run report, with every plot it names; then `recover report` on demand.
     md = (out / "report" / "report.md").read_text()

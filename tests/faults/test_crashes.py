@@ -132,9 +132,9 @@ def test_straggler_and_rejoin_during_fault(ref: Run, corpus: Path, tmp_path: Pat
 
 
 # A launcher step line when piped (train/progress.py) and a replica's step line (logging).
-STEP_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d step +(\d+)/\d+  loss .* "
-                       r"elapsed \d+:\d\d:\d\d  eta (\?|\d+:\d\d:\d\d)$")
-STEP_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO \S+: step (\d+): loss ")
+STEP = r"step +(\d+)/\d+  loss .* elapsed \d+:\d\d:\d\d  eta (\?|\d+:\d\d:\d\d)$"
+STEP_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d " + STEP)
+STEP_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO \S+: " + STEP)
 
 
 def assert_timestamped_steps(text: str, line: re.Pattern, steps: int) -> None:
@@ -142,8 +142,10 @@ def assert_timestamped_steps(text: str, line: re.Pattern, steps: int) -> None:
     starts as a line of recover's output starts (a wrapped line's tail would not)."""
     lines = [x for x in text.splitlines() if x.strip()]
     assert lines, "empty output"
-    seen = sorted(int(m.group(1)) for m in map(line.match, lines) if m)
+    found = [m for m in map(line.match, lines) if m]
+    seen = sorted(int(m.group(1)) for m in found)
     assert seen == list(range(steps)), (seen, text[-2000:])
+    assert found[-1].group(2) == "0:00:00", found[-1].group(0)  # the ETA counts down to the end
     heads = re.compile(r"^(\d{4}-\d\d-\d\d[T ]|recover: |replica exits: |done: )")
     broken = [x for x in lines if not heads.match(x)]
     assert not broken, broken

@@ -356,8 +356,9 @@ class RunSettings:
     wandb: str | None = setting(None, "also log to this Weights & Biases project (off by "
                                 "default; WANDB_MODE=offline works without a network)",
                                 metavar="PROJECT")
-    log_every: int = setting(1, "steps between progress lines when the output is not a terminal "
-                             "(faults, recoveries, joins and val losses are always shown)",
+    log_every: int = setting(1, "steps between progress lines when the output is not a terminal, "
+                             "and in each replica's log (faults, recoveries, joins and val "
+                             "losses are always shown)",
                              bounds=Bounds(1, MAX_STEPS), metavar="K")
     report: bool = setting(True, "do not write DIR/report (report.md and plots, ~1 s) at the end "
                            "of the run; `recover report DIR` writes it on demand",

@@ -96,6 +96,10 @@ class StatusCollector:
         yield CounterMetricFamily("recover_faults", "faults seen by the coordinator (a replica "
                                   "lost or fenced, a coordinator restarted)",
                                   value=len(m["faults"]))
+        if m["store_requests"] is not None:
+            yield CounterMetricFamily("recover_store_requests", "requests of the coordinator's "
+                                      "main store (its own and every member's) since it started",
+                                      value=m["store_requests"])
         secs = [r["recovery_s"] for r in m["recoveries"]]
         buckets = [(str(b), sum(s <= b for s in secs)) for b in RECOVERY_BUCKETS]
         yield HistogramMetricFamily("recover_recovery_seconds",

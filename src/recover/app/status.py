@@ -5,8 +5,9 @@ Invariant: `read_status(DIR)` only reads (never writes, locks or connects to any
 plain JSON-serialisable dict, and works on a run that is still being written (a half-written last
 line is skipped) as on a finished one; a directory that is not a run is one `ConfigError`. Every
 fact comes from a file the run writes anyway: `config.json` (the plan), `run_start`,
-`metrics.jsonl` (one line per committed step), `coordinator.jsonl` (the membership's events) and,
-once the launcher is done, `replica_exits.json` (how each replica ended) - so the views cannot
+`metrics.jsonl` (one line per committed step), `coordinator.jsonl` (the membership's events),
+`store_stats.json` (the coordinator's count of main-store requests since it started) and, once
+the launcher is done, `replica_exits.json` (how each replica ended) - so the views cannot
 disagree with each other or with the files.
 """
 
@@ -81,6 +82,9 @@ def read_status(run_dir: Path | str, now: float | None = None) -> dict[str, Any]
     model["joins"] = [{"step": r["step"], "time_s": r.get("time_s"), "replicas": r["joined"],
                        "transfer_s": r.get("transfer_s")} for r in recs if r.get("joined")]
     model["coordinator_restarts"] = sum(e.get("event") == "resumed" for e in events)
+    stats = _read_json(out / "store_stats.json")
+    model["store_requests"] = (stats.get("store_requests") if isinstance(stats, dict)
+                               else None)
     model["exits"] = exits or {}
     return model
 

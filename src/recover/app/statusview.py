@@ -49,7 +49,7 @@ def headline(m: dict[str, Any]) -> str:
             f"loss {_num(m['loss'], '.4f')}, val loss {_num(m['val_loss'], '.4f')}, "
             f"{_num(m['tokens_per_s'], ',.0f')} tok/s, step time {_num(m['step_time_s'], '.3f')}s"
             f"\ngeneration {_num(m['generation'], 'd')}, live replicas {m['live_replicas']}/"
-            f"{m['replicas']}, {members}")
+            f"{m['replicas']}, {members}, store requests {_num(m['store_requests'], ',d')}")
 
 
 def render(m: dict[str, Any], head: bool = True) -> Group:

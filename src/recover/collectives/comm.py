@@ -264,11 +264,13 @@ class FaultTolerantComm:
     # -- internals ---------------------------------------------------------------------------
     @staticmethod
     def _rendezvous_store(member: Member, position: int) -> Any:
-        """The main store without shards; else a client of this position's shard, connected
-        now (a rebuild opens no connection on its critical path: its clients are clones)."""
+        """The main store's plain client without shards (gloo holds its clones: not the
+        counting one, collectives/storecount.py); else a client of this position's shard,
+        connected now (a rebuild opens no connection on its critical path: its clients are
+        clones)."""
         count = len(getattr(member, "shard_ports", None) or [])
         if count == 0:
-            return member.store
+            return member.plain_store
         return member.connect_shard(shards.rendezvous_shard(position, count))
 
     def _lost_since(self, g: int) -> list[int]:

@@ -66,6 +66,9 @@ class CoordinatorConfig:
         SECONDS))
     log_path: str | None = field(default=None, metadata=_flag(
         "--log", "append one JSON line per event to this file"))
+    stats_path: str | None = field(default=None, metadata=_flag(
+        "--stats-file", "keep the main store's request count (the coordinator's and every "
+        "member's) in this JSON file, rewritten every few seconds"))
     exit_when_done: bool = field(default=False, metadata=_flag(
         "--exit-when-done", "exit once every replica has left or been lost"))
     token_file: str | None = field(default=None, metadata=_flag(
@@ -96,7 +99,8 @@ class CoordinatorConfig:
         in its bounds, every name a non-empty string, and a fixed store port leaves room for the
         ports derived from it."""
         check_fields(self, _label)
-        for name in ("host", "port_file", "log_path", "token_file", "fingerprint"):
+        for name in ("host", "port_file", "log_path", "stats_path", "token_file",
+                     "fingerprint"):
             value = getattr(self, name)
             if value is not None and not str(value).strip():
                 raise ConfigError(f"{_label(name)} must not be empty")
@@ -170,9 +174,9 @@ class CoordinatorConfig:
 
     def check_outputs(self) -> None:
         """ConfigError (one line) unless each file this coordinator writes (`port_file`,
-        `log_path`) can be made: its folder exists and the path is no folder. Checked by
-        `recover coordinator` before it starts anything."""
-        for name in ("port_file", "log_path"):
+        `log_path`, `stats_path`) can be made: its folder exists and the path is no folder.
+        Checked by `recover coordinator` before it starts anything."""
+        for name in ("port_file", "log_path", "stats_path"):
             value = getattr(self, name)
             if value is None:
                 continue

@@ -43,12 +43,14 @@ from recover.collectives import keys, listen, shards
 from recover.collectives.admission import Hello, proof
 from recover.collectives.coordconfig import CoordinatorConfig
 from recover.collectives.membership import DEBOUNCE_S, Membership
+from recover.collectives.storecount import CountedStore, Tally
 from recover.errors import ExitCode, RecoverError, UsageParser, usage_line
 from recover.settings import LaunchEnv
 
 log = logging.getLogger(__name__)
 
 HB_CHECK_S = 0.05  # judge silence at most this often (heartbeats are lines on the socket)
+STATS_S = 2.0  # the store-request figure (`stats_path`) is rewritten at most this often
 STALL_S = 0.5  # a gap between two turns of the loop longer than this is the coordinator's own
 PING_S = 0.25  # longest gap between two bytes to a member (members fence after 3 x stale_s)
 MAX_LINE = 4096  # a longer line is not ours: the connection is closed
@@ -70,6 +72,7 @@ class _Conn:
     accepted: bool = False  # its hello was accepted: only then may it say more
     heard: float = field(default_factory=time.monotonic)
     since: float = field(default_factory=time.monotonic)  # accepted by the listener
+    requests: int = 0  # the member's main-store requests so far, as its last heartbeat said
 
 
 class EventLog:
@@ -103,6 +106,9 @@ class Coordinator:
         self.exit_when_done = config.exit_when_done
         self.ping_s = min(PING_S, config.stale_s / 4)
         self._log = EventLog(config.log_path)
+        self.requests = Tally()  # this process's own main-store requests
+        self.requests_gone = 0  # those of the members whose connections have closed
+        self._stats: tuple[float, int] = (0.0, -1)  # when written, what
         self._pinged = 0.0
         self._hb_checked = 0.0
         self._sel = selectors.DefaultSelector()
@@ -138,7 +144,8 @@ class Coordinator:
         """Start the store and the liveness listener; return the store's port."""
         self.store = keys.serve_store(self.host, self.port)
         local = self.store.host  # the address it bound, numeric (loopback for every interface)
-        self.client = keys.connect_store(local, self.store.port, 30.0)
+        self.client = CountedStore(keys.connect_store(local, self.store.port, 30.0),
+                                   self.requests, "main")
         # Fixed ports follow the store's (liveness + 1, shards + 2...) only when the liveness
         # port is derived too; otherwise (a restarted coordinator: --liveness-port 0) any.
         fixed = self.liveness_port is None and self.port != 0
@@ -234,8 +241,34 @@ class Coordinator:
                 if m.publish_due(now):
                     m.publish_next()
                 if m.everyone_left() and self.exit_when_done:
+                    self.write_stats(now, force=True)
                     return 0
+            self.write_stats(now)
+        self.write_stats(time.monotonic(), force=True)
         return 0
+
+    def store_requests(self) -> int:
+        """Requests of the main store so far: this process's, and every member's as its last
+        heartbeat said (members that left keep their last figure)."""
+        live = sum(c.requests for c in self._conns.values())
+        return self.requests.total("main") + self.requests_gone + live
+
+    def write_stats(self, now: float, force: bool = False) -> None:
+        """Rewrite `stats_path` (atomically: a reader sees the old figure or the new) when
+        the figure changed, at most every STATS_S unless forced."""
+        path = self.config.stats_path
+        if path is None or (not force and now - self._stats[0] < STATS_S):
+            return
+        total = self.store_requests()
+        if total != self._stats[1]:
+            tmp = f"{path}.tmp"
+            try:
+                with open(tmp, "w") as f:
+                    json.dump({"time": round(time.time(), 4), "store_requests": total}, f)
+                os.replace(tmp, path)
+            except OSError as e:  # a full disk must not stop the membership; tried again later
+                log.warning("cannot write %s: %s", path, e)
+        self._stats = (now, total)
 
     def _accept(self) -> None:
         try:
@@ -324,7 +357,9 @@ class Coordinator:
             return
         if not conn.accepted:
             raise ValueError(f"{kind!r} before an accepted hello")
-        if kind == "hb":  # hb [<seconds the main thread has been stalled in the protocol>]
+        if kind == "hb":  # hb [<seconds stalled in the protocol> [<main-store requests>]]
+            if len(words) > 2:
+                conn.requests = max(conn.requests, int(words[2]))
             m.heartbeat(fd, len(words) > 1 and float(words[1]) > 0)
         elif kind == "fail":  # fail <generation> [suspects]: a reduce failed; rebuild
             suspects = [int(r) for r in words[2].split(",")] if len(words) > 2 and \
@@ -336,7 +371,9 @@ class Coordinator:
             m.arrived(fd, int(words[1]))
         elif kind == "lost":  # lost <reason...>: one of this replica's ranks died
             m.reported_lost(fd, " ".join(words[1:]))
-        elif kind == "bye":
+        elif kind == "bye":  # bye [<main-store requests>]
+            if len(words) > 1:
+                conn.requests = max(conn.requests, int(words[1]))
             m.bye(fd)
         elif kind == "ready":  # ready <epoch>: a joiner's rank holds its verified state
             m.ready(fd, int(words[1]))
@@ -346,7 +383,8 @@ class Coordinator:
             raise ValueError(f"unknown message {kind!r}")
 
     def _drop_conn(self, conn: _Conn) -> None:
-        self._conns.pop(conn.sock.fileno(), None)
+        if self._conns.pop(conn.sock.fileno(), None) is not None:
+            self.requests_gone += conn.requests
         self.heard.pop(conn.sock.fileno(), None)
         self._strangers.pop(conn.sock.fileno(), None)
         try:

@@ -29,6 +29,7 @@ from typing import Any
 from recover.collectives import keys, shards
 from recover.collectives.admission import proof
 from recover.collectives.netif import is_loopback
+from recover.collectives.storecount import CountedStore, Tally
 from recover.errors import ExitCode
 from recover.settings import FaultTolerance
 
@@ -148,7 +149,12 @@ class Member:
         self.coordinator_lost = False
         self.replicas = 0  # known after join()
         self.fenced = False  # set (for good) once a generation without this replica is seen
-        self.store = keys.connect_store(host, port, self.timeout_s)
+        # The protocol's requests of the main store are counted (the heartbeat carries the
+        # total: the coordinator's `store_requests`); the communicator's rendezvous and gloo use
+        # the plain client (collectives/storecount.py says why).
+        self.plain_store = keys.connect_store(host, port, self.timeout_s)
+        self.requests = Tally()
+        self.store = CountedStore(self.plain_store, self.requests, "main")
 
     # -- lifecycle -----------------------------------------------------------------------
     def join(self, timeout_s: float | None = None) -> int:
@@ -213,7 +219,8 @@ class Member:
         """Say goodbye (a clean exit is not a fault) and stop the background threads."""
         self._stop.set()
         try:
-            self._sock.sendall(b"bye\n")
+            # bye <main-store requests so far>: its last count, as a heartbeat carries it
+            self._sock.sendall(f"bye {self.requests.total('main')}\n".encode())
             # shutdown() sends the FIN at once; a bare close() would not while the reader thread
             # is blocked in recv() on this socket, and the coordinator would see the rank go
             # silent (heartbeat stale, 1 s later) instead of leaving cleanly.
@@ -399,8 +406,8 @@ class Member:
         # silence a live process.
         while not self._stop.is_set():
             if not self._hb_paused:
-                stalled = self.stalled_s()
-                self._send(f"hb {stalled:.2f}\n" if stalled else "hb\n")
+                # hb <seconds stalled> <main-store requests so far>
+                self._send(f"hb {self.stalled_s():.2f} {self.requests.total('main')}\n")
             self._stop.wait(self.heartbeat_s)
 
     def _refresh_loop(self) -> None:

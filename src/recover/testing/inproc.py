@@ -253,8 +253,10 @@ class Rank:
             member = new_member(h.config(self.replica), self.rank, h.positions,
                                 on_fenced=self._on_fenced)
             self.member = member
-            member.store = _StoreProxy(member.store, self.dead, self._on_write, h.archive,
-                                       "main")
+            # Every client of the main store dies with the rank, the communicator's plain one
+            # too (uncounted here: the harness counts nothing of the store).
+            member.store = member.plain_store = _StoreProxy(
+                member.plain_store, self.dead, self._on_write, h.archive, "main")
             shard = member.connect_shard  # the shard's client dies with the rank too
 
             def connect_shard(index: int) -> Any:

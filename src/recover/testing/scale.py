@@ -7,7 +7,7 @@ Invariants:
   recover's public API (`Member`, `FaultTolerantComm`, `StepEngine`, their `stats`, and
   `engine.waiter`), logs one JSON line per committed step with everything the parent needs to
   time the protocol (time.time(), one machine clock for every process) and to count its store
-  requests (every client it opens, counted by server: `recover.testing.storecount`), and checks
+  requests (every client it opens, counted by server: `recover.collectives.storecount`), and checks
   each committed gradient against the integer-gradient oracle (`recover.testing.oracle`),
   exactly.
   It ends with `os._exit` (gloo teardown after a peer's death can block or abort), after
@@ -36,12 +36,12 @@ from typing import Any, NoReturn
 import torch
 
 from recover.collectives import FaultTolerantComm, ReplicaFault, coordinator, keys
+from recover.collectives.storecount import CountedStore, Tally, counting_connect
 from recover.parallel.rank import RankStack, connect_rank, new_member
 from recover.procs import Process, Spawner, alive, stop_all
 from recover.recovery import StepEngine
 from recover.settings import FaultTolerance, Hooks, LaunchEnv, ReplicaConfig
 from recover.testing import oracle
-from recover.testing.storecount import CountedStore, Tally, counting_connect
 
 log = logging.getLogger(__name__)
 

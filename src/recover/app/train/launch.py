@@ -226,7 +226,7 @@ class _Launch:
         coord = CoordinatorConfig.from_fault_tolerance(
             cfg.ft.to_library(), cfg.layout.replicas, host=self.host, port=port,
             port_file=str(port_file), store_shards=cfg.ft.store_shards,
-            log_path=str(out / "coordinator.jsonl"),
+            log_path=str(out / "coordinator.jsonl"), stats_path=str(out / "store_stats.json"),
             # RECOVER_RUN_TOKEN, when set, is the run's token (runtoken.run_token) and no file
             # is written: the coordinator reads the same variable from its environment.
             token_file=None if LaunchEnv.from_env().token else str(out / "run.token"),

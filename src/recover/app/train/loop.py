@@ -31,6 +31,7 @@ from recover.app.train.ckpt_rank import RankCheckpoints
 from recover.app.train.data import eval_batches, load_data, train_batches
 from recover.app.train.metrics import StepTimer, step_record
 from recover.app.train.optim import build_optimizer, lr_at, set_lr
+from recover.app.train.progress import Eta, step_line
 from recover.collectives import (
     CoordinatorGone,
     CoordinatorLost,
@@ -113,7 +114,10 @@ class Trainer:
         self.timer = StepTimer()
         # The records this rank offered last: a restarted coordinator's store has none of them.
         self.recent: deque[tuple[int, str]] = deque(maxlen=RECORDS_KEPT)
-        self.log_every = max(1, cfg.run.steps // PROGRESS_LINES)
+        self.log_every = max(cfg.run.log_every, cfg.run.steps // PROGRESS_LINES, 1)
+        self.eta = Eta(cfg.run.steps)  # to the step `train` ends before (it sets its end)
+        self.tokens_per_step = d.microbatches * d.microbatch_size * m.block_size
+        self.run_start = _run_start(run_dir)
         self.refused: str | None = None  # why a restarted coordinator refused this replica
         self.rep: Replica
 
@@ -161,6 +165,7 @@ class Trainer:
         """Steps `applied` .. end-1: compute, reduce and commit (`Replica.step`), then the
         optimizer, evaluation, the checkpoint (at a save point) and the step's record."""
         cfg, rep = self.cfg, self.rep
+        self.eta = Eta(end)
         for step in range(self.applied, end):
             self.timer.start()
             self.faults.step = step
@@ -244,16 +249,15 @@ class Trainer:
                 store.set(key, self.recent[-1][1])
 
     def progress(self, res: StepResult, rec: dict, last: bool) -> None:
-        """An INFO line per committed step (every `log_every` for long runs, and every step that
-        recovered; the step engine logs the recovery itself)."""
+        """The step's progress line in this rank's log, as the launcher shows it piped (step
+        line, elapsed since the run's start, ETA): every `log_every` steps (fewer for long runs:
+        `PROGRESS_LINES`), every step that recovered or validated, and the last."""
         recovered = res.recovered or res.attempts > 1
-        if last or res.step % self.log_every == 0 or recovered:
-            val = f", val loss {rec['val_loss']:.4f}" if "val_loss" in rec else ""
-            rec_ = (f", {len(res.recovered)} recovered in {res.recovery_s:.3f}s"
-                    if recovered else "")
-            log.info(f"step {res.step}: loss {res.loss:.4f}{val}, {res.microbatches} "
-                     f"microbatches{rec_}, {rec['step_time_s']:.3f}s, live replicas "
-                     f"{len(res.members)}")
+        if last or res.step % self.log_every == 0 or recovered or "val_loss" in rec:
+            elapsed = time.time() - self.run_start
+            shown = {**rec, "time_s": elapsed,
+                     "tokens_per_s": self.tokens_per_step / max(rec["step_time_s"], 1e-9)}
+            log.info(step_line(shown, self.eta.steps, self.eta(res.step, elapsed)))
 
     def extra(self, at: int) -> dict:
         """A checkpoint's metadata, labelled `at`; refuses a label the state does not hold."""
@@ -330,6 +334,15 @@ class Trainer:
 
 def _first_line(e: Exception) -> str:
     return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _run_start(run_dir: Path) -> float:
+    """When the run started (the launcher's `run_start`: elapsed times in every log count from
+    it); this process's start where the file is missing or unreadable."""
+    try:
+        return float((run_dir / "run_start").read_text())
+    except (OSError, ValueError):
+        return time.time()
 
 
 def _windows_log(folder: str | None, replica: int, rank: int) -> TextIO | None:

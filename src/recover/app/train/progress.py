@@ -36,6 +36,36 @@ def stamp() -> str:
     return datetime.now().astimezone().isoformat(timespec="seconds")
 
 
+class Eta:
+    """Seconds to the last of `steps` steps at the mean rate since the first step it saw; nan
+    before a second step (no rate yet)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.first: tuple[float, int] | None = None
+
+    def __call__(self, step: int, t: float) -> float:
+        """`t`: the step's commit time (any clock, the same one at every call)."""
+        if self.first is None:
+            self.first = (t, step)
+        t0, s0 = self.first
+        done = step - s0
+        return (t - t0) / done * (self.steps - 1 - step) if done > 0 else float("nan")
+
+
+def step_line(rec: dict[str, Any], steps: int, eta: float) -> str:
+    """A step's plain line: step/total, loss, val, lr, tok/s, live, gen, recovered, elapsed,
+    ETA; the launcher's (piped) and every replica's log say a step the same way."""
+    val = f"  val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
+    rcv = (f"  recovered {len(rec['recovered'])} microbatch(es) in {rec['recovery_s']:.2f}s"
+           if rec["recovered"] or rec["attempts"] > 1 else "")
+    left = "?" if eta != eta else clock(eta)  # nan: no rate yet
+    return (f"step {rec['step']:>5}/{steps}  loss {rec['loss']:.4f}{val}  "
+            f"lr {rec['lr']:.2e}  {rec['tokens_per_s']:>9,.0f} tok/s  "
+            f"live {rec['live_replicas']}  gen {rec['generation']}{rcv}  "
+            f"elapsed {clock(rec['time_s'])}  eta {left}")
+
+
 class ProgressView:
     """The console side of the metrics sink: `step(rec, events)` per committed step, `close()`."""
 
@@ -43,7 +73,7 @@ class ProgressView:
                  log_every: int = 1) -> None:
         self.console, self.quiet = console, quiet
         self.start, self.steps, self.every = start, steps, max(1, log_every)
-        self.first: tuple[float, int] | None = None
+        self.eta = Eta(steps)
         self.bar: Progress | None = None
         self.task: Any = None
         if not quiet and console.is_terminal:
@@ -63,14 +93,8 @@ class ProgressView:
         self.console.print(line, highlight=False, markup=False, soft_wrap=True)
 
     def eta_s(self, rec: dict[str, Any]) -> float:
-        """Seconds to the last step at the mean rate since the first step this view saw (its
-        commit time, `time_s`); nan before a second step."""
-        if self.first is None:
-            self.first = (rec["time_s"], rec["step"])
-        t, s = self.first
-        done = rec["step"] - s
-        return (rec["time_s"] - t) / done * (self.steps - 1 - rec["step"]) if done > 0 else \
-            float("nan")
+        """Seconds to the last step (`Eta`), from the step's commit time since the run's start."""
+        return self.eta(rec["step"], rec["time_s"])
 
     def step(self, rec: dict[str, Any], events: list[str]) -> None:
         """Show a committed step's line (see the invariant) and its events."""
@@ -91,18 +115,7 @@ class ProgressView:
             return
         if events or "val_loss" in rec or rec["step"] % self.every == 0 \
                 or rec["step"] == self.steps - 1:
-            self.say(self.line(rec, eta))
-
-    def line(self, rec: dict[str, Any], eta: float) -> str:
-        """A step's plain line: step/total, loss, val, lr, tok/s, live, gen, elapsed, ETA."""
-        val = f"  val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
-        rcv = (f"  recovered {len(rec['recovered'])} microbatch(es) in {rec['recovery_s']:.2f}s"
-               if rec["recovered"] or rec["attempts"] > 1 else "")
-        left = "?" if eta != eta else clock(eta)  # nan: no rate yet
-        return (f"step {rec['step']:>5}/{self.steps}  loss {rec['loss']:.4f}{val}  "
-                f"lr {rec['lr']:.2e}  {rec['tokens_per_s']:>9,.0f} tok/s  "
-                f"live {rec['live_replicas']}  gen {rec['generation']}{rcv}  "
-                f"elapsed {clock(rec['time_s'])}  eta {left}")
+            self.say(step_line(rec, self.steps, eta))
 
     def close(self) -> None:
         if self.bar is not None:

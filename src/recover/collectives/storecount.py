@@ -5,9 +5,13 @@ Invariants:
   makes requests of the server once (a `get` that the server answers after waiting is one call,
   as the engine's round trips are counted), under its server's label, with the keys it names.
   Its clones count into the same `Tally`, so wrapping the one client a process connects first
-  counts every client it opens from it (background threads' and gloo's clones included).
-- The tally keeps every wrapper alive: gloo holds its store through a C++ pointer, and a Python
-  store object that was collected leaves that pointer without methods ("Not implemented").
+  counts every client it opens from it (background threads' clones included).
+- A member counts its protocol's requests this way (`Member.store`; the heartbeat carries the
+  total to the coordinator); the communicator's rendezvous and gloo get the plain client
+  (`Member.plain_store`): gloo holds its store through a C++ pointer, and a Python store
+  object collected under it leaves that pointer without methods ("Not implemented").
+- `counting_connect` (tests, benches: every client a process opens, gloo's included) makes its
+  tally keep every wrapper alive for that reason.
 - Client-side: the server's own work per call (a wait, then a read, for a blocking `get`) is not
   split out; every count here is a call a client made.
 """
@@ -26,10 +30,10 @@ import torch.distributed as dist
 class Tally:
     """Calls per server label, and (when `keep_keys`) the keys each server was asked about."""
 
-    def __init__(self, keep_keys: bool = False) -> None:
+    def __init__(self, keep_keys: bool = False, keep_alive: bool = False) -> None:
         self.calls: Counter[str] = Counter()
         self.keys: dict[str, set[str]] = {}
-        self.keep_keys = keep_keys
+        self.keep_keys, self.keep_alive = keep_keys, keep_alive
         self._lock = threading.Lock()
         self._alive: list[CountedStore] = []
 
@@ -40,8 +44,9 @@ class Tally:
                 self.keys.setdefault(where, set()).update(names)
 
     def keep(self, store: CountedStore) -> None:
-        with self._lock:
-            self._alive.append(store)
+        if self.keep_alive:
+            with self._lock:
+                self._alive.append(store)
 
     def total(self, where: str) -> int:
         with self._lock:
@@ -114,6 +119,8 @@ def counting_connect(connect: Callable[[str, int, float], Any], tally: Tally,
     """`connect(host, port, timeout_s)` whose clients count: "main" for `main_port` (every
     client when None), else "shard:<port>" (for `keys.connect_store`, in a test or a process
     that counts every client it opens)."""
+
+    tally.keep_alive = True  # gloo may hold these clients (see the module's invariants)
 
     def wrapped(host: str, port: int, timeout_s: float) -> CountedStore:
         where = "main" if main_port in (None, port) else f"shard:{port}"
