@@ -47,6 +47,7 @@ ANY_STRING = {
     "--fingerprint": "any word is a fingerprint (whitespace is refused: fuzzed)",
     "--port-file": "any path whose folder exists names a file for the coordinator to write",
     "--log": "any path whose folder exists names a file for the coordinator to write",
+    "--stats-file": "any path whose folder exists names a file for the coordinator to write",
     "--tensorboard": "any path names a folder for the event files (none, auto: words it knows)",
     "--wandb": "any word of up to 128 characters without / \\ # ? % : is a W&B project "
                "(wandb's own rule, checked: tests/test_progress.py)",
