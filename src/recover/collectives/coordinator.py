@@ -336,8 +336,8 @@ class Coordinator:
             m.arrived(fd, int(words[1]))
         elif kind == "lost":  # lost <reason...>: one of this replica's ranks died
             m.reported_lost(fd, " ".join(words[1:]))
-        elif kind == "bye":
-            m.bye(fd)
+        elif kind == "bye":  # bye [reason]: a clean leave (e.g. "preempted")
+            m.bye(fd, " ".join(words[1:2]))
         elif kind == "ready":  # ready <epoch>: a joiner's rank holds its verified state
             m.ready(fd, int(words[1]))
         elif kind == "joinfail":  # joinfail <epoch>: its donor went away; try another
