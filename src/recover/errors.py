@@ -28,6 +28,7 @@ class ExitCode(enum.IntEnum):
     COORDINATOR_LOST = 5  # the coordinator went away and did not come back in time
     PARTITIONED = 6  # heard nothing from the coordinator for its bound
     STUCK = 7  # the main thread made no progress inside a step for the watchdog's bound
+    PREEMPTED = 8  # `recover train` was preempted (SIGTERM): checkpointed, `--resume` goes on
 
     @property
     def meaning(self) -> str:
@@ -39,7 +40,8 @@ _MEANING = {ExitCode.OK: "finished", ExitCode.ERROR: "error",
             ExitCode.BELOW_MIN: "below --min-replicas",
             ExitCode.COORDINATOR_LOST: "coordinator lost",
             ExitCode.PARTITIONED: "partitioned (heard nothing from the coordinator)",
-            ExitCode.STUCK: "stuck (no progress inside a step)"}
+            ExitCode.STUCK: "stuck (no progress inside a step)",
+            ExitCode.PREEMPTED: "preempted (checkpointed; --resume continues)"}
 
 
 class RecoverError(Exception):

@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import signal
 import sys
 import tempfile
+import threading
 import time
 import types
 import typing
@@ -28,6 +28,7 @@ from recover import __version__
 from recover.app import configfile, logs
 from recover.app.config import PRESETS, RunConfig, flag_of, preset
 from recover.app.faults import grammar
+from recover.app.train.preempt import Preemption
 from recover.collectives.coordconfig import CoordinatorConfig
 from recover.errors import (
     ConfigError,
@@ -192,7 +193,7 @@ def http_config(args: argparse.Namespace) -> Any:
     return http
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def cmd_train(args: argparse.Namespace, preempt: threading.Event | None = None) -> int:
     from rich.console import Console
 
     from recover.app.train.launch import launch
@@ -208,12 +209,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg.run.dump_final = True  # the final parameters are compared with the reference's too
     http = http_config(args)
     res = launch(cfg, console, external_workers=args.external_workers, port=args.port,
-                 host=host, http=http)
+                 host=host, http=http, preempt=preempt)
     if cfg.run.report:
         _write_report(console, res.out)
     if not res.ok:
         print(f"recover train: {res.message}", file=sys.stderr)
-        return 1
+        return ExitCode.PREEMPTED if res.preempted else 1
     _summary(console, res)
     if cfg.run.reference:
         # Its own TensorBoard folder (DIR/reference/tensorboard) when TensorBoard is on, and no
@@ -278,7 +279,7 @@ def cmd_coordinator(argv: list[str]) -> int:
     return coordinator_main(argv)
 
 
-def _raise_interrupt(*_: object) -> None:
+def _interrupt() -> None:
     raise KeyboardInterrupt
 
 
@@ -322,11 +323,13 @@ def main(argv: list[str] | None = None) -> int:
         return _run_tool(rest[0], rest[1:])
     args = build_parser().parse_args(argv)
     logs.setup(args.log_level, export=True)  # `recover train --log-level L` may override
-    # SIGTERM ends a run like Ctrl-C: the launcher's cleanup ends its children by PID.
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    # SIGTERM (a scheduler preempting the job) asks `recover train` to checkpoint and stop
+    # within --preempt-grace-s; a second one ends it like Ctrl-C (the launcher's cleanup ends
+    # its children by PID).
+    preempt = Preemption(_interrupt).install()
     try:
         if args.cmd == "train":
-            return cmd_train(args)
+            return cmd_train(args, preempt.requested)
     except RecoverError as e:
         return usage_line(f"recover {args.cmd}", e)
     except KeyboardInterrupt:

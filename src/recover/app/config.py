@@ -259,6 +259,13 @@ class FaultToleranceConfig:
     coordinator_restarts: int = setting(3, "times `recover train` restarts a coordinator that "
                                         "died (0: never; the replicas then checkpoint and stop)",
                                         bounds=Bounds(0, MAX_SIZE))
+    # What a scheduler allows between its SIGTERM and its SIGKILL (Kubernetes'
+    # terminationGracePeriodSeconds defaults to 30 s; Slurm: --signal / KillWait): a preempted
+    # replica that has not left by then ends as a crash, and `recover train` ends its processes.
+    preempt_grace_s: float = setting(30.0, "seconds a SIGTERM (preemption) allows before the "
+                                     "scheduler's SIGKILL: a replica leaves at the next step "
+                                     "boundary, recover train checkpoints and exits 8 within it",
+                                     bounds=SECONDS)
     # One store server handles every request on one thread: past ~1,000 ranks its serial work
     # per step outgrows the step's control plane (collectives/shards.py;
     # docs/DESIGN.md, "Scaling the control plane").

@@ -49,6 +49,8 @@ KIND_HELP = {
     "partition": "its cross-replica traffic fails from step S on (heartbeats go on)",
     "restart": "the launcher starts replica R's processes again once step S-1 has committed "
                "(they rejoin the run)",
+    "preempt": "SIGTERM this replica's process, as a scheduler preempting it would: it finishes "
+               "the step and leaves at its boundary (a second SIGTERM: a crash)",
     "coordinator": "this replica SIGKILLs the coordinator's process (a local run: recover train "
                    "restarts it)",
 }
@@ -94,6 +96,7 @@ ALLOWED = {"kill": {"replica", "step", "phase", "microbatch", "rank"},
            "deadlock": {"replica", "step", "phase", "microbatch", "rank"},
            "partition": {"replica", "step", "rank"},
            "restart": {"replica", "step"},
+           "preempt": {"replica", "step", "phase", "microbatch", "rank"},
            "coordinator": {"replica", "step", "phase", "microbatch", "rank"}}
 REQUIRED = {"hang": {"replica", "step", "seconds"}, "slow": {"replica", "factor"}}
 REQUIRED.update({k: {"replica", "step"} for k in KINDS if k not in REQUIRED})
@@ -227,6 +230,8 @@ class FaultInjector:
                 time.sleep(random.uniform(0.0, 0.003))  # land inside the collective, not before
             if f.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            elif f.kind == "preempt":  # what a scheduler sends; the worker's handler takes it
+                os.kill(os.getpid(), signal.SIGTERM)
             elif f.kind == "coordinator":
                 pid = self.coordinator_pid()
                 if pid <= 0:

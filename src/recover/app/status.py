@@ -157,7 +157,8 @@ def _faults(events: list[dict], recs: list[dict], t0: float | None) -> list[dict
     out = []
     for e in events:
         kind = e.get("event")
-        if kind == "evidence" and e.get("replica") is not None and e.get("reason") != CLEAN:
+        if kind == "evidence" and e.get("replica") is not None \
+                and not str(e.get("reason", "")).startswith(CLEAN):
             what = _ended(str(e.get("reason", "")))
         elif kind == "lost-before-start":
             what = "lost"
@@ -211,8 +212,8 @@ def _membership(events: list[dict], recs: list[dict], replicas: int,
 
 def _ended(reason: str) -> str:
     """How a replica left the membership, in the words the launcher's summary uses."""
-    if reason == CLEAN:
-        return CLEAN
+    if reason.startswith(CLEAN):  # "left cleanly (preempted)": a planned leave, no fault
+        return reason
     if reason.startswith("connection closed"):
         return "lost"
     return "fenced"  # dropped while its connection was open: silent, cut off or partitioned

@@ -371,10 +371,11 @@ class Coordinator:
             m.arrived(fd, int(words[1]))
         elif kind == "lost":  # lost <reason...>: one of this replica's ranks died
             m.reported_lost(fd, " ".join(words[1:]))
-        elif kind == "bye":  # bye [<main-store requests>]
-            if len(words) > 1:
-                conn.requests = max(conn.requests, int(words[1]))
-            m.bye(fd)
+        elif kind == "bye":  # bye [<main-store requests> [<reason>]]: a clean leave
+            rest = words[1:]
+            if rest and rest[0].isdigit():
+                conn.requests = max(conn.requests, int(rest.pop(0)))
+            m.bye(fd, " ".join(rest[:1]))  # the reason: "preempted"; none: the run ended
         elif kind == "ready":  # ready <epoch>: a joiner's rank holds its verified state
             m.ready(fd, int(words[1]))
         elif kind == "joinfail":  # joinfail <epoch>: its donor went away; try another

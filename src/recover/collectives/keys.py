@@ -40,6 +40,9 @@ GEN_COUNT = "gen/count"
 LIVENESS_ADDR = "coord/liveness"
 COORD_ERROR = "coord/error"
 RUN_STOPPED = "run/stopped"
+# Set by the launcher before it passes a SIGTERM on to every replica: the whole job is preempted,
+# so the replicas that leave checkpoint (the leader) instead of handing their work to others.
+JOB_PREEMPTED = "run/preempted"
 REPLICAS = "coord/replicas"
 COORD_STALE_S = "coord/stale_s"  # the coordinator's --stale-s: members derive their fence bound
 COORD_PID = "coord/pid"  # the coordinator's process id (a `coordinator` fault kills it)

@@ -215,12 +215,15 @@ class Member:
             return None
         return keys.connect_store(self.host, self.shard_ports[index], self.timeout_s)
 
-    def leave(self) -> None:
-        """Say goodbye (a clean exit is not a fault) and stop the background threads."""
+    def leave(self, reason: str = "") -> None:
+        """Say goodbye (a clean exit is not a fault) and stop the background threads; `reason`
+        (one word, e.g. "preempted") is what the coordinator records of the leave."""
         self._stop.set()
         try:
-            # bye <main-store requests so far>: its last count, as a heartbeat carries it
-            self._sock.sendall(f"bye {self.requests.total('main')}\n".encode())
+            # bye <main-store requests so far> [<reason>]: its last count, as a heartbeat
+            # carries it, and why it leaves
+            self._sock.sendall(f"bye {self.requests.total('main')} {reason}".strip().encode()
+                               + b"\n")
             # shutdown() sends the FIN at once; a bare close() would not while the reader thread
             # is blocked in recv() on this socket, and the coordinator would see the rank go
             # silent (heartbeat stale, 1 s later) instead of leaving cleanly.

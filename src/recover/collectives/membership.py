@@ -71,6 +71,7 @@ class Peer:
     nranks: int
     pid: int
     said_bye: bool = False
+    bye_reason: str = ""  # why it left cleanly, as it said ("preempted"; "": the run ended)
     stalled: bool = False  # its last heartbeat: the main thread is stalled in the step protocol
 
 
@@ -213,8 +214,10 @@ class Membership:
         """`lost <reason>`: one of this replica's ranks died."""
         self._mark_lost(self.peers[conn].replica, "reported lost: " + reason[:200])
 
-    def bye(self, conn: int) -> None:
+    def bye(self, conn: int, reason: str = "") -> None:
+        """`bye [reason]`: the rank leaves cleanly (a leave, not a loss), for `reason`."""
         self.peers[conn].said_bye = True
+        self.peers[conn].bye_reason = reason[:40]
 
     def ready(self, conn: int, epoch: int) -> None:
         """`ready <epoch>`: a joiner's rank holds its verified state."""
@@ -254,8 +257,9 @@ class Membership:
             # A clean exit is not a fault, but the others must stop counting on it: the next
             # generation leaves it out (at the end of training nobody is waiting any more).
             if peer.replica in self.members and self._gone(peer.replica):
-                self._set_exit(peer.replica, "left cleanly")
-                self._mark_lost(peer.replica, "left cleanly")
+                how = f"left cleanly ({peer.bye_reason})" if peer.bye_reason else "left cleanly"
+                self._set_exit(peer.replica, how)
+                self._mark_lost(peer.replica, how)
             return
         why = f"connection closed (pid {peer.pid} rank {peer.rank})"
         if peer.replica in self.members and peer.replica not in self.lost:

@@ -263,14 +263,16 @@ class Replica:
             torch._foreach_mul_(grads, coef)
         return norm
 
-    def leave(self) -> None:
+    def leave(self, reason: str = "") -> None:
         """Say goodbye to the coordinator (a clean exit is not a fault); idempotent, and also
-        run at interpreter exit."""
+        run at interpreter exit. Called between steps (a planned leave, `reason` e.g.
+        "preempted"), the coordinator publishes a generation without this replica and the next
+        step's ids go to the others: nothing this replica reduced is computed again."""
         if not self._left:
             self._left = True
             self.member.disarm()
             self.engine.close()  # after the deletions already queued
-            self.member.leave()
+            self.member.leave(reason.split()[0] if reason.split() else "")
 
     @property
     def replica(self) -> int:

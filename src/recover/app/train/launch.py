@@ -73,6 +73,8 @@ class RunResult:
     # How each replica ended, in words: its exit code (replicas started here) and what the
     # coordinator saw (left cleanly / lost / fenced); the only source for external workers.
     exits: dict[int, str] = field(default_factory=dict)
+    # Stopped early by a preemption (SIGTERM): `recover train` exits ExitCode.PREEMPTED.
+    preempted: bool = False
 
 
 def exit_meaning(code: int) -> str | None:
@@ -165,7 +167,7 @@ def _say(console: Console, line: str) -> None:
 def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
            external_workers: bool = False, port: int = 0,
            abort_on_loss: bool = False, host: str | None = None,
-           http: HttpConfig | None = None) -> RunResult:
+           http: HttpConfig | None = None, preempt: threading.Event | None = None) -> RunResult:
     """Run training to the end (or until it cannot go on) and return what happened.
 
     With `external_workers`, no replica is started here: they are launched elsewhere (one
@@ -174,6 +176,10 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
 
     With `abort_on_loss` (the checkpoint-restart baseline, not `recover train`), the first abnormal
     replica exit ends every replica by PID, as torchrun's agent does; see `RunResult.aborted`.
+
+    `preempt`, once set (the CLI's SIGTERM handler: a scheduler preempting the job), makes the
+    run stop within `--preempt-grace-s`: the leader checkpoints the last committed step, the exit
+    records are written, and the result says `preempted`.
     """
     console = console or Console(stderr=True)
     # Before the fork server starts: it then preloads what a foreign model needs (transformers),
@@ -194,6 +200,7 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
         (Path(cfg.run.out) / "run_start").write_text(f"{t_start:.6f}\n")
         host = host or ("0.0.0.0" if external_workers else "127.0.0.1")
         run = _Launch(cfg, start, t_start, spawner, host)
+        run.preempt = preempt or threading.Event()
         return run.run(console, quiet, external_workers, port, abort_on_loss)
     finally:
         if endpoint is not None:
@@ -216,6 +223,7 @@ class _Launch:
         self.procs: dict[tuple[int, int], Process] = {}  # every (replica, rank)
         self.incarnations: dict[int, int] = {}
         self.env = dict(os.environ, OMP_NUM_THREADS="1")
+        self.preempt = threading.Event()  # set: the job is preempted (SIGTERM to the launcher)
 
     def start_coordinator(self, port: int, recover: bool = False) -> Process:
         """Start the coordinator (again, with `recover`: at the same address) and wait for its
@@ -293,7 +301,9 @@ class _Launch:
         finally:
             if sink is not None:
                 sink.close()
-            stop_all(list(self.procs.values()))
+            # SIGKILL: a replica that is still running here is ended as SIGTERM's default action
+            # ended it before it meant "preempted, leave at the next step boundary".
+            stop_all(list(self.procs.values()), sig=signal.SIGKILL)
             stop_all([p for p in (coord, self.coord) if p is not None])
         assert sink is not None  # made, or the exception above went on
         return self.result(sink, message, seen, watch, console, quiet)
@@ -310,8 +320,9 @@ class _Launch:
         coord_restarts = ft.coordinator_restarts if ft.coordinator_wait_s > 0 else 0
         while True:
             try:
-                return _supervise(sink.store, sink, self.end, self.procs, external, stall_limit,
-                                  restarts, self.start_replica)
+                why = _supervise(sink.store, sink, self.end, self.procs, external, stall_limit,
+                                 restarts, self.start_replica, self.preempt)
+                return self.preempt_job(sink) if self.preempt.is_set() else why
             except Exception as e:  # the store is gone: the coordinator process died
                 assert self.coord is not None
                 if wait_exit(self.coord, 5.0) is None:
@@ -328,6 +339,24 @@ class _Launch:
                 sink.note("events/coordinator", f"{why}; restarted (--recover)")
                 self.start_coordinator(self.port, recover=True)
                 sink.store = connect_store("127.0.0.1", self.port, 30.0)
+
+    def preempt_job(self, sink: MetricsSink) -> str:
+        """The job is preempted: tell the replicas that the whole job goes (the leader then
+        checkpoints the last committed step; recover.app.train.loop), pass the SIGTERM on to
+        every process, and write records until they have left, within the grace period (the
+        launcher keeps a tenth of it to end what is left and write the exit records)."""
+        deadline = time.monotonic() + 0.9 * self.cfg.ft.preempt_grace_s
+        with contextlib.suppress(Exception):  # the coordinator is gone: nobody to tell
+            sink.store.set(keys.JOB_PREEMPTED, "1")
+        for p in self.procs.values():
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGTERM)
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs.values()):
+            if not sink.poll():
+                time.sleep(0.02)
+        sink.poll()
+        return f"preempted (SIGTERM) after step {sink.next - 1}"
 
     def wind_down(self, store: Any, external: bool, message: str) -> tuple[str, dict[int, str]]:
         """Let survivors write the final checkpoint and leave (hung or fenced ones are ended
@@ -360,6 +389,8 @@ class _Launch:
         (out / "replica_exits.json").write_text(json.dumps({str(r): e for r, e in exits.items()},
                                                            indent=1) + "\n")
         ok = sink.next >= self.end
+        if self.preempt.is_set() and not ok:
+            message = f"{message}; {_checkpoint_note(out)}"
         if not ok and not message:
             shown = codes if cfg.layout.ranks_per_replica() == 1 else rank_codes
             how = (str({r: _meaning_or_code(c) for r, c in shown.items()}) if shown else
@@ -374,7 +405,18 @@ class _Launch:
                        "torn down (abort_on_loss)")
         return RunResult(ok, out, sink.records, message, codes, time.time() - self.t_start,
                          aborted, watch.t if watch is not None else 0.0, self.t_start,
-                         rank_codes, exits)
+                         rank_codes, exits, self.preempt.is_set() and not ok)
+
+
+def _checkpoint_note(out: Path) -> str:
+    """Where `--resume` would continue a preempted run from, in words."""
+    from recover.app.train.ckpt_files import find_latest
+
+    with contextlib.suppress(Exception):  # no token, no folder: said below
+        ckpt, _ = find_latest(out / "ckpt", resume_token(out))
+        if ckpt is not None:
+            return f"checkpoint {ckpt.name}; continue with --resume"
+    return f"no checkpoint in {out / 'ckpt'}"
 
 
 def _meaning_or_code(code: int | None) -> str | int | None:
@@ -417,8 +459,10 @@ def _describe_exits(replicas: int, codes: dict[int, int | None],
         parts = []
         if r in codes:
             c = codes[r]
+            # A preempted replica exits 0 too (a planned leave): not "finished".
+            left = "preempted" if c == 0 and "(preempted)" in seen.get(r, "") else None
             parts.append("still running (ended by the launcher)" if c is None else
-                         f"exit {c} ({exit_meaning(c) or 'error'})")
+                         f"exit {c} ({left or exit_meaning(c) or 'error'})")
         if r in seen:
             parts.append(f"coordinator: {seen[r]}")
         out[r] = ", ".join(parts) or "never joined"
@@ -441,7 +485,9 @@ class _AbortWatch:
             bad = [r for r, p in self.workers.items() if p.poll() not in (None, 0)]
             if bad:
                 self.t, self.lost = time.time(), bad
-                stop_all(list(self.workers.values()))
+                # SIGKILL: what torchrun's SIGTERM did to a replica before a replica's SIGTERM
+                # meant "preempted: leave at the next step boundary".
+                stop_all(list(self.workers.values()), sig=signal.SIGKILL)
                 return
 
     def stop(self) -> None:
@@ -451,14 +497,14 @@ class _AbortWatch:
 
 def _supervise(store: Any, sink: MetricsSink, end: int, procs: dict[tuple[int, int], Process],
                external: bool, stall_limit: float, restarts: dict[int, int] | None = None,
-               restart: Any = None) -> str:
+               restart: Any = None, preempt: threading.Event | None = None) -> str:
     """Write records as they arrive until the last step, or until the run cannot go on; start a
     replica again once step S-1 committed for a `restart:replica=R,step=S` fault (if it died).
     A fault is removed from `restarts` once done: supervising again after a coordinator restart
     must not restart a replica that has since finished (the last line waits for the final save)."""
     last_progress = time.monotonic()
     restarts = {} if restarts is None else restarts
-    while sink.next < end:
+    while sink.next < end and not (preempt is not None and preempt.is_set()):
         for r, at in list(restarts.items()):
             # Started again as soon as it is gone (a replacement takes seconds to start); it is
             # admitted at the first step boundary >= `at` after it registered.

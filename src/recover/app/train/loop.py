@@ -12,6 +12,7 @@ the end, and turns each way a run can stop into its exit code. `Trainer.train` i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ from recover.app.train.ckpt_rank import RankCheckpoints
 from recover.app.train.data import eval_batches, load_data, train_batches
 from recover.app.train.metrics import StepTimer, step_record
 from recover.app.train.optim import build_optimizer, lr_at, set_lr
+from recover.app.train.preempt import Preemption, die_by_sigterm
 from recover.app.train.progress import Eta, step_line
 from recover.collectives import (
     CoordinatorGone,
@@ -59,6 +61,11 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
     except CoordinatorLost as e:  # another run's coordinator, or this rank runs already
         log.error(f"cannot join: {e}")
         return ExitCode.USAGE
+    if trainer.nranks == 1:
+        # A planned leave needs every rank of a replica to stop at the same boundary; a
+        # multi-rank replica's ranks would have to agree on it first (not done: SIGTERM ends
+        # them as before).
+        trainer.preempt.install()
     try:
         if not trainer.join():
             return ExitCode.USAGE
@@ -68,7 +75,8 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
     end = cfg.run.stop_at or cfg.run.steps
     while True:  # once, unless the coordinator dies and a restarted one takes over
         try:
-            trainer.train(end)
+            if trainer.train(end):
+                return trainer.stop_preempted()
             break
         except BelowMinReplicas as e:
             return trainer.stop_below_min(e)
@@ -119,6 +127,9 @@ class Trainer:
         self.tokens_per_step = d.microbatches * d.microbatch_size * m.block_size
         self.run_start = _run_start(run_dir)
         self.refused: str | None = None  # why a restarted coordinator refused this replica
+        # SIGTERM (a scheduler's preemption): leave at the next step boundary (`train`).
+        self.preempt = Preemption(die_by_sigterm, cfg.ft.preempt_grace_s)
+        self.last_members: list[int] = []  # the members the last committed step had
         self.rep: Replica
 
     # -- joining ---------------------------------------------------------------------------------
@@ -161,9 +172,10 @@ class Trainer:
         return True
 
     # -- the loop --------------------------------------------------------------------------------
-    def train(self, end: int) -> None:
+    def train(self, end: int) -> bool:
         """Steps `applied` .. end-1: compute, reduce and commit (`Replica.step`), then the
-        optimizer, evaluation, the checkpoint (at a save point) and the step's record."""
+        optimizer, evaluation, the checkpoint (at a save point) and the step's record. True when
+        it stopped early at a step boundary because this process was preempted (SIGTERM)."""
         cfg, rep = self.cfg, self.rep
         self.eta = Eta(end)
         for step in range(self.applied, end):
@@ -198,6 +210,10 @@ class Trainer:
                                                self.extra(self.applied)))
             self.publish(step, rec)
             self.progress(res, rec, last)
+            if self.preempt.requested.is_set() and not last:
+                self.last_members = list(res.members)
+                return True
+        return False
 
     def compute(self, mb_id: int, j: int) -> float:
         """This rank's part of microbatch `mb_id`: gradients += its share of grad(loss)/N."""
@@ -283,6 +299,26 @@ class Trainer:
             rep.member.store.set(keys.RUN_STOPPED, f"{e}; {what}")
         rep.leave()
         return ExitCode.BELOW_MIN
+
+    def stop_preempted(self) -> int:
+        """Preempted (SIGTERM): a planned leave at this step boundary, after a committed step;
+        the others take this replica's ids from the next step on, with no fault and nothing
+        computed twice. When the whole job goes (the launcher says so in the store), the leader
+        of the last committed step checkpoints it first, so `--resume` loses nothing."""
+        rep = self.rep
+        whole = False
+        with contextlib.suppress(Exception):  # no store: not the launcher's preemption
+            whole = keys.try_get(rep.member.store, keys.JOB_PREEMPTED) is not None
+        if whole:
+            leader = self.rank == 0 and min(self.last_members) == self.replica
+            with rep.busy():  # a save may outlast the stuck-thread watchdog's bound
+                out = self.ckpts.save_on_exit(self.applied, leader, self.extra(self.applied))
+            if "ckpt" in out:
+                log.info(f"preempted: saved a checkpoint at step {self.applied}")
+        log.warning(f"preempted (SIGTERM): leaving at the step boundary after step "
+                    f"{self.applied - 1}" + ("" if whole else "; the others take over"))
+        rep.leave("preempted")
+        return ExitCode.OK
 
     def rejoin_coordinator(self, e: Exception, end: int) -> bool:
         """The coordinator is unreachable: keep this state and join a restarted one (within
