@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -22,11 +23,12 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from recover import procs
 from recover.app import cluster
 from recover.testing.runs import BASE, Run, max_rel, read_jsonl, two_free_ports
+
+yaml = pytest.importorskip("yaml", reason="pyyaml is not installed (it comes with torchx)")
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -109,3 +111,82 @@ def test_local_cwd_replica_restarts_and_rejoins(ref4: Run, corpus: Path, tmp_pat
     exits = json.loads((out / "replica_exits.json").read_text())
     assert all("left cleanly" in exits[str(r)] for r in range(3)), exits
     assert max_rel([r["loss"] for r in rows], ref4.losses()) < 1e-5
+
+
+# -- the recipes: rendered from the component's parameters ------------------------------------
+# Other parameters than the examples', so a template that ignores one is caught.
+JOB = cluster.ClusterJob(out="/mnt/runs/r7", replicas=5, ranks=2, port=31000, max_retries=2,
+                         gloo_ifname="eth1", train_args=("--layout", "hsdp", "--shards", "2"),
+                         wait_s=300, grace_s=90, image="reg.example/recover:1")
+
+
+def test_examples_are_the_rendering() -> None:
+    """examples/ holds exactly what `python -m recover.app.cluster` renders for its EXAMPLE."""
+    assert (EXAMPLES / "slurm" / "recover.sbatch").read_text() == \
+        cluster.slurm_script(cluster.EXAMPLE)
+    assert (EXAMPLES / "kubernetes" / "recover.yaml").read_text() == \
+        cluster.kubernetes_manifests(cluster.EXAMPLE)
+
+
+def test_slurm_script(tmp_path: Path) -> None:
+    script = tmp_path / "job.sbatch"
+    script.write_text(cluster.slurm_script(JOB))
+    check = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True,
+                           timeout=30)
+    assert check.returncode == 0, check.stderr
+    text = script.read_text()
+    for line in ("#SBATCH --nodes=5", "#SBATCH --requeue", "#SBATCH --signal=TERM@90"):
+        assert line in text.splitlines()
+    steps = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("srun ")]
+    assert len(steps) == 2 and all("--kill-on-bad-exit=0" in s for s in steps)
+    assert "for ((i = 0; i < 5; i++))" in text and "attempt <= 2;" in text
+    [coordinator] = [ln for ln in text.splitlines() if "--external-workers" in ln]
+    assert coordinator.split() == [*cluster.coordinator_argv(JOB), "$RESUME", "&"]
+    [worker] = [ln for ln in text.splitlines() if "recover.app.train.worker" in ln]
+    worker = worker.removesuffix(" && exit 0")
+    assert shlex.split(worker) == cluster.worker_argv(JOB, "$COORD_HOST", "$i")
+
+
+def test_kubernetes_manifests() -> None:
+    docs = list(yaml.safe_load_all(cluster.kubernetes_manifests(JOB, name="r7")))
+    assert [(d["kind"], d["metadata"]["name"]) for d in docs] == [
+        ("Service", "r7-coordinator"), ("Job", "r7-coordinator"), ("Job", "r7-replicas")]
+    service, coord, reps = docs
+    assert [p["port"] for p in service["spec"]["ports"]] == [31000, 31001]
+    assert service["spec"]["selector"] == coord["spec"]["template"]["metadata"]["labels"]
+    assert coord["spec"]["backoffLimit"] == 0  # a new coordinator would be a new run
+    spec = reps["spec"]
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 5, 5)
+    assert spec["backoffLimitPerIndex"] == 2
+    for job in (coord, reps):
+        pod = job["spec"]["template"]["spec"]
+        assert pod["restartPolicy"] == "Never" and pod["terminationGracePeriodSeconds"] == 90
+        assert pod["containers"][0]["image"] == "reg.example/recover:1"
+    [c] = coord["spec"]["template"]["spec"]["containers"]
+    assert c["command"] == cluster.coordinator_argv(JOB)
+    [c] = spec["template"]["spec"]["containers"]
+    assert c["command"] == cluster.worker_argv(JOB, "r7-coordinator", "$(RECOVER_REPLICA)")
+    [env] = c["env"]
+    assert env["name"] == "RECOVER_REPLICA"
+    assert "job-completion-index" in env["valueFrom"]["fieldRef"]["fieldPath"]
+
+
+def test_component_commands() -> None:
+    """The AppDef's roles run the same commands, the replicas' host being role 0's."""
+    pytest.importorskip("torchx", reason="torchx is not installed (pip install -e '.[torchx]')")
+    from torchx.specs import macros
+
+    import recover.torchx as component
+
+    app = component.train(*JOB.train_args, out=JOB.out, replicas=JOB.replicas, ranks=JOB.ranks,
+                          port=JOB.port, max_retries=JOB.max_retries, gloo_ifname=JOB.gloo_ifname,
+                          wait_s=JOB.wait_s, image=JOB.image)
+    values = macros.Values(img_root="", app_id="a", replica_id="0", rank0_env="HEAD")
+    roles = [values.apply(r) for r in app.roles]
+    assert [r.name for r in roles] == ["coordinator", *(f"replica{i}" for i in range(5))]
+    assert [(r.num_replicas, r.max_retries) for r in roles] == [(1, 0)] + [(1, 2)] * 5
+    assert all(r.entrypoint == "bash" and r.args[1].startswith("exec ") for r in roles)
+    assert shlex.split(roles[0].args[1])[1:] == cluster.coordinator_argv(JOB)
+    for i, role in enumerate(roles[1:]):
+        assert shlex.split(role.args[1])[1:] == cluster.worker_argv(
+            JOB, "${HEAD:-localhost}", str(i))

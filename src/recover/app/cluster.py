@@ -191,7 +191,7 @@ spec:
       containers:
         - name: coordinator
           image: {image}
-          args: {coordinator}
+          command: {coordinator}
           ports:
             - containerPort: {port}
             - containerPort: {liveness}
@@ -230,7 +230,7 @@ spec:
               valueFrom:
                 fieldRef:
                   fieldPath: metadata.annotations['batch.kubernetes.io/job-completion-index']
-          args: {worker}
+          command: {worker}
           volumeMounts:
             - name: shared
               mountPath: /shared
