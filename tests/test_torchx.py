@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,8 @@ BIN = Path(sys.executable).parent
 SLOW = "[ft]\nfaults = [" + ", ".join(f'"slow:replica={r},factor=6"' for r in range(3)) + "]\n"
 
 
-def _wait_for(what: str, cond, timeout_s: float, proc: subprocess.Popen) -> None:
+def _wait_for(what: str, cond: Callable[[], bool], timeout_s: float,
+              proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
         assert proc.poll() is None, f"torchx exited ({proc.returncode}) before {what}"
@@ -84,7 +86,8 @@ def test_local_cwd_replica_restarts_and_rejoins(ref4: Run, corpus: Path, tmp_pat
     cmd = [str(BIN / "torchx"), "run", "-s", "local_cwd", "-cfg", f"log_dir={tmp_path / 'tx'}",
            f"{component.__file__}:train", "--out", str(out), "--replicas", "3",
            "--port", str(port), "--max_retries", "1", "--wait_s", "120",
-           "--", *BASE, "--config", str(tmp_path / "slow.toml"), "--no-report", "--tensorboard", "none", "--data", str(corpus)]
+           "--", *BASE, "--config", str(tmp_path / "slow.toml"), "--no-report",
+           "--tensorboard", "none", "--data", str(corpus)]
     # The roles find `recover` and `torchrun` on PATH, as on a cluster node: this venv's.
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
     log = tmp_path / "torchx.log"
