@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
     try:
+        WAIT.check("--wait-s", args.wait_s, integer=False)
         _await_config(Path(args.run_dir), args.wait_s)
         where = check(args.run_dir, args.replica, args.rank, args.coordinator, args.gloo_ifname)
     except RecoverError as e:
