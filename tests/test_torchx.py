@@ -19,6 +19,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -193,3 +194,32 @@ def test_component_commands() -> None:
     for i, role in enumerate(roles[1:]):
         assert shlex.split(role.args[1])[1:] == cluster.worker_argv(
             JOB, "${HEAD:-localhost}", str(i))
+
+
+def test_worker_waits_for_the_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """`--wait-s`: a replica the scheduler started before the coordinator wrote DIR/config.json
+    starts once it appears; past the wait it ends in the usual one line, exit 2."""
+    from recover.app.config import preset
+    from recover.app.train import loop, worker
+
+    monkeypatch.setattr(loop, "run", lambda *_: 0)  # the training itself is not under test
+    monkeypatch.setattr(worker.faulthandler, "register", lambda *_, **__: None)
+    d = tmp_path / "run"
+    d.mkdir()
+    argv = ["--run-dir", str(d), "--replica", "0", "--coordinator", "127.0.0.1:29500"]
+    t0 = time.monotonic()
+    assert worker.main([*argv, "--wait-s", "0.3"]) == 2
+    assert time.monotonic() - t0 >= 0.3
+    assert "config.json" in capsys.readouterr().err
+    config = preset("debug").replace(run={"out": str(d)}).to_json()
+
+    def coordinator() -> None:  # as the launcher writes them: the token, then config.json
+        time.sleep(0.3)
+        (d / "run.token").write_text("0123abcd\n")
+        (d / "config.json").write_text(config)
+
+    writer = threading.Thread(target=coordinator, daemon=True)
+    writer.start()
+    assert worker.main([*argv, "--wait-s", "30"]) == 0
+    writer.join(timeout=10)
