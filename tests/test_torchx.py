@@ -169,7 +169,8 @@ def test_kubernetes_manifests() -> None:
     [c] = coord["spec"]["template"]["spec"]["containers"]
     assert c["command"] == cluster.coordinator_argv(JOB)
     [c] = spec["template"]["spec"]["containers"]
-    assert c["command"] == cluster.worker_argv(JOB, "r7-coordinator", "$(RECOVER_REPLICA)")
+    assert c["command"] == ["bash", "-c",
+                            cluster.worker_loop(JOB, "r7-coordinator", "$(RECOVER_REPLICA)")]
     [env] = c["env"]
     assert env["name"] == "RECOVER_REPLICA"
     assert "job-completion-index" in env["valueFrom"]["fieldRef"]["fieldPath"]
@@ -189,11 +190,10 @@ def test_component_commands() -> None:
     roles = [values.apply(r) for r in app.roles]
     assert [r.name for r in roles] == ["coordinator", *(f"replica{i}" for i in range(5))]
     assert [(r.num_replicas, r.max_retries) for r in roles] == [(1, 0)] + [(1, 2)] * 5
-    assert all(r.entrypoint == "bash" and r.args[1].startswith("exec ") for r in roles)
-    assert shlex.split(roles[0].args[1])[1:] == cluster.coordinator_argv(JOB)
+    assert all(r.entrypoint == "bash" and r.args[0] == "-c" for r in roles)
+    assert shlex.split(roles[0].args[1]) == ["exec", *cluster.coordinator_argv(JOB)]
     for i, role in enumerate(roles[1:]):
-        assert shlex.split(role.args[1])[1:] == cluster.worker_argv(
-            JOB, "${HEAD:-localhost}", str(i))
+        assert role.args[1] == cluster.worker_loop(JOB, "${HEAD:-localhost}", str(i))
 
 
 def test_worker_waits_for_the_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -3,18 +3,17 @@
 Invariant: the AppDef's commands are `recover.app.cluster`'s (`coordinator_argv`, `worker_argv`),
 the ones the Slurm and Kubernetes recipes render, so the three cannot drift apart. Role 0 is the
 coordinator (one replica, never retried: a new one would be a new run); role i + 1 is replica i,
-one torchrun of its ranks, restarted in place up to `max_retries` times by torchrun (TorchX 0.7.0's
-local schedulers ignore a role's max_retries) and up to as many more by schedulers that honour
-`Role.max_retries` (a lost pod or node). Only this module imports torchx (the `torchx` extra);
-TorchX resolves `FILE:function` by reading FILE, so it imports nothing relative and keeps its
-annotations real (no `from __future__ import annotations`: TorchX reads them as types).
+one torchrun of its ranks, started again up to `max_retries` times by a loop in its own task
+(TorchX 0.7.0's local schedulers ignore a role's max_retries) and up to as many more by
+schedulers that honour `Role.max_retries` (a lost pod or node). Only this module imports torchx
+(the `torchx` extra); TorchX resolves `FILE:function` by reading FILE, so it imports nothing
+relative and keeps its annotations real (no `from __future__ import annotations`: TorchX reads
+them as types).
 """
-
-import shlex
 
 import torchx.specs as specs
 
-from recover.app.cluster import ClusterJob, coordinator_argv, worker_argv
+from recover.app.cluster import ClusterJob, coordinator_argv, shell_words, worker_loop
 
 
 def train(
@@ -47,17 +46,16 @@ def train(
                      wait_s=wait_s, image=image).check()
     # Every scheduler sets the named variable to role 0's host (the coordinator's) on the others.
     host = f"$${{{specs.macros.rank0_env}:-localhost}}"
-    roles = [_role("coordinator", job, coordinator_argv(job), retries=0)]
-    roles += [_role(f"replica{i}", job, worker_argv(job, host, str(i)), retries=max_retries)
+    roles = [_role("coordinator", job, f"exec {shell_words(coordinator_argv(job), {})}", 0)]
+    roles += [_role(f"replica{i}", job, worker_loop(job, host, str(i)), max_retries)
               for i in range(replicas)]
     return specs.AppDef(name="recover", roles=roles)
 
 
-def _role(name: str, job: ClusterJob, argv: list[str], retries: int) -> specs.Role:
+def _role(name: str, job: ClusterJob, command: str, retries: int) -> specs.Role:
     """One task: `bash -c` so the coordinator's host variable expands where the task runs."""
-    command = " ".join(a if specs.macros.rank0_env in a else shlex.quote(a) for a in argv)
     return specs.Role(name=name, image=job.image, entrypoint="bash",
-                      args=["-c", f"exec {command}"], num_replicas=1, max_retries=retries,
+                      args=["-c", command], num_replicas=1, max_retries=retries,
                       retry_policy=specs.RetryPolicy.REPLICA,
                       port_map={"store": job.port, "liveness": job.port + 1}
                       if name == "coordinator" else {})

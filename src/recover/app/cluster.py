@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from recover.errors import ConfigError, RecoverError, UsageParser, usage_line
 
 PROG = "python -m recover.app.cluster"
+HOST, REPLICA = "@coordinator-host@", "@replica@"  # placeholders a renderer replaces
 MAX_PORT = 65535
 
 
@@ -59,15 +60,31 @@ def coordinator_argv(job: ClusterJob, resume: bool = False) -> list[str]:
 
 
 def worker_argv(job: ClusterJob, coordinator_host: str, replica: str) -> list[str]:
-    """One replica: a `torchrun` of its ranks. `--max-restarts` restarts them in place when one
-    dies, on every scheduler (TorchX's local ones ignore a role's max_retries), and the restarted
-    replica rejoins the running job by a live state transfer. `--standalone`: each replica's
-    ranks meet on their own host, never with another replica's (one failure domain each)."""
+    """One replica: a `torchrun` of its ranks, `--standalone` (each replica's ranks meet on their
+    own host, never with another replica's: one failure domain each). It is started again by a
+    loop around it (`worker_loop`, the Slurm script's), not by torchrun's `--max-restarts`: a
+    torchrun restart was seen to hang its new worker on the agent's store for 120 s."""
     argv = ["torchrun", "--standalone", "--nnodes", "1", "--nproc-per-node", str(job.ranks),
-            "--max-restarts", str(job.max_retries), "-m", "recover.app.train.worker",
+            "--max-restarts", "0", "-m", "recover.app.train.worker",
             "--run-dir", job.out, "--replica", replica,
             "--coordinator", f"{coordinator_host}:{job.port}", "--wait-s", str(job.wait_s)]
     return [*argv, "--gloo-ifname", job.gloo_ifname] if job.gloo_ifname else argv
+
+
+def shell_words(argv: list[str], raw: dict[str, str]) -> str:
+    """argv as one shell command line, each word quoted but those `raw` maps to an expression."""
+    return " ".join(raw.get(a, shlex.quote(a)) for a in argv)
+
+
+def worker_loop(job: ClusterJob, coordinator_host: str, replica: str) -> str:
+    """bash: the replica's torchrun, started again when it fails, 1 + max_retries times at most,
+    each under a new RECOVER_INCARNATION (a restarted replica's ranks build their group under a
+    new name: the dead one's keys are stale). The two arguments are shell expressions."""
+    raw = {f"{HOST}:{job.port}": f"{coordinator_host}:{job.port}", REPLICA: replica}
+    command = shell_words(worker_argv(job, HOST, REPLICA), raw)
+    return (f"for attempt in $(seq 0 {job.max_retries}); do "
+            f'RECOVER_INCARNATION="$(hostname)-$(date +%s)-$attempt" {command} && exit 0; '
+            "done; exit 1")
 
 
 # The parameters examples/ is rendered from (tests/test_torchx.py checks the files are).
@@ -76,15 +93,12 @@ EXAMPLE = ClusterJob(out="/shared/recover/run1", train_args=("--preset", "small"
                                                              "--ckpt-every", "100"))
 
 
-HOST, REPLICA = "@coordinator-host@", "@replica@"  # placeholders a renderer replaces
-
-
 def slurm_script(job: ClusterJob) -> str:
     """An sbatch script: the coordinator as its own step (sharing the first node), one srun
     step per replica, each restarted by a loop of its own; the job requeued on preemption."""
     # Two words are the shell's: the coordinator's node and the loop's replica id.
     shell = {f"{HOST}:{job.port}": f'"$COORD_HOST":{job.port}', REPLICA: '"$i"'}
-    worker = " ".join(shell.get(a, shlex.quote(a)) for a in worker_argv(job, HOST, REPLICA))
+    worker = shell_words(worker_argv(job, HOST, REPLICA), shell)
     return SLURM.format(
         replicas=job.replicas, ranks=job.ranks, grace=job.grace_s, retries=job.max_retries,
         coordinator=shlex.join(coordinator_argv(job)), worker=worker,
@@ -118,11 +132,12 @@ srun --overlap --nodes=1 --ntasks=1 --nodelist="$COORD_HOST" --kill-on-bad-exit=
 COORD=$!
 
 # --kill-on-bad-exit=0: one replica's death must not end the others; its own loop restarts it
-# (up to {retries} times) and the restarted replica rejoins the running job.
+# (up to {retries} times, each a new incarnation) and the restarted replica rejoins the running job.
 for ((i = 0; i < {replicas}; i++)); do
     (
         for ((attempt = 0; attempt <= {retries}; attempt++)); do
-            srun --nodes=1 --ntasks=1 --relative="$i" --kill-on-bad-exit=0 \\
+            RECOVER_INCARNATION="$SLURM_JOB_ID-$attempt" \\
+                srun --nodes=1 --ntasks=1 --relative="$i" --kill-on-bad-exit=0 \\
                 {worker} && exit 0
         done
         exit 1
@@ -144,7 +159,7 @@ def kubernetes_manifests(job: ClusterJob, name: str = "recover") -> str:
         name=name, service=service, port=job.port, liveness=job.port + 1, image=job.image,
         replicas=job.replicas, retries=job.max_retries, grace=job.grace_s, claim=f"{name}-shared",
         coordinator=_yaml_list(coordinator_argv(job)),
-        worker=_yaml_list(worker_argv(job, service, "$(RECOVER_REPLICA)")))
+        worker=_yaml_list(["bash", "-c", worker_loop(job, service, "$(RECOVER_REPLICA)")]))
 
 
 def _yaml_list(argv: list[str]) -> str:
