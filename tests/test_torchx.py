@@ -3,11 +3,11 @@ and Kubernetes recipes rendered from the parameters the component takes.
 
 The run: `torchx run -s local_cwd src/recover/torchx.py:train` with 3 replicas (debug preset, the
 suite's BASE settings), one replica's worker SIGKILLed by its PID after the first step; its
-task's loop starts its torchrun again, it rejoins (metrics.jsonl's live_replicas back to 3), the job ends
-SUCCEEDED (torchx exits 0) and the losses stay within 1e-5 of the failure-free R=4 run (`ref4`:
-the trajectory depends on seed, data and N only). Skipped, with the reason, where torchx is not
-installed. Every wait is bounded; torchx's own process group and every process under it are ended
-by PID whatever happens.
+task's loop starts its torchrun again, it rejoins (metrics.jsonl's live_replicas back to 3), the
+job ends SUCCEEDED (torchx exits 0) and the losses stay within 1e-5 of the failure-free R=4 run
+(`ref4`: the trajectory depends on seed, data and N only). Skipped, with the reason, where torchx
+is not installed. Every wait is bounded; torchx's own process group and every process under it
+are ended by PID whatever happens.
 """
 
 from __future__ import annotations
