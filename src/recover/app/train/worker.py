@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -27,6 +28,8 @@ log = logging.getLogger(__name__)
 
 PROG = "python -m recover.app.train.worker"
 ID = Bounds(0)  # a replica id or a rank: >= 0 (the run's config.json bounds them above)
+WAIT = Bounds(0, 86_400)  # --wait-s: a day at most (a typo of hours must not hang a task)
+POLL_S = 0.2
 
 
 class Where(NamedTuple):
@@ -54,6 +57,9 @@ def parser() -> UsageParser:
     ap.add_argument("--gloo-ifname", default=None, metavar="IF",
                     help="network interface for cross-replica traffic (default: the one that "
                          "reaches the coordinator; same as GLOO_SOCKET_IFNAME)")
+    ap.add_argument("--wait-s", type=Number(float, WAIT), default=0.0, metavar="S",
+                    help="wait up to S seconds for the run directory's config.json (a "
+                         "scheduler starts the coordinator and the replicas together)")
     return ap
 
 
@@ -62,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
     try:
+        WAIT.check("--wait-s", args.wait_s, integer=False)
+        _await_config(Path(args.run_dir), args.wait_s)
         where = check(args.run_dir, args.replica, args.rank, args.coordinator, args.gloo_ifname)
     except RecoverError as e:
         return usage_line(ap.prog, e)
@@ -97,6 +105,16 @@ def check(run_dir: str, replica: int | None, rank: int | None, coordinator: str 
     where = Where(Path(run_dir), replica, rank, host, port)
     _check_run_dir(where)
     return where
+
+
+def _await_config(run_dir: Path, wait_s: float) -> None:
+    """Return once DIR/config.json exists, or after wait_s (then `check` names what is missing).
+    The launcher writes DIR/run.token before config.json, and config.json by a rename: once it
+    exists, both are whole."""
+    deadline = time.monotonic() + wait_s
+    # os.path.isfile: a name the file system refuses is "not there", for `check` to name.
+    while not os.path.isfile(run_dir / "config.json") and time.monotonic() < deadline:
+        time.sleep(POLL_S)
 
 
 def _check_interfaces(names: str) -> None:
