@@ -87,7 +87,10 @@ class Fault:
     step: int
     phase: str  # compute | reduce | commit | outcome | optimizer
     j: int = 0  # compute: the rank's j-th microbatch of the step
-    action: str = "kill"  # kill | hang | hold | raise | forge
+    # kill | hang | hold | raise | forge; "kill-reduced": a kill once every rank of the replica
+    # has reduced this step (at its commit hook), which a plain kill at one rank's commit cannot
+    # promise of its siblings on a loaded machine
+    action: str = "kill"
     rank: int = 0
     fired: bool = False
 
@@ -211,7 +214,9 @@ class Rank:
         f = self._due(False, phase, j)
         if f is None:
             return
-        if f.action == "kill":
+        if f.action in ("kill", "kill-reduced"):
+            if f.action == "kill-reduced":
+                self.h.wait_reduced(self.replica, self.step)
             self.kill()
             self.dead.block()
         elif f.action == "hang":
@@ -308,6 +313,8 @@ class Rank:
         return oracle.loss(i)
 
     def _hook(self, phase: str, step: int, j: int) -> None:
+        if phase == "commit":
+            self.h.reduced(self.replica, step)
         if phase in ("reduce", "commit"):
             self.fire(phase, j)
         if phase == "commit" and self.h.barrier is not None:
@@ -363,6 +370,8 @@ class Harness:
         # Every rank waits here after its reduce, so all of them write outcomes and propose a
         # decision at the same moment (failure-free runs only: a dead rank would break it).
         self.barrier = threading.Barrier(len(self.ranks)) if setup.barrier_at_commit else None
+        self._reduced: dict[tuple[int, int], int] = {}  # (replica, step) -> ranks at commit
+        self._reduced_cv = threading.Condition()
         _close_ended()
         _GRAVE.append(self)
 
@@ -374,6 +383,20 @@ class Harness:
                             speed_aware=self.speed_aware)
         return ReplicaConfig(coordinator=f"127.0.0.1:{self.port}", replica=replica, ft=ft,
                              launch=LaunchEnv())
+
+    def reduced(self, replica: int, step: int) -> None:
+        """A rank of `replica` reached its commit hook in `step`: its reduce is done."""
+        with self._reduced_cv:
+            key = (replica, step)
+            self._reduced[key] = self._reduced.get(key, 0) + 1
+            self._reduced_cv.notify_all()
+
+    def wait_reduced(self, replica: int, step: int) -> None:
+        """Until every rank of `replica` has reduced `step` (bounded by the harness's timeout)."""
+        with self._reduced_cv:
+            done = self._reduced_cv.wait_for(
+                lambda: self._reduced.get((replica, step), 0) >= self.positions, self.timeout_s)
+        assert done, f"replica {replica}'s ranks did not all reduce step {step}"
 
     def run(self, timeout_s: float = 90.0) -> Harness:
         self._serve.start()
