@@ -172,10 +172,11 @@ def _connect(a: RankArgs, timing: _Timing, grad: torch.Tensor, tally: Tally) -> 
     config = ReplicaConfig(coordinator=f"127.0.0.1:{a.port}", replica=a.replica, ft=ft,
                            launch=LaunchEnv())
     member = new_member(config, a.rank, a.nranks)
-    # Every main-store client this rank opens is the member's first one or a clone of it (its
-    # threads', key waiters', the lifetime deleter's, each group build's), so wrapping it before
-    # the join counts them all; a shard's clients are counted apart.
+    # Every main-store client this rank opens is a clone of the member's protocol client (its
+    # threads', key waiters', the lifetime deleter's) or of its plain one (each group build's,
+    # gloo's), so wrapping both before the join counts them all; a shard's clients apart.
     member.store = CountedStore(member.store, tally, "main")  # type: ignore[assignment]
+    member.plain_store = CountedStore(member.plain_store, tally, "main")  # type: ignore[assignment]
     shard = member.connect_shard
 
     def connect_shard(index: int) -> Any:
@@ -199,7 +200,7 @@ def rank_main(a: RankArgs) -> NoReturn:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID`: every thread's stack to its log
     timing, grad, base = _Timing(), torch.zeros(a.numel), oracle.pattern(a.numel)
-    tally = Tally()
+    tally = Tally(keep_alive=True)  # gloo holds the clients it builds on (storecount.py)
     stack = _connect(a, timing, grad, tally)
     member, engine, comm = stack.member, stack.engine, stack.comm
     assert isinstance(comm, TimedComm)
