@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from recover.data import IdBatches
 from recover.parallel import Replica
+from recover.recovery import StepResult
 from recover.settings import Hooks, ReplicaConfig
 
 try:
@@ -94,6 +95,9 @@ def build_job(config: Trainer.Config) -> TitanJob:
     world = dist.get_world_size()
     pdims = ParallelDims.from_config(config.parallelism, world_size=world)
     pdims.build_mesh()
+    from torchtitan.distributed import utils as dist_utils
+
+    dist_utils.set_spmd_backend(config.parallelism.spmd_backend)  # as the Trainer does
     model_config = spec.model
     if device == "cpu":
         cpu_attention(model_config)
@@ -183,23 +187,23 @@ class RecoverTrainer:
         (loss / self.n).backward()
         return float(loss.detach())
 
-    def train_step(self, step: int) -> float:
+    def train_step(self, step: int) -> StepResult:
         """One step of N microbatches; torchtitan's optimizer and scheduler step on commit."""
         res = self.replica.step(step, self._compute)
         self.job.optimizers.step()
         self.job.lr_schedulers.step()
         self.job.optimizers.zero_grad()
-        return res.loss
+        return res
 
-    def train(self, steps: int) -> dict[int, float]:
+    def train(self, steps: int) -> dict[int, StepResult]:
         """Steps from where this replica starts (0, or a joiner's `start_step`) to `steps`."""
-        losses = {}
+        out = {}
         for step in range(self.replica.start_step, steps):
-            losses[step] = self.train_step(step)
+            out[step] = res = self.train_step(step)
             if self.rank == 0:
-                log.info("replica %d step %d loss %.6f", self.replica.replica, step,
-                         losses[step])
-        return losses
+                log.info("replica %d step %d loss %.6f microbatches %d live %s",
+                         self.replica.replica, step, res.loss, res.microbatches, res.members)
+        return out
 
     def full_params(self) -> dict[str, Tensor]:
         """The model's whole parameters (every rank gathers them; FSDP2's shards joined)."""
