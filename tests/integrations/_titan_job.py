@@ -51,6 +51,8 @@ def main(argv: list[str]) -> None:
     config.hf_assets_path = tk
     config.training.seq_len, config.training.steps = SEQ_LEN, int(steps)
     config.training.mixed_precision_param = "float32"  # the test compares fp32 losses
+    # FSDP2 by fully_shard on plain parameters (the spmd_types default needs its own runtime)
+    config.parallelism.spmd_backend = "partial_dtensor"
     tokenizer = config.tokenizer.build(tokenizer_path=tk)
     data = TokenWindows(tokenizer, Path(text).read_text().splitlines(), SEQ_LEN)
     trainer = RecoverTrainer(config, IdBatches(data, ROWS, seed=0), int(n),
