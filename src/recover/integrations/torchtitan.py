@@ -108,7 +108,15 @@ def build_job(config: Trainer.Config) -> TitanJob:
         model, parallel_dims=pdims, training=config.training, parallelism=config.parallelism,
         compile_config=config.compile, ac_config=config.activation_checkpoint,
         dump_folder=config.dump_folder)
+    if device == "cpu":  # gloo has no PREMUL_SUM: FSDP2 sums (torchtitan divides by 1.0 anyway)
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
     model.to_empty(device=device)
+    # every rank of every replica the same initial weights (the Trainer seeds in set_determinism)
+    torch.manual_seed(config.debug.seed if config.debug.seed is not None else 0)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     model.train()
@@ -141,17 +149,16 @@ class TokenWindows:
         return self.tokens[i * self.seq_len: i * self.seq_len + self.seq_len + 1]
 
 
-def forward_loss(job: TitanJob, x: Tensor, y: Tensor) -> Tensor:
-    """torchtitan's loss (mean over the tokens of `y`) of `job.model` on inputs `x` [B, T]: as
-    the Trainer's forward, with each row one document (positions 0..T-1, a causal mask)."""
+def forward_loss(job: TitanJob, x: Tensor, y: Tensor, tokens: int) -> Tensor:
+    """torchtitan's loss (the sum over the tokens of `y` / `tokens`) of `job.model` on inputs
+    `x` [B, T]: as the Trainer's forward, each row one document (positions 0..T-1, causal)."""
     positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)
     kwargs: dict[str, Any] = {"positions": positions}
     inner = job.model.config.first_attention.inner_attention
     if _masked(inner):
         kwargs["attention_masks"] = job.model.get_attention_masks(positions=positions)
     pred = job.model(x, **kwargs)
-    tokens = torch.tensor(y.numel(), dtype=torch.float32)
-    loss, _ = job.loss_fn(pred, y, tokens, positions=positions)
+    loss, _ = job.loss_fn(pred, y, torch.tensor(float(tokens)), positions=positions)
     return loss
 
 
@@ -183,9 +190,11 @@ class RecoverTrainer:
         (FSDP2 averages over the replica's ranks); returns the rows' mean token loss."""
         w = self.batches.batch(mb_id, self.rank, self.ranks)
         x, y = w[:, :-1], w[:, 1:]
-        loss = forward_loss(self.job, x, y)
+        # torchtitan's FSDP2 sums gradients over the ranks (divide factor 1): each rank's loss is
+        # its tokens' sum over the whole microbatch's tokens; its rows' mean is that x ranks.
+        loss = forward_loss(self.job, x, y, y.numel() * self.ranks)
         (loss / self.n).backward()
-        return float(loss.detach())
+        return float(loss.detach()) * self.ranks
 
     def train_step(self, step: int) -> StepResult:
         """One step of N microbatches; torchtitan's optimizer and scheduler step on commit."""
