@@ -1,9 +1,9 @@
 """One replica of the torchtitan test job (run under `torchrun`, one per replica).
 
 argv: OUT TOKENIZER_DIR TEXT_FILE STEPS N KILL, KILL "-" or "REPLICA:STEP:J" (that replica's
-rank 0 SIGKILLs itself before microbatch J of STEP, in its first incarnation only: torchrun's
-restart then rejoins with a live transfer). Rank 0 writes OUT/replica{R}.json (each step's loss,
-microbatch count, live replicas; the start step) and OUT/params{R}.pt (the full parameters).
+rank 0 SIGKILLs itself in STEP's reduce once it holds J microbatches, first incarnation only:
+torchrun's restart then rejoins with a live transfer). Rank 0 writes OUT/replica{R}.json (each
+step's loss, microbatch count, live replicas; the start step) and OUT/params{R}.pt.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def kill_hook(spec: str, replica: int) -> Hooks:
         return Hooks()
 
     def at(phase: str, step: int, jj: int) -> None:
-        if phase == "compute" and step == s and jj == j:
+        if phase == "reduce" and step == s and jj >= j:
             os.kill(os.getpid(), signal.SIGKILL)
 
     return Hooks(at_phase=at)
