@@ -1,72 +1,169 @@
-"""One replica of the torchtitan test job (run under `torchrun`, one per replica).
+"""The torchtitan test job's launcher: every rank of both runs, forked from one interpreter.
 
-argv: OUT TOKENIZER_DIR TEXT_FILE STEPS N KILL, KILL "-" or "REPLICA:STEP:J" (that replica's
-rank 0 SIGKILLs itself in STEP's reduce once it holds J microbatches, first incarnation only:
-torchrun's restart then rejoins with a live transfer). Rank 0 writes OUT/replica{R}.json (each
-step's loss, microbatch count, live replicas; the start step) and OUT/params{R}.pt.
+argv: OUT TOKENIZER_DIR TEXT_FILE STEPS N KILL_STEP REF_PORT_FILE KILL_PORT_FILE. It imports torch
+and torchtitan once (seconds on a loaded 2-core host: one interpreter per rank made the test take
+minutes), then forks each replica's 2 ranks, as `torchrun` would start them: the failure-free
+reference (one replica, at the coordinator in REF_PORT_FILE) and the run with the fault (two
+replicas, KILL_PORT_FILE), concurrently. Replica 1's rank 0 SIGKILLs itself in step KILL_STEP's
+reduce; the launcher then kills its other rank and starts the replica again under a new
+RECOVER_INCARNATION and a fresh process group, as `worker_loop` (recover.app.cluster) restarts a
+replica's torchrun; every replica's plan waits (bounded) for the replacement at the next step
+boundary (`Hooks.scheduled_joins`), so the rejoin happens before the end on a loaded machine too.
+The last incarnation's rank 0 of each replica writes OUT/{run}/replica{R}.json (each step's loss,
+microbatch count, live replicas; the start step) and OUT/{run}/params{R}.pt.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import multiprocessing as mp
 import os
 import signal
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torchtitan.models.llama3.config_registry import llama3_debugmodel
+os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the tokenizer runs before the fork
 
-from recover.data import IdBatches
-from recover.integrations.torchtitan import RecoverTrainer, TokenWindows
-from recover.settings import Hooks
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torchtitan.models.llama3.config_registry import llama3_debugmodel  # noqa: E402
 
-SEQ_LEN, ROWS = 32, 4  # tokens per row; rows per microbatch (split over the replica's ranks)
+from recover.data import IdBatches  # noqa: E402
+from recover.integrations.torchtitan import RecoverTrainer, TokenWindows  # noqa: E402
+from recover.settings import Hooks  # noqa: E402
+
+SEQ_LEN, ROWS, RANKS = 32, 4, 2  # tokens per row; rows per microbatch; ranks per replica
+TIMEOUT_S = 150  # the whole job, generous: the suite runs it beside others on 2 cores
 
 
-def kill_hook(spec: str, replica: int) -> Hooks:
-    """A SIGKILL of this process at (step, j) if `spec` names this replica's first incarnation."""
-    if spec == "-" or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+@dataclass(frozen=True)
+class Job:
+    out: Path
+    tokenizer: str
+    text: str
+    steps: int
+    n: int
+    kill_step: int
+
+
+def hooks(job: Job, run: str, replica: int, incarnation: int, rank: int) -> Hooks:
+    """The fault: replica 1's first incarnation's rank 0 dies once it holds a microbatch in
+    step `kill_step`'s reduce; every plan of that run waits for the replacement at the next
+    boundary (bounded by the reduce timeout: without it, the end could come first)."""
+    if run != "kill":
         return Hooks()
-    r, s, j = (int(v) for v in spec.split(":"))
-    if r != replica or dist.get_rank() != 0:
-        return Hooks()
+    joins = {1: job.kill_step + 1}
+    if (replica, incarnation, rank) != (1, 0, 0):
+        return Hooks(scheduled_joins=joins)
 
-    def at(phase: str, step: int, jj: int) -> None:
-        if phase == "reduce" and step == s and jj >= j:
+    def at(phase: str, step: int, j: int) -> None:
+        if phase == "reduce" and step == job.kill_step and j >= 1:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    return Hooks(at_phase=at)
+    return Hooks(at_phase=at, scheduled_joins=joins)
 
 
-def main(argv: list[str]) -> None:
-    out, tk, text, steps, n, kill = argv
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    replica = int(os.environ["RECOVER_REPLICA"])
+def rank_main(job: Job, run: str, port: str, replica: int, incarnation: int, rank: int) -> None:
+    """One rank (a forked child): what a torchrun worker of the replica would run."""
+    log = job.out / run / f"replica{replica}-{incarnation}-rank{rank}.log"
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    logging.basicConfig(level=logging.INFO, force=True,
+                        format="%(asctime)s %(name)s: %(message)s")
+    os.environ.update(RECOVER_COORDINATOR=f"127.0.0.1:{port}", RECOVER_REPLICA=str(replica),
+                      RANK=str(rank), WORLD_SIZE=str(RANKS), LOCAL_RANK=str(rank),
+                      RECOVER_INCARNATION=str(incarnation))
+    # a fresh store per incarnation: the dead one's keys are stale
+    store = job.out / run / f"pg-{replica}-{incarnation}"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=RANKS)
     config = llama3_debugmodel()
-    config.hf_assets_path = tk
-    config.training.seq_len, config.training.steps = SEQ_LEN, int(steps)
+    config.hf_assets_path = job.tokenizer
+    config.training.seq_len, config.training.steps = SEQ_LEN, job.steps
     config.training.mixed_precision_param = "float32"  # the test compares fp32 losses
     # FSDP2 by fully_shard on plain parameters (the spmd_types default needs its own runtime)
     config.parallelism.spmd_backend = "partial_dtensor"
-    tokenizer = config.tokenizer.build(tokenizer_path=tk)
-    data = TokenWindows(tokenizer, Path(text).read_text().splitlines(), SEQ_LEN)
-    trainer = RecoverTrainer(config, IdBatches(data, ROWS, seed=0), int(n),
-                             hooks=kill_hook(kill, replica))
-    results = trainer.train(int(steps))
+    tokenizer = config.tokenizer.build(tokenizer_path=job.tokenizer)
+    data = TokenWindows(tokenizer, Path(job.text).read_text().splitlines(), SEQ_LEN)
+    trainer = RecoverTrainer(config, IdBatches(data, ROWS, seed=0), job.n,
+                             hooks=hooks(job, run, replica, incarnation, rank))
+    results = trainer.train(job.steps)
     params = trainer.full_params()
     trainer.replica.leave()
-    if dist.get_rank() == 0:
+    if rank == 0:
         rows = {s: [r.loss, r.microbatches, r.members] for s, r in results.items()}
-        Path(out, f"replica{replica}.json").write_text(json.dumps(
+        Path(job.out, run, f"replica{replica}.json").write_text(json.dumps(
             {"steps": rows, "start": trainer.replica.start_step}))
-        torch.save(params, Path(out, f"params{replica}.pt"))
+        torch.save(params, Path(job.out, run, f"params{replica}.pt"))
     dist.destroy_process_group()
 
 
+def wait_port(path: Path, deadline: float) -> str:
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text().strip()
+        time.sleep(0.05)
+    raise TimeoutError(f"no coordinator port in {path}")
+
+
+def supervise(job: Job, ports: dict[str, str], deadline: float) -> int:
+    """Start each replica's ranks; restart replica 1 of the kill run once (its other rank
+    killed first, as torchrun's agent does); 0 when every replica's last ranks exited 0."""
+    ctx = mp.get_context("fork")
+
+    def start(run: str, replica: int, inc: int) -> list:
+        procs = [ctx.Process(target=rank_main, args=(job, run, ports[run], replica, inc, rank))
+                 for rank in range(RANKS)]
+        for p in procs:
+            p.start()
+        return procs
+
+    groups = {("ref", 0): start("ref", 0, 0), ("kill", 0): start("kill", 0, 0),
+              ("kill", 1): start("kill", 1, 0)}
+    restarts = {("kill", 1): 1}
+    try:
+        while time.monotonic() < deadline:
+            for key, procs in groups.items():
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    codes = [p.exitcode for p in procs]
+                    for p in procs:
+                        if p.is_alive():
+                            p.kill()
+                        p.join(10)
+                    if not restarts.get(key):
+                        print(f"{key} failed: exit codes {codes}", file=sys.stderr)
+                        return 1
+                    restarts[key] -= 1
+                    print(f"{key} exit codes {codes}: restarted", file=sys.stderr)
+                    groups[key] = start(*key, 1)
+            if all(p.exitcode == 0 for procs in groups.values() for p in procs):
+                return 0
+            time.sleep(0.05)
+        print(f"not done within {TIMEOUT_S} s", file=sys.stderr)
+        return 1
+    finally:
+        for procs in groups.values():
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(10)
+
+
+def main(argv: list[str]) -> int:
+    out, tk, text, steps, n, kill_step, ref_port, kill_port = argv
+    job = Job(Path(out), tk, text, int(steps), int(n), int(kill_step))
+    torch.set_num_threads(1)
+    deadline = time.monotonic() + TIMEOUT_S
+    for run in ("ref", "kill"):
+        (job.out / run).mkdir(parents=True, exist_ok=True)
+    ports = {"ref": wait_port(Path(ref_port), deadline),
+             "kill": wait_port(Path(kill_port), deadline)}
+    return supervise(job, ports, deadline)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))
