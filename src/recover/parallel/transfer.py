@@ -44,19 +44,25 @@ class TransferError(RuntimeError):
 class TrainingState:
     """The live tensors of one rank's training state, by path, and its JSON leaves.
 
-    Paths are stable between two ranks of the same layout: module state_dict keys, optimizer
-    state by parameter index, then `extra` (objects with `state_dict()`/`load_state_dict()`).
-    `tensors` are the live ones (local shards of DTensors): writing into them updates the module
-    and the optimizer; `finish()` applies the JSON leaves and reloads the extra objects.
+    Paths are stable between two ranks of the same layout: the module's parameters and
+    persistent buffers by name, optimizer state by parameter index, then `extra` (objects with
+    `state_dict()`/`load_state_dict()`). `tensors` are the live ones (local shards of DTensors):
+    writing into them updates the module and the optimizer; `finish()` applies the JSON leaves
+    and reloads the extra objects. Not the module's `state_dict()`: a state-dict hook may hand
+    out copies (torchtitan's fused q/k/v projection splits `wqkv` into new `wq`/`wk`/`wv`
+    tensors), and a copy written into changes nothing.
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None,
                  extra: Mapping[str, Any]) -> None:
         self.optimizer, self.extra = optimizer, dict(extra)
         tensors: list[tuple[str, torch.Tensor]] = []
-        for k, v in module.state_dict(keep_vars=True).items():
-            tensors.append((f"model/{k}", local_tensor(v.data if isinstance(v, nn.Parameter)
-                                                       else v)))
+        saved = set(module.state_dict(keep_vars=True))  # a buffer not in it is not persistent
+        for k, v in module.named_parameters():
+            tensors.append((f"model/{k}", local_tensor(v.data)))
+        for k, v in module.named_buffers():
+            if k in saved:
+                tensors.append((f"model/{k}", local_tensor(v)))
         meta: dict[str, Any] = {}
         if optimizer is not None:
             index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups
