@@ -47,11 +47,10 @@ log = logging.getLogger(__name__)
 def cpu_fallback() -> str:
     """The device type torchtitan's builders use here: the accelerator's, or "cpu" where there
     is none (torchtitan would say "cuda" and fail in `set_device`/`init_device_mesh`)."""
-    from torch._utils import _get_available_device_type
-
-    found = _get_available_device_type()
-    if found is not None:
-        return found
+    if torch.accelerator.is_available():
+        found = torch.accelerator.current_accelerator()
+        if found is not None:
+            return found.type
     # torchtitan reads its device type from module globals bound at import: rebind the two
     # that the mesh and the weight init read (the Trainer's own `set_device` stays unusable).
     import torchtitan.distributed.parallel_dims as pd
