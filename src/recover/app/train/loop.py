@@ -123,7 +123,7 @@ class Trainer:
         # The records this rank offered last: a restarted coordinator's store has none of them.
         self.recent: deque[tuple[int, str]] = deque(maxlen=RECORDS_KEPT)
         self.log_every = max(cfg.run.log_every, cfg.run.steps // PROGRESS_LINES, 1)
-        self.eta = Eta(cfg.run.steps)  # to the step `train` ends before (it sets its end)
+        self.eta: Eta  # to the step `train` ends before (`train` makes it)
         self.tokens_per_step = d.microbatches * d.microbatch_size * m.block_size
         self.run_start = _run_start(run_dir)
         self.refused: str | None = None  # why a restarted coordinator refused this replica
