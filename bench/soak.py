@@ -1,6 +1,6 @@
 """Soak: consecutive `recover train` runs under a random, seeded fault schedule for M minutes
-(replica kills, hangs, slowdowns, deadlocks, partitions, restarts of the lost, and coordinator
-kills: every kind `--fault` has).
+(replica kills, hangs, slowdowns, deadlocks, partitions, preemptions, restarts of the lost, and
+coordinator kills: every kind `--fault` has).
 
 Invariant: every run is checked the way tests/faults checks one scenario (exit 0, committed
 steps 0..S-1 exactly once, `microbatches` = N on every line, losses within 1e-5 relative of a
@@ -48,7 +48,8 @@ class Shape:
     replicas: int = 4
     steps: int = 14
     max_faults: int = 3  # faulted replicas per run (at most replicas - 1)
-    kinds: tuple[str, ...] = ("kill", "kill", "hang", "slow", "deadlock", "partition")
+    kinds: tuple[str, ...] = ("kill", "kill", "hang", "slow", "deadlock", "partition",
+                              "preempt")
     coordinator_kills: bool = True  # in a third of the runs
 
     def flags(self) -> list[str]:
@@ -87,8 +88,9 @@ def train(out: Path, data: Path, faults: list[str], shape: Shape, timeout: float
 
 
 def schedule(rng: random.Random, shape: Shape) -> list[str]:
-    """1..max_faults faults on distinct replicas among 1..R-1: kill, deadlock or partition (each
-    maybe followed by the lost replica's restart), hang, slow; and in a third of the runs, the
+    """1..max_faults faults on distinct replicas among 1..R-1: kill, deadlock, partition or
+    preempt (a scheduler's SIGTERM: a planned leave; each maybe followed by the lost replica's
+    restart), hang, slow; and in a third of the runs, the
     coordinator SIGKILLed (by replica 0, at a random point; the launcher restarts it with
     --recover)."""
     faults, steps = [], shape.steps
@@ -97,11 +99,11 @@ def schedule(rng: random.Random, shape: Shape) -> list[str]:
                       f"phase={rng.choice(PHASES)}")
     for r in rng.sample(range(1, shape.replicas), rng.randint(1, shape.max_faults)):
         kind, step = rng.choice(shape.kinds), rng.randrange(1, steps - 3)
-        if kind in ("kill", "deadlock"):
+        if kind in ("kill", "deadlock", "preempt"):
             faults.append(f"{kind}:replica={r},step={step},phase={rng.choice(PHASES)}")
         elif kind == "partition":
             faults.append(f"partition:replica={r},step={step}")
-        if kind in ("kill", "deadlock", "partition"):
+        if kind in ("kill", "deadlock", "partition", "preempt"):
             if rng.random() < 0.4:
                 faults.append(f"restart:replica={r},step={rng.randrange(step + 2, steps)}")
         elif kind == "hang":
