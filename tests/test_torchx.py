@@ -1,7 +1,7 @@
 """The scheduler path: the TorchX component run by TorchX's `local_cwd` scheduler, and the Slurm
 and Kubernetes recipes rendered from the parameters the component takes.
 
-The run: `torchx run -s local_cwd src/recover/torchx.py:train` with 3 replicas (debug preset, the
+The run: `torchx run -s local_cwd recover.torchx:train` with 3 replicas (debug preset, the
 suite's BASE settings), one replica's worker SIGKILLed by its PID after the first step; its
 task's loop starts its torchrun again, it rejoins (metrics.jsonl's live_replicas back to 3), the
 job ends SUCCEEDED (torchx exits 0) and the losses stay within 1e-5 of the failure-free R=4 run
@@ -80,12 +80,10 @@ def _end(proc: subprocess.Popen) -> None:
 
 def test_local_cwd_replica_restarts_and_rejoins(ref4: Run, corpus: Path, tmp_path: Path) -> None:
     pytest.importorskip("torchx", reason="torchx is not installed (pip install -e '.[torchx]')")
-    import recover.torchx as component
-
     out, port = tmp_path / "run", two_free_ports()
     (tmp_path / "slow.toml").write_text(SLOW)
     cmd = [str(BIN / "torchx"), "run", "-s", "local_cwd", "-cfg", f"log_dir={tmp_path / 'tx'}",
-           f"{component.__file__}:train", "--out", str(out), "--replicas", "3",
+           "recover.torchx:train", "--out", str(out), "--replicas", "3",
            "--port", str(port), "--max_retries", "1", "--wait_s", "120",
            "--", *BASE, "--config", str(tmp_path / "slow.toml"), "--no-report",
            "--tensorboard", "none", "--data", str(corpus)]
@@ -223,3 +221,18 @@ def test_worker_waits_for_the_config(tmp_path: Path, monkeypatch: pytest.MonkeyP
     writer.start()
     assert worker.main([*argv, "--wait-s", "30"]) == 0
     writer.join(timeout=10)
+
+
+def test_component_name_resolves_through_torchx_hook() -> None:
+    """`recover.torchx:train` is found by TorchX's own finder (the `torchx.file` entry point the
+    install registers), and TorchX's builtin components still are."""
+    pytest.importorskip("torchx", reason="torchx is not installed (pip install -e '.[torchx]')")
+    from torchx.specs.finder import get_component
+
+    import recover.torchx as component
+
+    found = get_component("recover.torchx:train")
+    assert found.fn_name == "train" and not found.validation_errors
+    assert get_component("dist.ddp").fn_name == "ddp"
+    assert component.component_source("recover.no_such_module") is None
+    assert component.component_source("torchx/components/dist.py") is not None

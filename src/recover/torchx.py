@@ -1,4 +1,4 @@
-"""recover as a TorchX component: `torchx run -s local_cwd <this file>:train --out DIR ...`.
+"""recover as a TorchX component: `torchx run -s local_cwd recover.torchx:train --out DIR ...`.
 
 Invariant: the AppDef's commands are `recover.app.cluster`'s (`coordinator_argv`, `worker_argv`),
 the ones the Slurm and Kubernetes recipes render, so the three cannot drift apart. Role 0 is the
@@ -6,11 +6,16 @@ coordinator (one replica, never retried: a new one would be a new run); role i +
 one torchrun of its ranks, started again up to `max_retries` times by a loop in its own task
 (TorchX 0.7.0's local schedulers ignore a role's max_retries) and up to as many more by
 schedulers that honour `Role.max_retries` (a lost pod or node). Only this module imports torchx
-(the `torchx` extra); TorchX resolves `FILE:function` by reading FILE, so it imports nothing
-relative and keeps its annotations real (no `from __future__ import annotations`: TorchX reads
-them as types).
+(the `torchx` extra). TorchX 0.7.0 resolves `NAME:function` by reading the source of the file
+NAME (it execs it: so this module imports nothing relative and keeps its annotations real, no
+`from __future__ import annotations`); `component_source`, registered as TorchX's `torchx.file`
+hook, is what lets NAME be this module's dotted name rather than a path.
 """
 
+import importlib.util
+from pathlib import Path
+
+import torchx
 import torchx.specs as specs
 
 from recover.app.cluster import ClusterJob, coordinator_argv, shell_words, worker_loop
@@ -59,3 +64,22 @@ def _role(name: str, job: ClusterJob, command: str, retries: int) -> specs.Role:
                       retry_policy=specs.RetryPolicy.REPLICA,
                       port_map={"store": job.port, "liveness": job.port + 1}
                       if name == "coordinator" else {})
+
+
+def component_source(conf_file: str) -> str | None:
+    """TorchX's `torchx.file` entry point (`get_file_contents`): the text of `conf_file`.
+
+    `recover.<module>` names are read from the installed package, so `recover.torchx:train`
+    works from any directory; every other name is read as TorchX itself does, relative to its
+    installation (its builtin component files). A file of that name in the working directory
+    still wins: TorchX reads it first."""
+    if conf_file.startswith("recover.") and "/" not in conf_file:
+        try:
+            spec = importlib.util.find_spec(conf_file)
+        except (ImportError, ValueError):  # a parent that is not a package; an empty part
+            spec = None
+        if spec is not None and spec.origin and spec.origin.endswith(".py"):
+            return Path(spec.origin).read_text()
+        return None
+    builtin = Path(torchx.__file__).parent.parent / conf_file
+    return builtin.read_text() if builtin.is_file() else None
