@@ -10,7 +10,8 @@ RECOVER_INCARNATION and a fresh process group, as `worker_loop` (recover.app.clu
 replica's torchrun; every replica's plan waits (bounded) for the replacement at the next step
 boundary (`Hooks.scheduled_joins`), so the rejoin happens before the end on a loaded machine too.
 The last incarnation's rank 0 of each replica writes OUT/{run}/replica{R}.json (each step's loss,
-microbatch count, live replicas; the start step) and OUT/{run}/params{R}.pt.
+microbatch count, live replicas; the start step) and OUT/{run}/params{R}.pt; torchtitan's
+checkpointer saves the last step into OUT/{run}/checkpoint/step-STEPS.
 """
 
 from __future__ import annotations
@@ -87,6 +88,10 @@ def rank_main(job: Job, run: str, port: str, replica: int, incarnation: int, ran
     config.training.mixed_precision_param = "float32"  # the test compares fp32 losses
     # FSDP2 by fully_shard on plain parameters (the spmd_types default needs its own runtime)
     config.parallelism.spmd_backend = "partial_dtensor"
+    # torchtitan's checkpointer: only its last-step save (the interval is past the end), by
+    # the lowest replica of the last step's generation, into OUT/{run}/checkpoint/step-STEPS
+    config.dump_folder = str(job.out / run)
+    config.checkpoint.enable, config.checkpoint.interval = True, 10 * job.steps
     tokenizer = config.tokenizer.build(tokenizer_path=job.tokenizer)
     data = TokenWindows(tokenizer, Path(job.text).read_text().splitlines(), SEQ_LEN)
     trainer = RecoverTrainer(config, IdBatches(data, ROWS, seed=0), job.n,

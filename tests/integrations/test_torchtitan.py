@@ -4,7 +4,8 @@ Each replica is two ranks (as one `torchrun` per replica would start them) runni
 model, `parallelize_fn` (FSDP2 over the two), AdamW and LR scheduler; the replicas meet at a
 `recover coordinator`. A replica's rank is SIGKILLed mid-step, the replica is started again under
 a new incarnation and rejoins with a live transfer: the survivor's losses match a failure-free
-run's, every step had N microbatches, and the two replicas end with bitwise the same parameters.
+run's, every step had N microbatches, and the two replicas end with bitwise the same parameters,
+which torchtitan's checkpointer saved (once) at the last step.
 Skipped when torchtitan is not installed.
 """
 
@@ -91,3 +92,14 @@ def test_kill_and_restart_keeps_the_trajectory(tmp_path: Path, tokenizer_dir: Pa
     assert survivor[str(STEPS - 1)][2] == [0, 1]  # and the last one with it again
     a, b = (torch.load(tmp_path / "kill" / f"params{r}.pt") for r in (0, 1))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # torchtitan's checkpointer saved the last step once (by replica 0): its model is the final
+    # parameters, its train state the step count, its data entry what the ids mean
+    saved = sorted(p.name for p in (tmp_path / "kill" / "checkpoint").iterdir())
+    assert saved == [f"step-{STEPS}"], saved
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(tmp_path / "kill" / "checkpoint" / saved[0], tmp_path / "ckpt.pt")
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    assert ckpt["train_state"] == {"step": STEPS}
+    assert ckpt["dataloader"]["microbatches"] == N
+    assert all(torch.equal(ckpt[k], a[k]) for k in a), sorted(set(a) - set(ckpt))

@@ -3,17 +3,19 @@
 Invariant: each replica is one torchtitan job on its own ranks (one `torchrun` per replica): its
 model is torchtitan's (`config.model_spec`), built on meta and parallelised by torchtitan's own
 `parallelize_fn` inside the replica (FSDP2 over the replica's ranks), and its optimizer, LR
-scheduler and loss are torchtitan's builders. The data parallel dimension *across* replicas is
-recover's: every step is `Replica.step` over the step's N microbatch ids, each id's tokens a pure
-function of the id (`recover.data.IdBatches` over windows tokenised by torchtitan's tokenizer), so
-a microbatch recomputed by a survivor is the lost one and every step has N microbatches; the
-optimizer and scheduler step only after the step committed. A replica that (re)joins mid-run
-receives the model, the optimizer's state and the scheduler's state live from a running replica.
+scheduler, loss and checkpointer are torchtitan's builders. The data parallel dimension *across*
+replicas is recover's: every step is `Replica.step` over the step's N microbatch ids, each id's
+tokens a pure function of the id (`recover.data.IdBatches` over windows tokenised by torchtitan's
+tokenizer), so a microbatch recomputed by a survivor is the lost one and every step has N
+microbatches; the optimizer and scheduler step only after the step committed. A replica that
+(re)joins mid-run receives the model, the optimizer's state and the scheduler's state live from a
+running replica; a job started again loads torchtitan's newest checkpoint on every replica.
 
-torchtitan's whole `Trainer` does not run on a host without an accelerator (its `__init__` calls
-`torch.cuda.set_device`: `device_type` falls back to "cuda"); `cpu_fallback()` points the device
-type that torchtitan's mesh builder reads at "cpu" so its `ParallelDims` and `parallelize_fn` run
-on gloo, and `build_job` uses the builders the `Trainer` would, without the `Trainer`.
+torchtitan's whole `Trainer` does not run on a host without an accelerator: with its device type
+pointed at "cpu" its `set_device` passes, but its process group is NCCL (`distributed.utils` binds
+its own device type) and its metrics' memory monitor calls `torch.cuda`. `cpu_fallback()` points
+the device type that torchtitan's mesh builder reads at "cpu" so its `ParallelDims` and
+`parallelize_fn` run on gloo, and `build_job` uses the builders the `Trainer` would, without it.
 """
 
 from __future__ import annotations
@@ -168,6 +170,24 @@ def _masked(inner: Any) -> bool:
     return isinstance(inner, (FlexAttention.Config, VarlenAttention.Config))
 
 
+class DataState:
+    """The data loader's entry in torchtitan's checkpoint. recover's data has no position to
+    save (a microbatch id names its tokens, and step t's ids are t*N..t*N+N-1), so what a resume
+    must match is what the ids mean: N, the rows per microbatch and the epoch order's seed."""
+
+    def __init__(self, batches: IdBatches, microbatches: int) -> None:
+        self.value = {"microbatches": int(microbatches), "rows": batches.microbatch_size,
+                      "seed": batches.seed, "items": batches.size}
+
+    def state_dict(self) -> dict[str, int]:
+        return dict(self.value)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = {k: int(v) for k, v in state.items()}
+        if saved != self.value:  # another N or data: the ids would name other tokens
+            raise ValueError(f"the checkpoint's data {saved} is not this job's {self.value}")
+
+
 class RecoverTrainer:
     """The torchtitan job of this rank's replica, stepped by recover (`train_step`)."""
 
@@ -176,6 +196,16 @@ class RecoverTrainer:
         self.job = build_job(config)
         self.batches, self.n = batches, microbatches
         self.rank, self.ranks = dist.get_rank(), dist.get_world_size()
+        self.step = 0  # steps applied: torchtitan's "train_state" in its checkpoints
+        # torchtitan's checkpointer, as its Trainer builds it (`config.checkpoint`): DCP over the
+        # replica's ranks under `dump_folder/checkpoint/step-N`. Every replica loads the newest
+        # one before joining the run (a resume: all start at its step); one replica saves.
+        self.checkpointer = config.checkpoint.build(
+            dataloader=DataState(batches, microbatches), model_parts=[self.job.model],
+            optimizers=self.job.optimizers, lr_schedulers=self.job.lr_schedulers,
+            states={"train_state": self}, sd_adapter=None, base_folder=config.dump_folder)
+        if config.checkpoint.enable:
+            self.checkpointer.load()
         # recover's view of the replica: one "shard" dimension over its ranks (FSDP2's).
         mesh = init_device_mesh("cpu", (self.ranks,), mesh_dim_names=("shard",))
         # The live transfer sends torch's optimizer (its state per parameter) and the scheduler.
@@ -183,6 +213,14 @@ class RecoverTrainer:
         self.replica = Replica(self.job.model, microbatches, mesh=mesh, optimizer=inner,
                                state={"lr_schedulers": self.job.lr_schedulers},
                                config=replica, hooks=hooks)
+        if self.replica.joined:  # a running replica's state, newer than any checkpoint
+            self.step = self.replica.start_step
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
 
     def _compute(self, mb_id: int, j: int) -> float:
         """Forward + backward of this rank's rows of microbatch `mb_id`, the loss scaled by 1/N
@@ -201,13 +239,25 @@ class RecoverTrainer:
         self.job.optimizers.step()
         self.job.lr_schedulers.step()
         self.job.optimizers.zero_grad()
+        self.step = step + 1
         return res
 
+    def save(self, res: StepResult, last: bool) -> None:
+        """torchtitan's save policy (its interval, and the last step), by one replica: the
+        lowest of the generation the step committed in. Every rank of every replica holds the
+        same `res.members`, so a replica's ranks agree on it without a word (DCP's save is
+        collective over them); a leader lost after the commit leaves this save point out."""
+        if min(res.members) == self.replica.replica:
+            with self.replica.busy():  # bounded on its own: no stuck-thread watchdog meanwhile
+                self.checkpointer.save(self.step, last_step=last)
+
     def train(self, steps: int) -> dict[int, StepResult]:
-        """Steps from where this replica starts (0, or a joiner's `start_step`) to `steps`."""
+        """Steps from where this replica starts (0, a checkpoint's step, or a joiner's
+        `start_step`) to `steps`."""
         out = {}
-        for step in range(self.replica.start_step, steps):
+        for step in range(self.step, steps):
             out[step] = res = self.train_step(step)
+            self.save(res, last=step + 1 == steps)
             if self.rank == 0:
                 log.info("replica %d step %d loss %.6f microbatches %d live %s",
                          self.replica.replica, step, res.loss, res.microbatches, res.members)
