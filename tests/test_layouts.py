@@ -177,6 +177,26 @@ def test_kill_one_rank(refs: dict[str, Run], corpus: Path, tmp_path: Path, layou
         assert rel_l2(rank_final(run, 0, k), rank_final(ref, 0, k)) < 1e-4
 
 
+def test_sigterm_to_one_rank_is_the_replicas_planned_leave(refs: dict[str, Run], corpus: Path,
+                                                          tmp_path: Path) -> None:
+    # A scheduler's SIGTERM reaches a replica's ranks at different moments; here it reaches only
+    # replica 1's rank 1, in step 3's backward. Both ranks agree to leave after step 3 (its
+    # closing intra-replica sum), exit 0: a planned leave, nothing recomputed, no crash.
+    ref = refs["hsdp"]
+    run = train(tmp_path / "run", corpus, *LAYOUT["hsdp"], "--fault",
+                "preempt:replica=1,step=3,phase=backward,rank=1")
+    recs = run.metrics()
+    assert max_rel(run.losses(), ref.losses()) < 1e-5
+    assert recs[3]["members"] == [0, 1] and recs[3]["recovered"] == [], recs[3]
+    # step 4 was planned (implied) for both before the leave was seen: its ids for replica 1,
+    # never computed anywhere, moved to replica 0 (a second attempt, nothing computed twice)
+    assert recs[4]["members"] == [0], recs[4]
+    assert exit_codes(run) == {f"replica{r}.rank{k}": 0 for r in range(2) for k in range(2)}
+    exits = json.loads((run.out / "replica_exits.json").read_text())
+    assert exits["1"].endswith("coordinator: left cleanly (preempted)"), exits
+    assert "injecting preempt" in (run.out / "logs" / "replica1.rank1.log").read_text()
+
+
 # -- pieces, without processes ---------------------------------------------------------------
 def test_qkv_order_gives_each_tp_rank_its_own_heads() -> None:
     import torch

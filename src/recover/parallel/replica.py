@@ -10,7 +10,8 @@ microbatch ids, whoever computed them. The step's loss is the sum over the repli
 rank's loss times its weight (1/shards x 1/tp, and 0 except on the last pipeline stage), so it is
 the mean microbatch loss whatever the layout. If any intra-replica operation fails (a sibling
 rank died) the rank reports its replica lost and waits to be fenced (exit code 3); the survivors
-recover the step.
+recover the step. A planned leave (`leave_when`) is agreed in the step's closing intra-replica sum,
+so every rank of the replica sees `leaving` after the same step, whichever of them was asked.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import logging
 import math
 import os
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -72,6 +74,9 @@ class Replica:
         self.config = (config or ReplicaConfig()).resolved()
         self.hooks, self.strategy = hooks or Hooks(), strategy
         self._left = False
+        # a planned leave (a scheduler's SIGTERM): asked on any rank, agreed by all after a step
+        self._leave_asked: threading.Event | None = None
+        self.leaving = False
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.rank = dist.get_rank() if mesh is not None else 0
         self.nranks = dist.get_world_size() if mesh is not None else 1
@@ -207,22 +212,35 @@ class Replica:
         # that is bounded on its own (a checkpoint save) runs inside `busy()`.
         self.member.arm(max(self.config.ft.reduce_timeout_s,
                             (self.member.fence_after_s or 6.0) + 10 * mb))
+        asked = self._leave_asked is not None and self._leave_asked.is_set()
         if self.nranks > 1:
             with self.guard():
                 self._sum_tied()
-                res.loss = self._agree(res.loss)
+                res.loss = self._agree(res.loss, asked)
+        else:
+            self.leaving = asked
         return res
 
-    def _agree(self, loss: float) -> float:
+    def leave_when(self, asked: threading.Event) -> None:
+        """Leave at a step boundary once `asked` is set (e.g. by a SIGTERM handler) on any rank
+        of this replica: `leaving` turns True on every rank after the same step (the caller
+        then calls `leave(reason)`). Why agreed: ranks are signalled at different moments, and
+        one that went on into the next step alone would lose the whole replica as a crash."""
+        self._leave_asked = asked
+
+    def _agree(self, loss: float, asked: bool = False) -> float:
         """Sum the ranks' weighted losses, and give every rank of the replica the same seconds
         per microbatch (their mean, in whole microseconds so the sum is exact in any order):
-        the next reduce's trailer then carries one speed per replica at every position."""
+        the next reduce's trailer then carries one speed per replica at every position. Also
+        whether any rank was asked to leave (`leaving`: the same answer on every rank)."""
         mine = self.engine.mb_time
         t = torch.tensor([loss, round(mine * 1e6) if mine is not None else 0,
-                          mine is not None], dtype=torch.float64, device=self.grads.device)
+                          mine is not None, asked], dtype=torch.float64,
+                         device=self.grads.device)
         dist.all_reduce(t)
-        total, us, have = t.tolist()
+        total, us, have, leave = t.tolist()
         self.engine.mb_time = us / self.nranks / 1e6 if int(have) == self.nranks else None
+        self.leaving = leave > 0
         return total
 
     def _donate(self, step: int, join: dict) -> None:

@@ -313,9 +313,9 @@ class _Launch:
         """Write records until the last step or until the run cannot go on; restart a coordinator
         that died (`--coordinator-restarts`) at its address. Returns why it stopped ("": done)."""
         ft = self.cfg.ft
-        restarts = {f.replica: f.step for f in validate_faults(ft.faults, self.cfg.layout.replicas,
-                                                               self.cfg.run.steps)
-                    if f.kind == "restart"}
+        faults = validate_faults(ft.faults, self.cfg.layout.replicas, self.cfg.run.steps,
+                                 self.cfg.layout.ranks_per_replica())
+        restarts = {f.replica: f.step for f in faults if f.kind == "restart"}
         stall_limit = ft.join_timeout_s + ft.reduce_timeout_s + 60
         coord_restarts = ft.coordinator_restarts if ft.coordinator_wait_s > 0 else 0
         while True:

@@ -61,11 +61,8 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
     except CoordinatorLost as e:  # another run's coordinator, or this rank runs already
         log.error(f"cannot join: {e}")
         return ExitCode.USAGE
-    if trainer.nranks == 1:
-        # A planned leave needs every rank of a replica to stop at the same boundary; a
-        # multi-rank replica's ranks would have to agree on it first (not done: SIGTERM ends
-        # them as before).
-        trainer.preempt.install()
+    # SIGTERM on any rank: the replica's ranks leave together after the same step (agreed)
+    trainer.preempt.install()
     try:
         if not trainer.join():
             return ExitCode.USAGE
@@ -144,6 +141,7 @@ class Trainer:
                 self.rep = Replica(self.rm.module, self.cfg.data.microbatches, mesh=self.rm.mesh,
                                    tied=self.rm.tied, optimizer=self.opt, config=config,
                                    hooks=self.faults.hooks(), strategy=_strategy(self.cfg))
+                self.rep.leave_when(self.preempt.requested)
                 break
             except RunOver:
                 raise  # the run finished first: `run` ends this process cleanly
@@ -210,7 +208,7 @@ class Trainer:
                                                self.extra(self.applied)))
             self.publish(step, rec)
             self.progress(res, rec, last)
-            if self.preempt.requested.is_set() and not last:
+            if rep.leaving and not last:  # asked on some rank of this replica: agreed by all
                 self.last_members = list(res.members)
                 return True
         return False
