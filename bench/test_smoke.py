@@ -29,7 +29,7 @@ from recover import procs
 BENCH = Path(__file__).resolve().parent
 # Each script's figure lines: the last line first, then the others it prints.
 FIGURES = {
-    "rejoin": ("rejoin_gbps", "rejoin_protocol_s"),
+    "rejoin": ("rejoin_gbps", "rejoin_protocol_s", "rejoin_vs_dcp_load"),
     "soak": ("violations",),
     "exact_cost": ("exact_step_time_ratio", "exact_step_time_ratio_debug"),
     "degraded": ("degraded_efficiency",),

@@ -106,6 +106,10 @@ class Replica:
         self.grads: GradAccess = self.exact or layout
         # > 0: the caller calls `reconnect` when the coordinator dies (see Member.restart_wait_s)
         self.restart_wait_s = self.config.ft.coordinator_wait_s
+        # False while a state transfer writes into this rank's tensors and after one failed
+        # part-way: the state is then no run state (a hello claims no step, nothing is saved)
+        # until a transfer completes (recover.parallel.transfer).
+        self.holds_state = True
         self._connect()
         atexit.register(self.leave)  # a clean exit says goodbye even without an explicit leave()
 
@@ -125,9 +129,11 @@ class Replica:
             self.joined = member.joining
             if self.joined:
                 assert cfg.launch is not None  # resolved() sets it
+                self.holds_state = False
                 self.start_step, self.transfer_s, _ = rejoin.receive(
                     member, self.rank, self.module, self.optimizer, self.user_state, self.exact,
                     cfg.ft.join_timeout_s, self.hooks, cfg.launch.join_at)
+                self.holds_state = True
 
         member = new_member(cfg, self.rank, self.nranks, applied=applied,
                             last_generation=last_generation)
@@ -162,7 +168,9 @@ class Replica:
                 time.sleep(0.05)  # a plain probe: the store client's own retries back off
                 continue
             try:
-                self._connect(applied, last_gen, max(1.0, deadline - time.monotonic()))
+                # A heal that failed part-way left this state partly overwritten: no step.
+                self._connect(applied if self.holds_state else -1, last_gen,
+                              max(1.0, deadline - time.monotonic()))
                 return True
             except CoordinatorGone:
                 pass  # it died again while we joined: the next one may come

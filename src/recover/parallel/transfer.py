@@ -9,9 +9,12 @@ module and optimizer (same layout, so the same local shard shapes; DTensor shard
 nothing about sharding travels.
 
 Invariant: `receive` returns only a state whose every frame the session authenticated, in order
-and complete, with the same tensor paths, dtypes and shapes as the joiner's own, and copies
-nothing in before the last frame verified (values land in staging buffers first); anything else
-raises `TransferError` or `channel.ChannelError` and leaves the joiner to try another donor.
+and complete, with the same tensor paths, dtypes and shapes as the joiner's own; anything else
+raises `TransferError` or `channel.ChannelError`. A mismatched layout writes nothing; past the
+header each frame is decrypted straight into the joiner's tensors (no staging copy of the
+state), so after a failure the joiner's state is partly overwritten and is no run state: the
+joiner is not a member (it reported no `ready`), it tries the whole transfer again, and until one
+succeeds its replica claims no step (`Replica.holds_state`: a hello with -1, no checkpoint).
 """
 
 from __future__ import annotations
@@ -137,23 +140,27 @@ def send(session: Session, tensors: list[tuple[str, torch.Tensor]], meta: dict) 
     """Stream the state; return the bytes sent. The peer answers b'ok' once it verified."""
     header = {"meta": meta, "tensors": [(p, str(t.dtype), list(t.shape)) for p, t in tensors]}
     session.send(json.dumps(header).encode())
-    total = 0
-    for _, t in tensors:
-        data = _bytes(t)
-        for i in range(0, len(data), CHUNK):
-            session.send(data[i: i + CHUNK])
-        total += len(data)
+    total = sum(t.numel() * t.element_size() for _, t in tensors)
+    session.send_all(_chunks([t for _, t in tensors]))
     session.send(b"end" + struct.pack("!Q", total))
     if session.recv(2) != b"ok":
         raise TransferError("the joiner refused the state")
     return total
 
 
+def _chunks(tensors: list[torch.Tensor]) -> Iterator[memoryview]:
+    for t in tensors:
+        data = _bytes(t)  # a device tensor is copied to the host one at a time
+        for i in range(0, len(data), CHUNK):
+            yield data[i: i + CHUNK]
+
+
 def receive(session: Session, tensors: list[tuple[str, torch.Tensor]], meta: dict
             ) -> tuple[dict, int]:
     """Receive into the joiner's own live tensors (same paths, dtypes, shapes) and return (the
-    donor's JSON leaves, bytes received). On any mismatch nothing is copied in: values land in
-    staging buffers first, copied once every frame is authenticated."""
+    donor's JSON leaves, bytes received). A layout mismatch writes nothing; past the header,
+    each frame is decrypted straight into its tensor's bytes, so a failure part-way leaves the
+    tensors partly overwritten (see the module's invariant: the caller then holds no state)."""
     try:
         header = json.loads(session.recv(HEADER_MAX))
         theirs = [(p, d, tuple(s)) for p, d, s in header["tensors"]]
@@ -165,28 +172,36 @@ def receive(session: Session, tensors: list[tuple[str, torch.Tensor]], meta: dic
                     if a != b)
         session.send(b"no")
         raise TransferError(f"the donor's state does not match this rank's layout: {diff}")
-    staged, total = [], 0
-    for _, t in tensors:
-        buf = torch.empty(t.shape, dtype=t.dtype)
-        view = memoryview(_bytes(buf)).cast("B")
-        for i in range(0, len(view), CHUNK):
-            part = session.recv(CHUNK)
-            if len(part) != min(CHUNK, len(view) - i):
-                raise TransferError("a chunk of the wrong size")
-            view[i: i + len(part)] = part
-        staged.append(buf)
-        total += len(view)
+    sizes = [min(CHUNK, n - i) for n in (t.numel() * t.element_size() for _, t in tensors)
+             for i in range(0, n, CHUNK)]
+    views = _views([t for _, t in tensors])
+    session.recv_all_into(sizes, views)
+    next(views, None)  # the last tensor's copy-in, where it needed a host buffer
+    total = sum(sizes)
     if session.recv(16) != b"end" + struct.pack("!Q", total):
         raise TransferError("the stream did not end where the donor said")
-    with torch.no_grad():
-        for (_, t), buf in zip(tensors, staged, strict=True):
-            t.copy_(buf)
     session.send(b"ok")
     return header["meta"], total
 
 
+def _views(tensors: list[torch.Tensor]) -> Iterator[memoryview]:
+    """Where each received frame goes, in order: a contiguous CPU tensor's own bytes, else a
+    host buffer of the tensor's size, copied in once its last frame is decrypted (one tensor at
+    a time, never the whole state)."""
+    for t in tensors:
+        direct = t.device.type == "cpu" and t.is_contiguous()
+        dest = t if direct else torch.empty(t.shape, dtype=t.dtype)
+        view = _bytes(dest)
+        for i in range(0, len(view), CHUNK):
+            yield view[i: i + CHUNK]
+        if not direct:
+            with torch.no_grad():  # not across a yield: grad mode is the thread's
+                t.copy_(dest)
+
+
 def _bytes(t: torch.Tensor) -> memoryview:
-    """A tensor's bytes (a CPU copy for device tensors), without pickling."""
+    """A tensor's bytes, without pickling: its own memory for a contiguous CPU tensor (written
+    through by `receive`), else a contiguous CPU copy."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()

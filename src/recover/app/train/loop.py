@@ -352,7 +352,9 @@ class Trainer:
         if self.applied < end and wait_s > 0:  # it waited (rejoin_coordinator) in vain
             why = f"no coordinator came back within {wait_s:g}s ({why})"
         log.error(f"stopping: the coordinator is unreachable ({why})")
-        out = self.ckpts.save_on_exit(self.applied, self.rep.is_leader, self.extra(self.applied))
+        # Not a state that a heal's failed transfer left partly overwritten.
+        out = self.ckpts.save_on_exit(self.applied, self.rep.is_leader and self.rep.holds_state,
+                                      self.extra(self.applied))
         if "ckpt" in out:
             log.info(f"saved a checkpoint at step {self.applied}")  # the last leader
         # Every step applied: the coordinator leaving now is the end of the run.
