@@ -4,8 +4,8 @@ What:
 1. Transfer, per size (~10M, 50M, 100M parameters; AdamW state materialized, so params + two
    moments = 12 bytes per parameter): a donor process and a joiner process (`_state_io.py`) move
    the state over loopback TCP exactly as `recover.parallel.rejoin` does (`TrainingState`,
-   `transfer.send` / `receive`: token handshake, AES-GCM frames pipelined, each decrypted
-   straight into the joiner's tensors).
+   `transfer.send` / `receive`: token handshake, AES-GCM frames, each decrypted straight
+   into the joiner's tensors).
    Time = the joiner's window of `transfer_s` (connect -> verified and copied in). Median of
    --repeats.
 2. Checkpoint load of the same state: saved once with `torch.distributed.checkpoint`

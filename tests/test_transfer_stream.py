@@ -1,6 +1,6 @@
-"""The pipelined state stream (`transfer.send` / `receive` over a `channel` session), in threads.
+"""The state stream (`transfer.send` / `receive` over a `channel` session), in threads.
 
-Frames are decrypted straight into the joiner's tensors while the next is on the wire: every
+Frames are decrypted straight into the joiner's tensors (no staging copy of the state): every
 kind of destination arrives bitwise (multi-frame, empty, strided, bf16, bool), and a donor that
 goes away mid-stream fails the joiner at once, not at a timeout.
 """

@@ -13,9 +13,9 @@ the run token:
 - the session keys (one AES-256-GCM key per direction) come from HKDF-SHA256 over the token with
   both nonces as the salt; every frame is sealed under a counter nonce with its index and
   direction bound in the associated data;
-- bulk frames (`send_all`, `recv_all_into`) are pipelined: a second thread has the next frame on
-  the wire while this one seals or opens the last (the socket calls release the GIL, AES-GCM
-  does not), through a few reused buffers, and a frame is opened straight into its destination.
+- bulk frames (`send_all`, `recv_all_into`) are sealed and opened through buffers kept for the
+  call, a frame opened straight into its destination; the socket buffers have the next frame on
+  the wire meanwhile.
 
 Invariant: `Session.recv` returns a frame's plaintext only if a token holder sealed it in this
 session (these nonces, this join), in this direction, at exactly this index: a relay can neither
@@ -26,18 +26,14 @@ keeps accepting until its deadline), and never a session.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import logging
 import os
-import queue
 import socket
 import struct
-import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -51,8 +47,6 @@ PROOF = 32  # HMAC-SHA256
 TAG = 16  # AES-GCM
 HELLO_S = 5.0  # a connection that does not prove the token within this is dropped
 POLL_S = 0.2  # how often a waiting donor looks whether its join is still wanted
-DEPTH = 3  # frame buffers of a pipelined transfer: one sealed or opened, one on the wire, one spare
-STALL_S = 60.0  # a pipelined transfer's bound on a hand-over when its socket has no timeout
 
 log = logging.getLogger(__name__)
 
@@ -109,19 +103,10 @@ class Session:
         self.sock.sendall(self._seal(data, memoryview(self._wbuf)[:n]))
 
     def send_all(self, parts: Iterable[memoryview]) -> None:
-        """Seal and send each of `parts` as one frame, in order, sealing the next frame while
-        the last is on the wire: a sender thread writes (a socket write releases the GIL,
-        AES-GCM does not), through `DEPTH` buffers that are reused."""
-        free: queue.Queue[bytearray] = queue.Queue()
-        for _ in range(DEPTH):
-            free.put(bytearray())
-        with _Worker(self.sock, "send") as w:
-            for data in parts:
-                buf = w.take(free)
-                n = 4 + len(data) + TAG
-                if len(buf) < n:
-                    buf = bytearray(n)
-                w.put((buf, self._seal(data, memoryview(buf)[:n]), free))
+        """Seal and send each of `parts` as one frame, in order, through one buffer kept for
+        the session (no copy beyond the cipher's output)."""
+        for data in parts:
+            self.send(data)
 
     def recv(self, limit: int) -> bytes:
         """The next frame's plaintext (at most `limit` bytes), authenticated."""
@@ -130,24 +115,27 @@ class Session:
 
     def recv_all_into(self, sizes: list[int], dests: Iterable[memoryview]) -> None:
         """Decrypt the next `len(sizes)` frames, of exactly those plaintext sizes, into the views
-        `dests` yields (writable bytes, one per frame, taken as late as possible), while a
-        reader thread receives the next frame into one of `DEPTH` reused buffers. A frame that
-        fails its authentication raises `ChannelError` and leaves its view's bytes undefined
-        (AES-GCM decrypts before it checks the tag): the caller discards every view."""
-        free: queue.Queue[bytearray] = queue.Queue()
-        for _ in range(DEPTH):
-            free.put(bytearray())
-        with _Worker(self.sock, "recv") as w:
-            reader = threading.Thread(target=w.read, args=(self, sizes, free),
-                                      name="recover-recv", daemon=True)
-            reader.start()
-            for size, dest in zip(sizes, dests, strict=False):  # never one view too many
-                if len(dest) != size:
-                    raise ChannelError(f"a view of {len(dest)} bytes for a frame of {size}")
-                buf, sealed = w.take(w.done)
-                self._open(sealed, dest)
-                free.put(buf)
-            reader.join(w.wait_s)
+        `dests` yields (writable bytes, one per frame, taken as late as possible), each received
+        into one buffer kept for the call. A frame that fails its authentication raises
+        `ChannelError` and leaves its view's bytes undefined (AES-GCM decrypts before it checks
+        the tag): the caller discards every view.
+
+        One thread: while it opens frame k, the kernel's socket buffers take frame k + 1 from
+        the donor (each side's process keeps its core busy). A reader thread did not help:
+        AES-GCM holds the GIL (two threads seal no faster than one), and the reader waited for
+        it after each partial read (126 MB: 0.10-0.15 s serial, 0.13-0.20 s with the thread on
+        2 cores; docs/MEASUREMENTS.md, "Live state transfer")."""
+        buf = bytearray()
+        for size, dest in zip(sizes, dests, strict=False):  # never one view too many
+            n = self._length(size)
+            if n != size + TAG or len(dest) != size:
+                raise ChannelError(f"a frame of {n} bytes ({size + TAG} expected) for a view of "
+                                   f"{len(dest)}")
+            if len(buf) < n:
+                buf = bytearray(n)
+            sealed = memoryview(buf)[:n]
+            recv_exact_into(self.sock, sealed)
+            self._open(sealed, dest)
 
     def _seal(self, data: bytes | memoryview, out: memoryview) -> memoryview:
         """The next frame, its length then its ciphertext, written into `out` (its size)."""
@@ -164,7 +152,7 @@ class Session:
         nonce, aad = struct.pack("!4xQ", i), self._aad(self._in_dir, i)
         try:
             if dest is None:
-                return self._in.decrypt(nonce, bytes(sealed), aad)
+                return self._in.decrypt(nonce, sealed, aad)
             self._in.decrypt_into(nonce, sealed, aad, dest)
             return b""
         except InvalidTag:  # forged, modified, reordered or replayed
@@ -196,89 +184,6 @@ def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
         if k == 0:
             raise ChannelError("the peer went away during the transfer")
         got += k
-
-
-class _Worker:
-    """The other thread of a pipelined `send_all` / `recv_all_into`, and the hand-over between
-    it and the caller: every wait is bounded (the socket's timeout, else `STALL_S`), an error on
-    either side ends both, and the thread's error is raised in the caller's."""
-
-    def __init__(self, sock: socket.socket, kind: str) -> None:
-        self.sock, self.kind = sock, kind
-        self.wait_s = (sock.gettimeout() or STALL_S) + 1.0
-        self.done: queue.Queue[Any] = queue.Queue()  # (buf, frame) items, or an exception
-        self.stop = threading.Event()
-        self.thread: threading.Thread | None = None
-        self.error: ChannelError | None = None  # the sender thread's
-
-    def __enter__(self) -> _Worker:
-        if self.kind == "send":
-            self.thread = threading.Thread(target=self._write, name="recover-send", daemon=True)
-            self.thread.start()
-        return self
-
-    def __exit__(self, kind: type | None, *_: object) -> None:
-        if kind is not None:  # the caller failed: the session is over, and so is the thread
-            self.stop.set()
-            self.done.put(None)  # a sender thread waiting for a frame ends
-            with contextlib.suppress(OSError):  # wakes the thread blocked on the socket
-                self.sock.shutdown(socket.SHUT_RDWR)
-            return
-        if self.thread is not None:
-            self.done.put(None)  # no more frames
-            self.thread.join(self.wait_s)
-            if self.error is not None or self.thread.is_alive():
-                raise self.error or ChannelError("the transfer's sender thread did not finish")
-
-    def put(self, item: Any) -> None:
-        """Hand a sealed frame to the sender thread (raising its error, if it failed)."""
-        if self.error is not None:
-            raise self.error
-        self.done.put(item)
-
-    def take(self, q: queue.Queue[Any]) -> Any:
-        """The next item of `q`, bounded; the other side's error is raised here."""
-        try:
-            item = q.get(timeout=self.wait_s)
-        except queue.Empty:
-            raise ChannelError(f"the transfer stalled ({self.kind}, {self.wait_s:.0f}s)") from None
-        if isinstance(item, BaseException):
-            raise item
-        if self.error is not None:
-            raise self.error
-        return item
-
-    def _write(self) -> None:
-        free: queue.Queue[Any] | None = None
-        try:
-            while (item := self.done.get(timeout=self.wait_s)) is not None:
-                buf, frame, free = item
-                self.sock.sendall(frame)
-                free.put(buf)
-                if self.stop.is_set():
-                    return
-        except (OSError, queue.Empty) as e:
-            self.error = ChannelError(f"sending a frame failed: {e}")
-            if free is not None:  # the caller may wait for a buffer: it gets the error
-                free.put(self.error)
-
-    def read(self, session: Session, sizes: list[int], free: queue.Queue[bytearray]) -> None:
-        """The reader thread: each frame of `sizes` (plaintext bytes) into a free buffer."""
-        try:
-            for size in sizes:
-                n = session._length(size)
-                if n != size + TAG:
-                    raise ChannelError(f"a frame of {n} bytes ({size + TAG} expected)")
-                buf = free.get(timeout=self.wait_s)
-                if self.stop.is_set():
-                    return
-                if len(buf) < n:
-                    buf = bytearray(n)
-                recv_exact_into(self.sock, memoryview(buf)[:n])
-                self.done.put((buf, memoryview(buf)[:n]))
-        except (OSError, ChannelError, queue.Empty) as e:
-            self.done.put(e if isinstance(e, ChannelError)
-                          else ChannelError(f"receiving a frame failed: {e}"))
 
 
 # -- the handshake ---------------------------------------------------------------------------
