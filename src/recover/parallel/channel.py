@@ -17,9 +17,10 @@ the run token:
   call, a frame opened straight into its destination; the socket buffers have the next frame on
   the wire meanwhile.
 
-Invariant: `Session.recv` returns a frame's plaintext only if a token holder sealed it in this
-session (these nonces, this join), in this direction, at exactly this index: a relay can neither
-read, modify, reorder, drop nor replay a frame, and anything else raises `ChannelError`. A peer
+Invariant: `Session.recv` returns a frame's plaintext (`recv_all_into` returns, its views
+filled) only if a token holder sealed it in this session (these nonces, this join), in this
+direction, at exactly this index: a relay can neither read, modify, reorder, drop nor replay a
+frame, and anything else raises `ChannelError` (leaving `recv_all_into`'s views undefined). A peer
 without the token gets from a donor its random nonce and nothing else (`accept` closes it and
 keeps accepting until its deadline), and never a session.
 """
@@ -123,7 +124,7 @@ class Session:
         One thread: while it opens frame k, the kernel's socket buffers take frame k + 1 from
         the donor (each side's process keeps its core busy). A reader thread did not help:
         AES-GCM holds the GIL (two threads seal no faster than one), and the reader waited for
-        it after each partial read (126 MB: 0.10-0.15 s serial, 0.13-0.20 s with the thread on
+        it after each partial read (126 MB: 0.10-0.15 s serial, 0.13-0.21 s with the thread on
         2 cores; docs/MEASUREMENTS.md, "Live state transfer")."""
         buf = bytearray()
         for size, dest in zip(sizes, dests, strict=False):  # never one view too many
