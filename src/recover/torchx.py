@@ -30,7 +30,7 @@ def train(
     max_retries: int = 3,
     gloo_ifname: str = "",
     wait_s: int = 600,
-    image: str = "recover:0.7.0",
+    image: str = "recover:0.8.0",
 ) -> specs.AppDef:
     """A recover run: a coordinator (`recover train --external-workers`) and one torchrun per
     replica, each restarted on failure and rejoining the running job by a live state transfer.

@@ -34,7 +34,7 @@ class ClusterJob:
     train_args: tuple[str, ...] = field(default_factory=tuple)  # more `recover train` flags
     wait_s: int = 600  # how long a replica waits for the coordinator to write DIR/config.json
     grace_s: int = 60  # SIGTERM to SIGKILL: above a step plus the preemption grace (30 s)
-    image: str = "recover:0.7.0"  # Kubernetes: an image with recover and torch installed
+    image: str = "recover:0.8.0"  # Kubernetes: an image with recover and torch installed
 
     def check(self) -> ClusterJob:
         """One ConfigError line on the first parameter a scheduler would choke on later."""
