@@ -486,6 +486,10 @@ def figures(res: list[dict]) -> list[str]:
             f"recovery_cpu {r['recovery_cpu'] * 1e3:.1f} ms, "
             f"main_store_requests_per_failure_per_replica {r['main_reqs']:.2f} (the most one "
             f"replica added: {r['main_max']:.0f}), shard requests {r['shard_reqs']:.1f}")
+        for k in r["kills"]:
+            say(f"  main-store requests per surviving replica by key: coordinator "
+                f"{k['coord_reqs'] / max(1, r['replicas'] - 1):.2f}, "
+                + ", ".join(f"{kind} {n:.2f}" for kind, n in k.get("main_kinds", {}).items()))
     small, big = (one[0], one[-1]) if one else (res[0], res[-1])
     ratio = big["recovery_cpu"] / small["recovery_cpu"]
     wall = (big["detect"] + big["agree"]) / (small["detect"] + small["agree"])

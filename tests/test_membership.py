@@ -31,6 +31,10 @@ class DictStore:
         self.data[key] = str(v).encode()
         return v
 
+    def multi_set(self, names: list[str], values: list[str | bytes]) -> None:
+        for k, v in zip(names, values, strict=True):
+            self.set(k, v)
+
 
 class Lines:
     def __init__(self) -> None:
