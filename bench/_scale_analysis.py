@@ -95,8 +95,10 @@ def failure_requests(steps: dict[Any, list[dict]], t_kill: float, g0: int, coord
     its first commit in a generation after g0, less as many of its steps at the mean rate of
     the AFTER steps that follow (the new membership's failure-free steps: who deletes old keys
     or tops a shard's count may have changed with it); `coord` (the coordinator's own requests
-    over the failure) is added to the main store's."""
+    over the failure) is added to the main store's. `main_kinds`: the survivors' main-store
+    requests per key kind (numbers as '#'), per surviving replica."""
     per_replica: dict[int, dict[str, float]] = {}
+    kinds: dict[str, float] = {}
     for (rep, pos), recs in steps.items():
         recs = sorted(recs, key=lambda s: s["step"])
         first = next(i for i, s in enumerate(recs) if s["t_commit"] > t_kill)
@@ -107,11 +109,19 @@ def failure_requests(steps: dict[Any, list[dict]], t_kill: float, g0: int, coord
         for key in mine:
             rate = (recs[end + AFTER][key] - recs[end][key]) / AFTER
             mine[key] += recs[end][key] - recs[first - 1][key] - (end - first + 1) * rate
+        if "main_kinds" in recs[end]:  # the same count, per key kind (storecount.Tally)
+            at = [recs[i].get("main_kinds", {}) for i in (first - 1, end, end + AFTER)]
+            for kind in set().union(*at):
+                a0, a1, a2 = (c.get(kind, 0) for c in at)
+                n = a1 - a0 - (end - first + 1) * (a2 - a1) / AFTER
+                kinds[kind] = kinds.get(kind, 0.0) + n
     reps = len(per_replica)
     ranks = sum(r["main_reqs"] for r in per_replica.values())
     return {"main_reqs": (ranks + coord) / reps, "rank_main_reqs": ranks / reps,
             "coord_reqs": coord, "main_max": max(r["main_reqs"] for r in per_replica.values()),
-            "shard_reqs": sum(r["shard_reqs"] for r in per_replica.values()) / reps}
+            "shard_reqs": sum(r["shard_reqs"] for r in per_replica.values()) / reps,
+            "main_kinds": {k: round(n / reps, 2) for k, n in sorted(kinds.items())
+                           if abs(n / reps) >= 0.05}}
 
 
 def recovery_cpu(steps: dict[Any, list[dict]], t_kill: float, g0: int) -> float:

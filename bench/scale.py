@@ -52,7 +52,8 @@ scale:
                  later), less as many steps at its rate over the AFTER steps that follow (the
                  2 s generation fallback reads in the recovery's extra wall time stay in),
                  plus the coordinator's (the generation's publication), over the surviving
-                 replicas; `main_max` is the
+                 replicas (and its decisions' compare-and-set, one a step, subtracted at
+                 the failure-free rate like the ranks'); `main_max` is the
                  most any one replica added; `shard_req` the same count on the store shards
                  (with shards: the rendezvous, barrier and gloo's address exchange).
 
@@ -481,11 +482,15 @@ def figures(res: list[dict]) -> list[str]:
     one = sorted((r for r in res if r["positions"] == 1), key=lambda r: r["ranks"])
     for r in res:
         say(f"{r['replicas']}x{r['positions']}: store_ops_per_rank_step {r['store_ops']:.2f} "
-            f"(the mean rank's {r['store_ops_mean']:.2f}: with shards a shard's last counter "
-            "makes 2 more, on the main store), "
+            f"(the mean rank's {r['store_ops_mean']:.2f}; with shards a shard's last counter "
+            "tells the coordinator on its liveness socket, no round trip), "
             f"recovery_cpu {r['recovery_cpu'] * 1e3:.1f} ms, "
             f"main_store_requests_per_failure_per_replica {r['main_reqs']:.2f} (the most one "
             f"replica added: {r['main_max']:.0f}), shard requests {r['shard_reqs']:.1f}")
+        for k in r["kills"]:
+            say(f"  main-store requests per surviving replica by key: coordinator "
+                f"{k['coord_reqs'] / max(1, r['replicas'] - 1):.2f}, "
+                + ", ".join(f"{kind} {n:.2f}" for kind, n in k.get("main_kinds", {}).items()))
     small, big = (one[0], one[-1]) if one else (res[0], res[-1])
     ratio = big["recovery_cpu"] / small["recovery_cpu"]
     wall = (big["detect"] + big["agree"]) / (small["detect"] + small["agree"])

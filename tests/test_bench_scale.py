@@ -103,7 +103,11 @@ def test_failure_requests_count_the_window_less_the_new_memberships_rate() -> No
         return recs
 
     steps = {(0, 0): rank(5, 20), (2, 0): rank(1, 20)}
+    for recs in steps.values():  # the same requests, all on one key kind
+        for r in recs:
+            r["main_kinds"] = {"step/#/chain/#": r["main_reqs"]}
     got = scale.failure_requests(steps, 10.5, 0, coord=4.0)
+    assert got["main_kinds"] == {"step/#/chain/#": pytest.approx((5 + 1) / 2)}
     # each rank's window: steps 3..3+TAIL, its extra over 3 a step; the coordinator's 4 too
     assert got["main_reqs"] == pytest.approx((5 + 1 + 4) / 2)
     assert got["rank_main_reqs"] == pytest.approx((5 + 1) / 2) and got["coord_reqs"] == 4.0

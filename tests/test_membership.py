@@ -31,6 +31,10 @@ class DictStore:
         self.data[key] = str(v).encode()
         return v
 
+    def multi_set(self, names: list[str], values: list[str | bytes]) -> None:
+        for k, v in zip(names, values, strict=True):
+            self.set(k, v)
+
 
 class Lines:
     def __init__(self) -> None:
@@ -229,3 +233,29 @@ def test_a_replacement_before_its_predecessors_loss_is_published_joins() -> None
     assert join.epoch >= 0 and join.at == 6
     assert wire.to(11)[-1] == f"joining {join.epoch} 1 0\n", wire.to(11)
     assert f"join 1 {join.epoch} 6\n" in wire.to(0)
+
+
+def test_the_tree_top_decides_once_every_shard_told_it_and_a_redo_wins() -> None:
+    """`shards.TreeTop`, the coordinator's side of the store shards' count tree: it decides on
+    the main store only when every shard with ranks of the generation has told it, copies what
+    is there into those shards (a `redo` written first wins), and a leader that saw a reason to
+    store the next plan makes it `commit-plan`."""
+    from recover.collectives import shards
+
+    main, s0, s1, s2 = DictStore(), DictStore(), DictStore(), DictStore()
+    top = shards.TreeTop(main, [s0, s1, s2])
+    assert top.counted(["5", "0", "2", "0,2", "commit-plan"]) is None
+    assert keys.decision_key(5, 0) not in main.data  # shard 0 has not told it yet
+    assert top.counted(["5", "0", "0", "0,2", "commit"]) == keys.COMMIT_PLAN
+    for store in (main, s0, s2):
+        assert store.data[keys.decision_key(5, 0)] == keys.COMMIT_PLAN
+    assert keys.decision_key(5, 0) not in s1.data  # no rank of generation 0 counts there
+    main.compare_set(keys.decision_key(6, 1), "", keys.REDO)  # a failed reduce, first
+    top.counted(["6", "1", "0", "all", "commit"])
+    top.counted(["6", "1", "1", "all", "commit"])
+    assert top.counted(["6", "1", "2", "all", "commit"]) == keys.REDO
+    assert s1.data[keys.decision_key(6, 1)] == keys.REDO
+    for bad in (["6", "1", "3", "all", "commit"], ["6", "1", "0", "all", "redo"],
+                ["x/y", "1", "0", "all", "commit"], ["6", "1", "1", "0,2", "commit"]):
+        with pytest.raises(ValueError):
+            top.counted(bad)

@@ -100,6 +100,7 @@ class Coordinator:
         self.stale_s = config.stale_s
         self.store_shards = config.store_shards if config.store_shards > 1 else 0
         self.shards: list[TCPStore] = []
+        self.top: shards.TreeTop | None = None  # decides for the shards' leaders (with shards)
         # None: store port + 1 for a fixed store port (predictable for firewalls), else any.
         self.liveness_port = config.liveness_port
         self.log_path = config.log_path
@@ -169,6 +170,7 @@ class Coordinator:
             self.shards.append(keys.serve_store(self.host, want))
         if self.shards:
             shards.publish(self.client, [int(s.port) for s in self.shards])
+            self.top = shards.TreeTop(self.client, self.shards)
         self.client.set(keys.COORD_PID, str(os.getpid()))
         self.client.set(keys.RUN_PROOF, proof(self.config.token, keys.RUN_PURPOSE))
         self.client.set(keys.LIVENESS_ADDR, f"{socket.gethostname()}:{lport}")
@@ -199,7 +201,7 @@ class Coordinator:
         self._sel.close()
         self.membership = None
         self.client = self.store = None  # type: ignore[assignment]
-        self.shards = []
+        self.shards, self.top = [], None
 
     # -- main loop -----------------------------------------------------------------------
     def serve(self, should_stop: Callable[[], bool] = lambda: False) -> int:
@@ -231,7 +233,10 @@ class Coordinator:
             self._drop_silent_strangers(now)
             if now - self._pinged >= self.ping_s:
                 self._pinged = now
-                self.send_all("ping\n")
+                # The generation published last rides on the ping: a member that missed its
+                # push (a full send buffer drops it) learns of it within a ping, and one that
+                # hears pings needs no periodic store read for generations (collectives/member.py).
+                self.send_all("ping\n" if m.published is None else f"ping {m.published}\n")
             if m.generation < 0:
                 if m.first_generation(now):
                     for conn in self.heard.values():  # silence is judged from now on
@@ -241,9 +246,11 @@ class Coordinator:
                 if m.publish_due(now):
                     m.publish_next()
                 if m.everyone_left() and self.exit_when_done:
+                    m.flush_exits(final=True)  # nobody is left to publish to
                     self.write_stats(now, force=True)
                     return 0
             self.write_stats(now)
+        m.flush_exits(final=True)
         self.write_stats(time.monotonic(), force=True)
         return 0
 
@@ -380,6 +387,9 @@ class Coordinator:
             m.ready(fd, int(words[1]))
         elif kind == "joinfail":  # joinfail <epoch>: its donor went away; try another
             m.donor_gone(fd, int(words[1]))
+        elif kind == "counted" and self.top is not None:
+            # counted <tag> <g> <shard> <shards used> <value>: a store shard's count is complete
+            self.top.counted(words[1:])
         else:
             raise ValueError(f"unknown message {kind!r}")
 

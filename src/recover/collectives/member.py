@@ -147,6 +147,9 @@ class Member:
         self._stop = threading.Event()
         self._waiters: set[threading.Event] = set()  # set whenever a generation is learned
         self.coordinator_lost = False
+        # When a ping that carries the published generation was last heard (monotonic): while
+        # they come, the periodic store read for a missed push is not needed (`_refresh_loop`).
+        self._pinged = -REFRESH_S
         self.replicas = 0  # known after join()
         self.fenced = False  # set (for good) once a generation without this replica is seen
         # The protocol's requests of the main store are counted (the heartbeat carries the
@@ -307,6 +310,12 @@ class Member:
         age = time.monotonic() - self._progress
         return age if stuck_s and age > STALL_REPORT_FRACTION * stuck_s else 0.0
 
+    def tell(self, line: str) -> None:
+        """Send one protocol line to the coordinator (a store shard's complete count,
+        `shards.counted_line`): no store round trip; a lost connection shows as
+        `coordinator_lost`, as for heartbeats."""
+        self._send(line)
+
     def report_lost(self, reason: str) -> None:
         """Declare this whole replica lost (one of its ranks died)."""
         self._send(f"lost {reason}\n")
@@ -415,8 +424,12 @@ class Member:
 
     def _refresh_loop(self) -> None:
         """The slow fallback for a missed push: read the generations from the store every 2 s,
-        on its own thread and store client (a store call may block while the store stalls)."""
+        on its own thread and store client (a store call may block while the store stalls),
+        unless pings that carry the generation have been heard meanwhile (they tell of a
+        missed push sooner, for no request while none was missed)."""
         while not self._stop.wait(REFRESH_S):
+            if time.monotonic() - self._pinged < REFRESH_S:
+                continue  # the pings tell of every generation (`_pushed`): no store request
             try:
                 self._refresh(self._hb_store)
             except Exception:
@@ -465,6 +478,12 @@ class Member:
                 if members is None or not self._welcomed.is_set():
                     return g
                 self._learn(g, members)
+            elif words[:1] == ["ping"] and len(words) > 1:  # ping <generation published last>
+                self._pinged = time.monotonic()
+                with self._lock:
+                    behind = int(words[1]) > self._gen
+                if behind and self._welcomed.is_set():
+                    return int(words[1])  # its push was lost: read it from the store
             elif words[:1] == ["welcome"]:  # welcome [<first generation of this coordinator>]
                 self._floor = int(words[1]) if len(words) > 1 else 0
                 self._welcomed.set()

@@ -116,6 +116,7 @@ class Membership:
         self.floor = 0  # this coordinator's first generation (older ones are not in its store)
         self.gen_count = 0  # the store's GEN_COUNT
         self.published: int | None = None  # the last generation this coordinator published
+        self._exits_due = False  # the exits changed; written with the pending publication
 
     # -- what a connection says ------------------------------------------------------------------
     def hello(self, conn: int, h: Hello) -> bool:
@@ -258,13 +259,14 @@ class Membership:
             # generation leaves it out (at the end of training nobody is waiting any more).
             if peer.replica in self.members and self._gone(peer.replica):
                 how = f"left cleanly ({peer.bye_reason})" if peer.bye_reason else "left cleanly"
-                self._set_exit(peer.replica, how)
-                self._mark_lost(peer.replica, how)
+                self._mark_lost(peer.replica, how)  # first: the exit then goes with the
+                self._set_exit(peer.replica, how)  # publication (`_write_exits`)
             return
         why = f"connection closed (pid {peer.pid} rank {peer.rank})"
-        if peer.replica in self.members and peer.replica not in self.lost:
-            self._set_exit(peer.replica, f"lost: {why}")
+        newly = peer.replica in self.members and peer.replica not in self.lost
         self._mark_lost(peer.replica, why)
+        if newly:
+            self._set_exit(peer.replica, f"lost: {why}")
 
     def silent(self, conn: int, seconds: float) -> None:
         """The transport heard nothing on `conn` for `seconds` > stale_s."""
@@ -475,8 +477,14 @@ class Membership:
         self.cuts, self.cut_reporters, self.cut_since = {}, [], None
         self.log({"event": "generation", "gen": g, "members": self.members, "reason": reason})
         self.wire.send_all(push)
-        self.store.set(keys.reason_key(g), reason)
-        self.store.add(keys.GEN_COUNT, g + 1 - self.gen_count)  # after a recover gap too
+        # One request for both (a failure's main-store work is counted per replica): the count
+        # is only ever written here, so setting it is the add it was (a recover gap too).
+        names, values = [keys.reason_key(g), keys.GEN_COUNT], [reason, str(g + 1)]
+        if self._exits_due:  # how the lost ended, held for this request (`_write_exits`)
+            names.append(keys.COORD_EXITS)
+            values.append(self._exits_json())
+            self._exits_due = False
+        self.store.multi_set(names, values)
         self.gen_count = g + 1
         for r, join in sorted(self.joins.items()):  # replacements that came before this
             if r not in self.members and join.epoch < 0 and len(join.ranks) == join.nranks:
@@ -490,5 +498,21 @@ class Membership:
         self._write_exits()
 
     def _write_exits(self) -> None:
-        self.store.set(keys.COORD_EXITS,
-                       json.dumps({str(r): v for r, v in sorted(self.exits.items())}))
+        """Store how each replica ended; while a publication is pending (debounced) the write
+        waits for it and goes in its request (a failure's main-store work counts per replica);
+        `flush_exits` writes one still held when no publication comes."""
+        if self.pending_since is not None:
+            self._exits_due = True
+            return
+        self._exits_due = False
+        self.store.set(keys.COORD_EXITS, self._exits_json())
+
+    def flush_exits(self, final: bool = False) -> None:
+        """Write the exits held for a publication: if none is pending any more, or `final`
+        (the coordinator stops serving)."""
+        if self._exits_due and (final or self.pending_since is None):
+            self._exits_due = False
+            self.store.set(keys.COORD_EXITS, self._exits_json())
+
+    def _exits_json(self) -> str:
+        return json.dumps({str(r): v for r, v in sorted(self.exits.items())})

@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import datetime
+import re
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -26,12 +27,17 @@ from typing import Any
 
 import torch.distributed as dist
 
+_KIND = re.compile(r"\d+")
+
 
 class Tally:
     """Calls per server label, and (when `keep_keys`) the keys each server was asked about."""
 
     def __init__(self, keep_keys: bool = False, keep_alive: bool = False) -> None:
         self.calls: Counter[str] = Counter()
+        # Calls per (server label, key kind: the first key named, its numbers as '#'), for
+        # breakdowns (bench/scale.py): which protocol keys a failure's requests touch.
+        self.kinds: Counter[tuple[str, str]] = Counter()
         self.keys: dict[str, set[str]] = {}
         self.keep_keys, self.keep_alive = keep_keys, keep_alive
         self._lock = threading.Lock()
@@ -40,6 +46,8 @@ class Tally:
     def note(self, where: str, names: Iterable[str]) -> None:
         with self._lock:
             self.calls[where] += 1
+            names = list(names)
+            self.kinds[where, _KIND.sub("#", names[0]) if names else "-"] += 1
             if self.keep_keys:
                 self.keys.setdefault(where, set()).update(names)
 
@@ -51,6 +59,11 @@ class Tally:
     def total(self, where: str) -> int:
         with self._lock:
             return self.calls[where]
+
+    def by_kind(self, where: str) -> dict[str, int]:
+        """{key kind: calls} on the server `where` so far."""
+        with self._lock:
+            return {k: n for (w, k), n in self.kinds.items() if w == where}
 
 
 class CountedStore(dist.Store):

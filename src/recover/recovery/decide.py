@@ -3,8 +3,9 @@
 Invariant: an attempt's decision (`step/{t}/g{g}/decision`) is written once, on the main store,
 by compare-and-set; `commit` only when every position of every surviving member of g holds a
 verified result. A store shard's decision key (collectives/shards.py) only ever holds a copy of
-it. Failure-free this costs each rank two round trips (four for a shard's last counter); after a
-membership change the survivors decide on evidence (their written outcomes) instead.
+it. Failure-free this costs each rank two round trips (with store shards too: the coordinator
+tops the count tree); after a membership change the survivors decide on evidence (their written
+outcomes) instead.
 """
 
 from __future__ import annotations
@@ -104,24 +105,22 @@ class CommitDecision:
         return self._await_decision(self.waiter, tag, g, dkey)
 
     def _decide_sharded(self, step: int, tag: int | str, g: int, dkey: str) -> bytes:
-        """`decide` through this rank's store shard (collectives/shards.py): count there; the
-        rank completing its shard's count counts once on the main store, where the last such
-        rank decides; each of those copies the main store's decision into its own shard."""
+        """`decide` through this rank's store shard (collectives/shards.py): count there, then
+        wait there; the rank completing its shard's count tells the coordinator (a line on its
+        liveness socket, no round trip), which decides on the main store once every shard's
+        count is complete and copies the decision into the shards. Two round trips, whoever
+        we are."""
         assert self.shard_waiter is not None
         per_shard = self.shard_totals.of(g, self.member.members(g))
-        ckey = keys.count_key(tag, g)
-        if self.shard.add(ckey, 1) != per_shard[self.shard_index]:
-            # Decided on evidence (no leader copied it), the decision is copied here too: that
-            # ends our shard waiter's blocked get, so its client is reused, not replaced by a
-            # new connection (each costs the server a blocking DNS lookup: docs/MEASUREMENTS.md,
-            # "TCPStore").
-            return self._await_decision(self.shard_waiter, tag, g, dkey, copy_to=self.shard)
-        if self.store.add(ckey, 1) == len(per_shard):
-            decided = self.store.compare_set(dkey, "", self.commit_value(step, g))
-        else:
-            decided = self._await_decision(self.waiter, tag, g, dkey)
-        self.shard.set(dkey, decided)
-        return decided
+        if self.shard.add(keys.count_key(tag, g), 1) == per_shard[self.shard_index]:
+            self.member.tell(shards.counted_line(tag, g, self.shard_index, sorted(per_shard),
+                                                 self.shard_totals.shards,
+                                                 self.commit_value(step, g)))
+        # Decided on evidence (the coordinator never completed the count), the decision is
+        # copied here too: that ends our shard waiter's blocked get, so its client is reused,
+        # not replaced by a new connection (each costs the server a blocking DNS lookup:
+        # docs/MEASUREMENTS.md, "TCPStore").
+        return self._await_decision(self.shard_waiter, tag, g, dkey, copy_to=self.shard)
 
     def _await_decision(self, waiter: KeyWaiter, tag: int | str, g: int, dkey: str,
                         copy_to: Any = None) -> bytes:

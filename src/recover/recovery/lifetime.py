@@ -15,8 +15,10 @@ and the wire protocol"):
   of it (or, on evidence, every rank of the newest generation that was also in it): each of those
   had returned from commit i's `run` before. So after commit i + 2 every one of them had left
   commit i one whole step before, and every request it sent about commit i was served, even a
-  write sent without waiting for a reply (a shard leader's copy of a decision, `set`): the
-  requests it made later on that client (commit i + 1's) were answered after it.
+  write sent without waiting for a reply (a decision's copy on a shard after a failed reduce,
+  `set`): the requests it made later on that client (commit i + 1's) were answered after it.
+  The coordinator's copies into the shards (collectives/shards.py) come before any rank of a
+  shard reads its decision, so before any of them counts commit i + 1.
 - A rank not in those generations was dropped from the membership: dead, or fenced as soon as it
   learns of the newer generation (collectives/member.py). Until then it may still block on, or
   even re-create, one of commit i's keys; that misleads only itself, and leaves a key behind.
@@ -30,13 +32,16 @@ deletions come from one of its own ranks, never one rank for all shards. The del
 background thread with its own client, off the step's critical path: the engine's 2 round trips
 per rank per step failure-free (`stats["store_ops"]`) are unchanged. Failure-free they cost the
 deleting rank 2 or 3 requests a step on the main store (count, decision, and entry 0 when it was
-stored) and 2 per shard for each shard's deleting rank (`stats["store_deletes"]`).
+stored; with store shards no count: 1 or 2) and 2 per shard for each shard's deleting rank
+(`stats["store_deletes"]`).
 
 Left behind, a bounded few keys per event, never per step: the last two commits' keys when the
-run ends; two commits' keys after a join, a restart of the coordinator, or the death of the
-deleting rank (whoever should delete them has no record of them); a key re-created by a rank
-that was dropped; and a step's keys when the deletion queue is full (the store is answering
-slower than the steps commit; logged).
+run ends; an evidence counter of a generation the deleting rank had not yet learned when it
+committed that step (another rank, still waiting for the decision, learned it first); two
+commits' keys after a join, a restart of the coordinator, or the death of the deleting rank
+(whoever should delete them has no record of them); a key re-created by a rank that was
+dropped; and a step's keys when the deletion queue is full (the store is answering slower than
+the steps commit; logged).
 """
 
 from __future__ import annotations
@@ -68,6 +73,10 @@ class Committed:
     implied: bool  # entry 0 was implied by the commit before, not stored
     generation: int  # the generation it committed in
     members: list[int]  # that generation's members (sorted)
+    # The newest generation this rank knew when it committed: a rank counts evidence for the
+    # step only while it waits for its decision, so only generations up to about this one can
+    # have evidence counters (-1: unknown, every one up to the deleting commit's generation).
+    newest: int = -1
 
 
 def first_on_shard(members: list[int], positions: int, n_shards: int, shard: int
@@ -80,13 +89,16 @@ def first_on_shard(members: list[int], positions: int, n_shards: int, shard: int
     return None
 
 
-def protocol_keys(old: Committed, newest: int) -> list[str]:
+def protocol_keys(old: Committed, newest: int, counts: bool = True) -> list[str]:
     """The main store's keys of commit `old`; evidence counters up to generation `newest`
-    (counted while a decision waited: none in a failure-free step)."""
+    (counted while a decision waited: none in a failure-free step). `counts`: the counts too
+    (not with store shards: the ranks count on their shards, the coordinator tops the tree in
+    its memory, collectives/shards.py)."""
     first = 1 if old.implied else 0
     out = [keys.chain_key(old.tag, k) for k in range(first, len(old.chain))]
     for g in sorted({int(e["gen"]) for e in old.chain}):
-        out += [keys.count_key(old.tag, g), keys.decision_key(old.tag, g)]
+        out += [keys.count_key(old.tag, g)] if counts else []
+        out += [keys.decision_key(old.tag, g)]
         out += [keys.evidence_key(old.tag, g, s) for s in range(g + 1, newest + 1)]
     return out
 
@@ -134,7 +146,12 @@ class KeyLifetime:
         if not both:
             return
         if both[0] == self.me and self.position == 0:
-            self._queue("main", protocol_keys(old, c.generation))
+            # Evidence counters only up to the newest generation we knew at that commit:
+            # deleting ones never written cost a request each after every failure. One
+            # written by a rank that learned a newer generation in the same instant as the
+            # decision is left behind (a key per event, not per step: see above).
+            newest = c.generation if old.newest < 0 else min(old.newest, c.generation)
+            self._queue("main", protocol_keys(old, newest, counts=not self.n_shards))
         if self.n_shards and first_on_shard(both, self.positions, self.n_shards,
                                             self.shard) == (self.me, self.position):
             self._queue("shard", shard_keys(old))

@@ -317,7 +317,8 @@ class StepEngine:
         for o in owners.values():
             quotas[o] = quotas.get(o, 0) + 1
         members = self.member.members(g)
-        self.lifetime.committed(Committed(p.tag, p.chain, p.implied, g, members))
+        self.lifetime.committed(Committed(p.tag, p.chain, p.implied, g, members,
+                                          self.member.generation()))
         recovered = _recovered(p.chain) if self.strategy.keeps_work else []
         recovery_s = time.monotonic() - p.t_fault if p.t_fault else 0.0
         if attempt > 1 or recovered:

@@ -362,6 +362,12 @@ class Harness:
             replicas=replicas, host="127.0.0.1", port=0, stale_s=stale_s,
             join_timeout_s=timeout_s, log_path=str(self.log), store_shards=store_shards))
         self.port = self.coord.start()
+        top = self.coord.top  # with store shards it decides for the shards' leaders: archived
+        if top is not None:
+            never = _Dead()
+            top.main = _StoreProxy(top.main, never, lambda _key: None, self.archive, "main")
+            top.servers = [_StoreProxy(s, never, lambda _key: None, self.archive, f"shard{k}")
+                           for k, s in enumerate(top.servers)]
         self.ended = self.closed = False
         self._stop = threading.Event()
         self._serve = threading.Thread(target=self.coord.serve, args=(self._stop.is_set,),
