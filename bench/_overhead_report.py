@@ -59,24 +59,57 @@ def _ddp_samples(reps: list[dict], block: int) -> list[dict]:
     return out
 
 
-def _block_pairs(reps: list[dict], warmup: int, block: int) -> list[float]:
-    """recover/DDP ratio of each DDP block and the recover block right after it (replica 0)."""
-    rec, d = reps[0]["recover"], reps[0]["ddp"]
-    ratios = []
-    for k, f in enumerate(d["first"]):
-        start = (k + 1) * block  # the recover step that follows DDP block k
-        if k == 0 or start < warmup:
-            continue
-        r = [s["run"] + s["loop"] for s in rec[start + 1:start + block] if "loop" in s]
-        x = d["step_s"][f + 1:f + block]
-        if r and x:
-            ratios.append(median(r) / median(x))
-    return ratios
+def _blocks(reps: list[dict], warmup: int, block: int
+            ) -> list[tuple[int, str, list[float], list[float]]]:
+    """The timed blocks in time order (recover block k, then DDP block k, ...), each as
+    (position in that order, kind, every replica's step times, their CPU seconds); a block with
+    no timed step is left out (the warmup, DDP's first block, the first step of each block,
+    recover's last step)."""
+    out = []
+    n_blocks = max(len(rep["recover"]) for rep in reps) // block + 1
+    for k in range(n_blocks):
+        rec = [s for rep in reps for i, s in enumerate(rep["recover"][:-1])
+               if k * block <= i < (k + 1) * block and i >= warmup and not s.get("first")
+               and "loop" in s]
+        out.append((2 * k, "recover", [s["run"] + s["loop"] for s in rec],
+                    [s["cpu"] for s in rec]))
+        if k == 0:
+            continue  # DDP's first block warms it up
+        ddp: tuple[list[float], list[float]] = ([], [])
+        for rep in reps:
+            d = rep["ddp"]
+            if k >= len(d["first"]):
+                continue
+            lo = d["first"][k]
+            hi = d["first"][k + 1] if k + 1 < len(d["first"]) else len(d["end"])
+            for i in range(lo + 1, hi):  # not the block's first step
+                ddp[0].append(d["step_s"][i])
+                ddp[1].append(d["cpu"][i] - d["cpu"][i - 1])
+        out.append((2 * k + 1, "ddp", *ddp))
+    return [b for b in out if b[2]]
+
+
+def abba_pairs(reps: list[dict], warmup: int, block: int, coord_share: float
+               ) -> tuple[list[float], list[float]]:
+    """recover/DDP ratios (wall, CPU) of each two adjacent blocks of different kinds: recover
+    then DDP, DDP then recover, ... (AB, BA, AB: each block in two pairs), so a drift of the
+    machine's speed raises as many ratios as it lowers. A block's figure is the median over its
+    steps on every replica; recover's CPU includes `coord_share` (the coordinator's per step)."""
+    blocks = _blocks(reps, warmup, block)
+    wall, cpu = [], []
+    for (p1, k1, w1, c1), (p2, _, w2, c2) in zip(blocks, blocks[1:], strict=False):
+        if p2 != p1 + 1:
+            continue  # a block left out between them: not adjacent
+        (rw, rc), (dw, dc) = ((w1, c1), (w2, c2)) if k1 == "recover" else ((w2, c2), (w1, c1))
+        wall.append(median(rw) / median(dw))
+        cpu.append((median(rc) + coord_share) / median(dc))
+    return wall, cpu
 
 
 def report(reps: list[dict], coord: list[tuple[float, float]], warmup: int, block: int
-           ) -> tuple[float, float]:
-    """Print the A/B and where recover's time goes; return (wall ratio, CPU ratio)."""
+           ) -> tuple[list[float], list[float]]:
+    """Print the A/B and where recover's time goes; return the recover/DDP ratios (wall, CPU)
+    of the pairs of adjacent blocks (`abba_pairs`), or the pooled ratios where no pair is."""
     rs, ds = _recover_samples(reps, warmup), _ddp_samples(reps, block)
 
     def st(key: str, f=_mean) -> float:
@@ -92,14 +125,15 @@ def report(reps: list[dict], coord: list[tuple[float, float]], warmup: int, bloc
     coord_step = rate * st("period", median)
     ratio = st("period", median) / median([s["step_s"] for s in ds])
     cpu_ratio = (st("cpu") + coord_step / len(reps)) / (dt("cpu") / 1e3)
-    pairs = _block_pairs(reps, warmup, block)
+    pairs, cpu_pairs = abba_pairs(reps, warmup, block, coord_step / len(reps))
     say(f"\n  interleaved A/B ({len(rs)} recover and {len(ds)} DDP replica-steps): median step "
         f"recover {st('period', median) * 1e3:.2f} ms, DDP {dt('step_s', median):.2f} ms -> "
-        f"ratio {ratio:.3f}")
+        f"pooled ratio {ratio:.3f}")
     if len(pairs) > 1:
         q = statistics.quantiles(pairs, n=4)
-        say(f"  per block pair (replica 0, {len(pairs)} pairs): median ratio {median(pairs):.3f}"
-            f", quartiles {q[0]:.3f}..{q[2]:.3f}")
+        say(f"  per pair of adjacent blocks ({len(pairs)} pairs, AB BA AB ..., every replica's "
+            f"steps): median ratio {median(pairs):.3f}, quartiles {q[0]:.3f}..{q[2]:.3f}, range "
+            f"{min(pairs):.3f}..{max(pairs):.3f}; CPU median {median(cpu_pairs):.3f}")
     n_mb = reps[0]["ddp"].get("quota")
     bal = [s["max_quota"] for s in rs if "max_quota" in s]
     if bal:
@@ -150,4 +184,7 @@ def report(reps: list[dict], coord: list[tuple[float, float]], warmup: int, bloc
             f"heartbeats and the coordinator's reads come on top")
     else:
         say("  store: round-trips not counted (the store hook did not take; see the logs)")
-    return ratio, cpu_ratio
+    if not pairs:
+        say("  no two adjacent timed blocks: the ratios below pool every timed step")
+        return [ratio], [cpu_ratio]
+    return pairs, cpu_pairs

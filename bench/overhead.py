@@ -13,13 +13,19 @@ record; DDP: lr..optimizer). `bench/_profile.py` breaks recover's step into comp
 collective, group build and commit decision from the library's public counters
 (`StepEngine.stats`, `FaultTolerantComm.stats`), and counts store round-trips with a wrapper
 around the store client; CPU clocks (robust to other load) give a second ratio that includes the
-coordinator's share. With --separate (default outside --quick), whole
-`recover train` runs (launcher included) and standalone DDP runs are also compared in ABBA
-order. Last lines: `cpu_overhead_ratio=<x>` and `overhead_ratio=<recover/ddp wall>`.
+coordinator's share. Each ratio is the median of the recover/DDP ratios of the run's pairs of
+adjacent blocks (recover then DDP, DDP then recover, ...: AB BA AB, so a drift of the machine's
+speed raises as many of them as it lowers), every replica's steps counted; the range of the
+pairs is printed on a line of its own before it. With --separate (default outside --quick),
+whole `recover train` runs (launcher included) and standalone DDP runs are also compared in ABBA
+order. Last lines, for each preset but debug (`_small` for the small preset), then for debug:
+`cpu_overhead_ratio_spread=<lo>..<hi> n=<pairs>`, `cpu_overhead_ratio=<x>`,
+`overhead_ratio_spread=<lo>..<hi> n=<pairs>`, `overhead_ratio=<recover/ddp wall>`
+(goals: debug <= 1.03, small <= 1.00).
 
     python bench/overhead.py --smoke          # debug preset, R=2, 12 steps: seconds (CI)
-    python bench/overhead.py --quick          # debug preset, R=4, one interleaved run
-    python bench/overhead.py                  # small preset, + separate runs
+    python bench/overhead.py --quick          # small + debug presets, R=4, one interleaved run each
+    python bench/overhead.py                  # both presets, more steps, + separate runs
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ from recover.procs import start, stop_all
 
 log = logging.getLogger("bench.overhead")
 # --smoke: one interleaved run, as small as still times recover and DDP blocks side by side.
-SMOKE = {"replicas": 2, "steps": 12, "block": 2, "warmup": 2}
+SMOKE = {"replicas": 2, "block": 2, "warmup": 2, "presets": "debug"}
 
 
 def ddp_run(cfg, run: Path, bucket_mb: float, timeout_s: float) -> list[dict]:
@@ -121,12 +127,14 @@ def separate(cfg, name: str, root: Path, a, steps: int, flags: list[str]) -> flo
 
 
 def parse_args() -> argparse.Namespace:
-    ap = bench_args(__doc__, "debug preset, 60 steps (< 2 min)", "debug preset, R=2, 12 steps "
-                    "in blocks of 2, no separate runs")
-    ap.add_argument("--preset", help="model/data preset (default small; debug with --quick)")
+    ap = bench_args(__doc__, "small and debug presets, one interleaved run each (< 5 min)",
+                    "debug preset, R=2, 12 steps in blocks of 2, no separate runs")
+    ap.add_argument("--presets", help="model/data presets, comma-separated (default small,debug;"
+                    " debug with --smoke); `overhead_ratio=` is debug's, the others' get a "
+                    "suffix (`overhead_ratio_small=`)")
     ap.add_argument("--replicas", type=int, help="R (default 4; 2 with --smoke)")
     ap.add_argument("--steps", type=int, help="recover steps (and as many DDP steps); default "
-                    "60 quick, 120 full, 12 smoke")
+                    "debug 60 / small 30 with --quick, 120 / 60 without, 12 with --smoke")
     ap.add_argument("--block", type=int, help="steps per recover/DDP block (default 5; 2 smoke)")
     ap.add_argument("--warmup", type=int, help="leading recover steps not timed (default 5; 2 "
                     "smoke)")
@@ -142,28 +150,29 @@ def parse_args() -> argparse.Namespace:
                     help="recover's heartbeat staleness threshold (no per-step cost; the default"
                          " 1.0 s gave false alarms on a machine loaded far beyond its cores)")
     a = ap.parse_args()
-    full = {"replicas": 4, "steps": 60 if a.quick else 120, "block": 5, "warmup": 5}
+    full = {"replicas": 4, "block": 5, "warmup": 5, "presets": "small,debug"}
     defaults(a, SMOKE if a.smoke else full)
     a.quick = a.quick or a.smoke
+    # A small step costs ~8 debug steps: half as many keep its run about as long.
+    per = {"debug": 60, "small": 30} if a.quick else {"debug": 120, "small": 60}
+    a.steps_of = {n: a.steps or (12 if a.smoke else per.get(n, per["debug"]))
+                  for n in a.presets.split(",")}
+    a.sep = (not a.quick) if a.separate is None else a.separate
     return a
 
 
-def main() -> int:
-    a = parse_args()
-    name = a.preset or ("debug" if a.quick else "small")
-    steps = a.steps
-    sep = (not a.quick) if a.separate is None else a.separate
-    root = out_dir(a.out, "overhead")
+def interleaved(name: str, a: argparse.Namespace, root: Path) -> tuple[list[float], list[float]]:
+    """One interleaved run of preset `name`; its report; the (wall, CPU) ratios of its pairs."""
     cfg = preset(name)
-    cfg.layout.replicas, cfg.run.steps = a.replicas, steps
+    cfg.layout.replicas, cfg.run.steps = a.replicas, a.steps_of[name]
     cfg.data.eval_every, cfg.ft.stale_s = 0, a.stale_s
-    cfg.run.out = str(fresh_dir(root / "interleaved"))  # a reused --out's run is refused
+    cfg.run.out = str(fresh_dir(root / f"interleaved-{name}"))  # a reused --out's is refused
     cfg.ft.speed_aware = not a.no_speed_aware
     m = cfg.model
-    say(f"overhead: recover vs DDP(no_sync), preset {name}: d={m.n_embd} L={m.n_layer} "
+    say(f"\noverhead: recover vs DDP(no_sync), preset {name}: d={m.n_embd} L={m.n_layer} "
         f"T={m.block_size}, N={cfg.data.microbatches} B={cfg.data.microbatch_size} "
-        f"R={cfg.layout.replicas}; "
-        f"{steps} recover steps interleaved with DDP in blocks of {a.block}; out {root}")
+        f"R={cfg.layout.replicas}; {cfg.run.steps} recover steps interleaved with DDP in blocks "
+        f"of {a.block}; out {root}")
     say(f"assumptions: {cores()} CPU core(s) for {cfg.layout.replicas} replica processes + the "
         f"coordinator (load average now {loadavg():.1f}); torch.set_num_threads(1); gloo on "
         f"127.0.0.1; eval/checkpoint only after the last step; DDP bucket_cap_mb={a.bucket_mb}, "
@@ -176,20 +185,37 @@ def main() -> int:
         "come from the library's public counters (bench/_profile.py)")
     t0 = time.monotonic()
     reps, coord = profiled_run(cfg, a.timeout_s, a.block, a.bucket_mb)
-    ratio, cpu_ratio = report(reps, coord, a.warmup, a.block)
+    pairs = report(reps, coord, a.warmup, a.block)
     say(f"  ({time.monotonic() - t0:.0f}s wall)")
-    if sep:
+    if a.sep:
         say("\nseparate runs: `recover train` (launcher + coordinator + workers) vs "
             "bench/_ddp.py, ABBA")
-        flags = ["--replicas", str(cfg.layout.replicas), "--steps", str(steps),
+        flags = ["--replicas", str(cfg.layout.replicas), "--steps", str(cfg.run.steps),
                  "--eval-every", "0", "--stale-s", str(a.stale_s)]
         flags += ["--no-speed-aware"] * a.no_speed_aware
-        separate(cfg, name, root, a, steps, flags)
-    say(f"\ngoal <= 1.03; load average now {loadavg():.1f} on {cores()} core(s)"
+        separate(cfg, name, root / name, a, cfg.run.steps, flags)
+    return pairs
+
+
+def main() -> int:
+    a = parse_args()
+    names = a.presets.split(",")
+    root = out_dir(a.out, "overhead")
+    results = {name: interleaved(name, a, root) for name in names}
+    say(f"\ngoals: overhead_ratio (debug) <= 1.03, overhead_ratio_small <= 1.00; each ratio is "
+        f"the median of the recover/DDP ratios of adjacent blocks (AB BA AB ...) in one run; "
+        f"load average now {loadavg():.1f} on {cores()} core(s)"
         + (" -- wall times on an overloaded machine reflect the scheduler's sharing"
            if loadavg() > cores() else ""))
-    print(f"cpu_overhead_ratio={cpu_ratio:.3f}")
-    print(f"overhead_ratio={ratio:.3f}", flush=True)
+    # The headline preset (debug where measured) last: `overhead_ratio=` is the last line.
+    head = "debug" if "debug" in results else names[-1]
+    for name in [n for n in names if n != head] + [head]:
+        wall, cpu = results[name]
+        tail = "" if name == head else f"_{name}"
+        print(f"cpu_overhead_ratio{tail}_spread={min(cpu):.3f}..{max(cpu):.3f} n={len(cpu)}")
+        print(f"cpu_overhead_ratio{tail}={median(cpu):.3f}")
+        print(f"overhead_ratio{tail}_spread={min(wall):.3f}..{max(wall):.3f} n={len(wall)}")
+        print(f"overhead_ratio{tail}={median(wall):.3f}", flush=True)
     return 0
 
 

@@ -76,12 +76,9 @@ class ShardedGrads:
         """Each parameter's local gradient (None where it has none yet), in pack order."""
         return [None if p.grad is None else local_tensor(p.grad) for p in self.params]
 
-    def assign_parts(self, parts: Iterable[torch.Tensor]) -> None:
-        with torch.no_grad():
-            for p, s, part in zip(self.params, self.shapes, parts, strict=True):
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                local_tensor(p.grad).copy_(part.view(s))
+    def local_flat(self) -> None:
+        """None: the local gradients are separate tensors (FSDP2 owns them), no one buffer."""
+        return None
 
     def zero(self) -> None:
         """Start a step: no gradient (autograd / FSDP2 create them on first accumulation)."""

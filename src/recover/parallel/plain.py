@@ -9,8 +9,6 @@ every `.grad` at once. If anything replaced the views (a user's `zero_grad()`, a
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
@@ -52,9 +50,9 @@ class FlatGrads:
         """Each parameter's gradient (a view of the flat buffer), in pack order."""
         return [p.grad for p in self.params]
 
-    def assign_parts(self, parts: Iterable[torch.Tensor]) -> None:
-        for p, part in zip(self.params, parts, strict=True):
-            p.grad.view(-1).copy_(part)  # type: ignore[union-attr]
+    def local_flat(self) -> torch.Tensor:
+        """The buffer every gradient views (exact mode folds and clears it in place)."""
+        return self.flat
 
     def zero(self) -> None:
         self.flat.zero_()
