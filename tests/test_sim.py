@@ -440,12 +440,12 @@ def test_control_plane_charges_rank_cpu_and_the_store_servers_serial_work(tmp_pa
     cpu, one, wall = (ScaleSpec(curve=curve, control=m) for m in ("cpu", "one-store", "wall"))
     fits = cpu.fits()
     per_shard = math.ceil(100_000 / 98)
-    assert store_serial_s(cpu, fits, 100_000) == pytest.approx((2 * per_shard + 2 * 98) * 1e-5)
+    assert store_serial_s(cpu, fits, 100_000) == pytest.approx((2 * per_shard + 1 + 98) * 1e-5)
     assert store_serial_s(one, fits, 100_000) == pytest.approx(2.0)  # 2 x 1e5 x 10 us
     assert store_serial_s(cpu, fits, 1024) == pytest.approx(2 * 1024 * 1e-5)  # one store
     assert control_plane_s(wall, fits, 100_000) == pytest.approx(0.5)
     p = size_params(scale_base(), 131072, 0, cpu)
-    assert p.control_plane_s == pytest.approx(0.001 + (2 * 1024 + 2 * 128) * 1e-5)
+    assert p.control_plane_s == pytest.approx(0.001 + (2 * 1024 + 1 + 128) * 1e-5)
     path.write_text(json.dumps({**doc, "store_request_cpu_s": -1}))
     with pytest.raises(ConfigError):
         load_curve(path)

@@ -155,7 +155,8 @@ def store_serial_s(spec: ScaleSpec, fits: dict[str, Fit], gpus: int) -> float:
     """The store servers' serial work in one failure-free step at `gpus` ranks: each request
     costs the curve's store_request_cpu_s of its server's one thread. One store: every rank's
     requests in series. S shards (collectives/shards.py), each on its own core: a shard's
-    ranks' requests, then 2 per shard on the main store. 0 in "wall" mode."""
+    ranks' requests, then the coordinator's decision on the main store (1) and its copy into
+    every shard (S, in series from its one client). 0 in "wall" mode."""
     mode = control_mode(spec)
     if mode == "wall":
         return 0.0
@@ -164,7 +165,7 @@ def store_serial_s(spec: ScaleSpec, fits: dict[str, Fit], gpus: int) -> float:
     shards = shards_for(gpus) if mode == "cpu" else 0
     if shards <= 1:
         return ops * gpus * per
-    return (ops * math.ceil(gpus / shards) + 2 * shards) * per
+    return (ops * math.ceil(gpus / shards) + 1 + shards) * per
 
 
 MAIN_FAILURE_COLUMNS = ("failure_main_requests_per_rank", "recovery_store_ops_per_rank")

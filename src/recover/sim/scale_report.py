@@ -251,8 +251,9 @@ def control_line(spec: ScaleSpec, fits: dict) -> str:
     per = float(spec.curve.request_cpu_s or 0.0)  # type: ignore[union-attr]
     how = (f"{shards_for(g)} store shards at {g:,} ranks (`--store-shards` = G / 1,024, "
            "collectives/shards.py; ASSUMPTION: the coordinator's host gives each shard "
-           "server its own core): a shard's ranks' requests in series, then 2 per shard on "
-           "the main store" if mode == "cpu" else "one store server: every rank's requests in "
+           "server its own core): a shard's ranks' requests in series, then the "
+           "coordinator's decision on the main store and its copy into every shard"
+           if mode == "cpu" else "one store server: every rank's requests in "
            "series")
     return (f"    control plane per step: control_plane_cpu_s(G), a rank's own CPU in it "
             "(ASSUMPTION: contention-free, as the rebuild; network round trips not in it), + "
