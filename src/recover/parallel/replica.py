@@ -76,7 +76,7 @@ class Replica:
         self._left = False
         # a planned leave (a scheduler's SIGTERM): asked on any rank, agreed by all after a step
         self._leave_asked: threading.Event | None = None
-        self.leaving = False
+        self._leave_agreed = False
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.rank = dist.get_rank() if mesh is not None else 0
         self.nranks = dist.get_world_size() if mesh is not None else 1
@@ -220,14 +220,20 @@ class Replica:
         # that is bounded on its own (a checkpoint save) runs inside `busy()`.
         self.member.arm(max(self.config.ft.reduce_timeout_s,
                             (self.member.fence_after_s or 6.0) + 10 * mb))
-        asked = self._leave_asked is not None and self._leave_asked.is_set()
         if self.nranks > 1:
             with self.guard():
                 self._sum_tied()
-                res.loss = self._agree(res.loss, asked)
-        else:
-            self.leaving = asked
+                res.loss = self._agree(res.loss, self._asked())
         return res
+
+    def _asked(self) -> bool:
+        return self._leave_asked is not None and self._leave_asked.is_set()
+
+    @property
+    def leaving(self) -> bool:
+        """Whether to leave at this step boundary (`leave_when`): one rank asks itself; the
+        ranks of a multi-rank replica use what they agreed after the last step, all alike."""
+        return self._asked() if self.nranks == 1 else self._leave_agreed
 
     def leave_when(self, asked: threading.Event) -> None:
         """Leave at a step boundary once `asked` is set (e.g. by a SIGTERM handler) on any rank
@@ -248,7 +254,7 @@ class Replica:
         dist.all_reduce(t)
         total, us, have, leave = t.tolist()
         self.engine.mb_time = us / self.nranks / 1e6 if int(have) == self.nranks else None
-        self.leaving = leave > 0
+        self._leave_agreed = leave > 0
         return total
 
     def _donate(self, step: int, join: dict) -> None:
