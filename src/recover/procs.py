@@ -179,11 +179,16 @@ def kill_pids(pids: Sequence[int]) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
+KILL_WAIT_S = 5.0  # for a SIGKILLed process to be gone (or a zombie)
+
+
 def stop_pids(pids: Sequence[int], grace_s: float = 5.0, poll_s: float = 0.02) -> None:
     """End processes that are not our children (we cannot wait() for them) by PID.
 
-    SIGCONT and SIGTERM to each live one, then SIGKILL to those still alive after `grace_s`.
-    Their parent reaps them; a zombie counts as ended.
+    SIGCONT and SIGTERM to each live one, then SIGKILL to those still alive after `grace_s`,
+    and a bounded wait (`KILL_WAIT_S`) for the kill to land: a SIGKILL is delivered
+    asynchronously, and on a loaded host a process stays runnable for a moment after it. Their
+    parent reaps them; a zombie counts as ended.
     """
     for pid in pids:
         if alive(pid):
@@ -194,6 +199,9 @@ def stop_pids(pids: Sequence[int], grace_s: float = 5.0, poll_s: float = 0.02) -
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(poll_s)
     kill_pids(pids)
+    deadline = time.monotonic() + KILL_WAIT_S
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(poll_s)
 
 
 # -- forked entry points ---------------------------------------------------------------------------

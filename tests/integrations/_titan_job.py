@@ -1,8 +1,9 @@
 """The torchtitan test job's launcher: every rank of both runs, forked from one interpreter.
 
-argv: OUT TOKENIZER_DIR TEXT_FILE STEPS N KILL_STEP REF_PORT_FILE KILL_PORT_FILE. It imports torch
+argv: OUT TOKENIZER_DIR TEXT_FILE STEPS N KILL_STEP REF_PORT_FILE KILL_PORT_FILE RANKS DEVICE
+(DEVICE "cpu": gloo inside a replica; "cuda": NCCL, every rank on cuda:0). It imports torch
 and torchtitan once (seconds on a loaded 2-core host: one interpreter per rank made the test take
-minutes), then forks each replica's 2 ranks, as `torchrun` would start them: the failure-free
+minutes), then forks each replica's ranks, as `torchrun` would start them: the failure-free
 reference (one replica, at the coordinator in REF_PORT_FILE) and the run with the fault (two
 replicas, KILL_PORT_FILE), concurrently. Replica 1's rank 0 SIGKILLs itself in step KILL_STEP's
 reduce; the launcher then kills its other rank and starts the replica again under a new
@@ -32,11 +33,14 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torchtitan.models.llama3.config_registry import llama3_debugmodel  # noqa: E402
 
-from recover.data import IdBatches  # noqa: E402
-from recover.integrations.torchtitan import RecoverTrainer, TokenWindows  # noqa: E402
+from recover.integrations.torchtitan import (  # noqa: E402
+    IdDataLoader,
+    RecoverTrainer,
+    recover_config,
+)
 from recover.settings import Hooks  # noqa: E402
 
-SEQ_LEN, ROWS, RANKS = 32, 4, 2  # tokens per row; rows per microbatch; ranks per replica
+SEQ_LEN, ROWS = 32, 4  # tokens per row; rows per microbatch (over the replica's ranks)
 TIMEOUT_S = 150  # the whole job, generous: the suite runs it beside others on 2 cores
 
 
@@ -48,6 +52,8 @@ class Job:
     steps: int
     n: int
     kill_step: int
+    ranks: int  # per replica
+    device: str
 
 
 def hooks(job: Job, run: str, replica: int, incarnation: int, rank: int) -> Hooks:
@@ -76,29 +82,29 @@ def rank_main(job: Job, run: str, port: str, replica: int, incarnation: int, ran
     logging.basicConfig(level=logging.INFO, force=True,
                         format="%(asctime)s %(name)s: %(message)s")
     os.environ.update(RECOVER_COORDINATOR=f"127.0.0.1:{port}", RECOVER_REPLICA=str(replica),
-                      RANK=str(rank), WORLD_SIZE=str(RANKS), LOCAL_RANK=str(rank),
+                      RANK=str(rank), WORLD_SIZE=str(job.ranks), LOCAL_RANK=str(rank),
                       RECOVER_INCARNATION=str(incarnation))
     # a fresh store per incarnation: the dead one's keys are stale
     store = job.out / run / f"pg-{replica}-{incarnation}"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                            world_size=RANKS)
-    config = llama3_debugmodel()
+    dist.init_process_group("nccl" if job.device == "cuda" else "gloo",
+                            init_method=f"file://{store}", rank=rank, world_size=job.ranks)
+    config = recover_config(llama3_debugmodel(), microbatches=job.n)
     config.hf_assets_path = job.tokenizer
     config.training.seq_len, config.training.steps = SEQ_LEN, job.steps
+    config.training.local_batch_size = ROWS // job.ranks  # a microbatch: ROWS rows over ranks
     config.training.mixed_precision_param = "float32"  # the test compares fp32 losses
     # FSDP2 by fully_shard on plain parameters (the spmd_types default needs its own runtime)
     config.parallelism.spmd_backend = "partial_dtensor"
+    config.dataloader = IdDataLoader.Config(dataset_path=job.text, seed=0)
+    config.validator.enable = False  # its loader is torchtitan's c4_test, not shipped here
     # torchtitan's checkpointer: only its last-step save (the interval is past the end), by
     # the lowest replica of the last step's generation, into OUT/{run}/checkpoint/step-STEPS
     config.dump_folder = str(job.out / run)
     config.checkpoint.enable, config.checkpoint.interval = True, 10 * job.steps
-    tokenizer = config.tokenizer.build(tokenizer_path=job.tokenizer)
-    data = TokenWindows(tokenizer, Path(job.text).read_text().splitlines(), SEQ_LEN)
-    trainer = RecoverTrainer(config, IdBatches(data, ROWS, seed=0), job.n,
-                             hooks=hooks(job, run, replica, incarnation, rank))
-    results = trainer.train(job.steps)
+    trainer = RecoverTrainer(config, hooks=hooks(job, run, replica, incarnation, rank))
+    results = trainer.train()
     params = trainer.full_params()
-    trainer.replica.leave()
+    trainer.close()
     if rank == 0:
         rows = {s: [r.loss, r.microbatches, r.members] for s, r in results.items()}
         Path(job.out, run, f"replica{replica}.json").write_text(json.dumps(
@@ -122,7 +128,7 @@ def supervise(job: Job, ports: dict[str, str], deadline: float) -> int:
 
     def start(run: str, replica: int, inc: int) -> list:
         procs = [ctx.Process(target=rank_main, args=(job, run, ports[run], replica, inc, rank))
-                 for rank in range(RANKS)]
+                 for rank in range(job.ranks)]
         for p in procs:
             p.start()
         return procs
@@ -159,8 +165,8 @@ def supervise(job: Job, ports: dict[str, str], deadline: float) -> int:
 
 
 def main(argv: list[str]) -> int:
-    out, tk, text, steps, n, kill_step, ref_port, kill_port = argv
-    job = Job(Path(out), tk, text, int(steps), int(n), int(kill_step))
+    out, tk, text, steps, n, kill_step, ref_port, kill_port, ranks, device = argv
+    job = Job(Path(out), tk, text, int(steps), int(n), int(kill_step), int(ranks), device)
     torch.set_num_threads(1)
     deadline = time.monotonic() + TIMEOUT_S
     for run in ("ref", "kill"):

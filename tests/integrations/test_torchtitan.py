@@ -1,9 +1,10 @@
 """torchtitan's Llama debug model as recover replicas (`recover.integrations.torchtitan`), on CPU.
 
 Each replica is two ranks (as one `torchrun` per replica would start them) running torchtitan's
-model, `parallelize_fn` (FSDP2 over the two), AdamW and LR scheduler; the replicas meet at a
-`recover coordinator`. A replica's rank is SIGKILLed mid-step, the replica is started again under
-a new incarnation and rejoins with a live transfer: the survivor's losses match a failure-free
+whole `Trainer` (`RecoverTrainer`, its subclass): its model, `parallelize_fn` (FSDP2 over the
+two), AdamW, LR scheduler, metrics and checkpointer; the replicas meet at a `recover
+coordinator`. A replica's rank is SIGKILLed mid-step, the replica is started again under a new
+incarnation and rejoins with a live transfer: the survivor's losses match a failure-free
 run's, every step had N microbatches, and the two replicas end with bitwise the same parameters,
 which torchtitan's checkpointer saved (once) at the last step.
 Skipped when torchtitan is not installed.
@@ -34,8 +35,7 @@ STEPS, N, KILL_STEP, TOL = 3, 4, 1, 1e-5
 TIMEOUT_S = 180  # above the job's own bound (150 s): it reports first
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def train_tokenizer(corpus: Path, out: Path) -> Path:
     """A small byte-level BPE tokenizer.json trained on the corpus (torchtitan loads the folder)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -43,9 +43,13 @@ def tokenizer_dir(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     tok.pre_tokenizer = pre_tokenizers.ByteLevel()
     tok.train([str(corpus)], trainers.BpeTrainer(
         vocab_size=512, special_tokens=["<unk>", "<|begin_of_text|>", "<|end_of_text|>"]))
-    out = tmp_path_factory.mktemp("tok")
     tok.save(str(out / "tokenizer.json"))
     return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train_tokenizer(corpus, tmp_path_factory.mktemp("tok"))
 
 
 def coordinator(out: Path, replicas: int, env: dict[str, str]) -> subprocess.Popen:
@@ -59,6 +63,13 @@ def coordinator(out: Path, replicas: int, env: dict[str, str]) -> subprocess.Pop
 
 def test_kill_and_restart_keeps_the_trajectory(tmp_path: Path, tokenizer_dir: Path,
                                                corpus: Path) -> None:
+    run_and_check(tmp_path, tokenizer_dir, corpus, ranks=2, device="cpu")
+
+
+def run_and_check(tmp_path: Path, tokenizer_dir: Path, corpus: Path, ranks: int,
+                  device: str) -> None:
+    """The job (`ranks` per replica on `device`) and every check of this module's test;
+    tests/gpu/test_torchtitan.py runs it on CUDA."""
     # Both runs at once: the reference (one replica) and the run with the fault (two), each at
     # its own coordinator; their ranks are forked by one launcher (see _titan_job.py).
     # the run token keys the live state transfer (`recover train` makes one per run)
@@ -68,7 +79,7 @@ def test_kill_and_restart_keeps_the_trajectory(tmp_path: Path, tokenizer_dir: Pa
         procs.append(subprocess.Popen(
             [sys.executable, str(JOB), str(tmp_path), str(tokenizer_dir), str(corpus),
              str(STEPS), str(N), str(KILL_STEP), str(tmp_path / "ref" / "port"),
-             str(tmp_path / "kill" / "port")],
+             str(tmp_path / "kill" / "port"), str(ranks), device],
             env=env, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True))
         text, _ = procs[-1].communicate(timeout=TIMEOUT_S)
@@ -100,6 +111,7 @@ def test_kill_and_restart_keeps_the_trajectory(tmp_path: Path, tokenizer_dir: Pa
 
     dcp_to_torch_save(tmp_path / "kill" / "checkpoint" / saved[0], tmp_path / "ckpt.pt")
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
-    assert ckpt["train_state"] == {"step": STEPS}
+    # torchtitan's token count: a rank's rows of N microbatches a step, whoever computed them
+    assert ckpt["train_state"] == {"step": STEPS, "ntokens_seen": STEPS * N * 4 // ranks * 32}
     assert ckpt["dataloader"]["microbatches"] == N
     assert all(torch.equal(ckpt[k], a[k]) for k in a), sorted(set(a) - set(ckpt))

@@ -1,33 +1,36 @@
 """A torchtitan job as one recover replica (`pip install recover[torchtitan]`).
 
-Invariant: each replica is one torchtitan job on its own ranks (one `torchrun` per replica): its
-model is torchtitan's (`config.model_spec`), built on meta and parallelised by torchtitan's own
-`parallelize_fn` inside the replica (FSDP2 over the replica's ranks), and its optimizer, LR
-scheduler, loss and checkpointer are torchtitan's builders. The data parallel dimension *across*
-replicas is recover's: every step is `Replica.step` over the step's N microbatch ids, each id's
-tokens a pure function of the id (`recover.data.IdBatches` over windows tokenised by torchtitan's
-tokenizer), so a microbatch recomputed by a survivor is the lost one and every step has N
-microbatches; the optimizer and scheduler step only after the step committed. A replica that
-(re)joins mid-run receives the model, the optimizer's state and the scheduler's state live from a
-running replica; a job started again loads torchtitan's newest checkpoint on every replica.
+Invariant: each replica is one torchtitan `Trainer` on its own ranks (one `torchrun` per
+replica): `RecoverTrainer` is a subclass whose `__init__` is torchtitan's own, so the model
+(`config.model_spec`, its `parallelize_fn` unchanged: FSDP2 over the replica's ranks), the
+optimizer, LR scheduler, loss, metrics and checkpointer are what torchtitan builds. The data
+parallel dimension *across* replicas is recover's: every step is `Replica.step` over the step's N
+microbatch ids, each microbatch the torchtitan `forward_backward_step` of tokens that are a pure
+function of the id (`IdDataLoader`: torchtitan's tokenizer into id-addressed windows), so a
+microbatch recomputed by a survivor is the lost one and every step has N microbatches; the
+gradient is clipped, and the optimizer and scheduler step, only after the step committed. A
+replica that (re)joins mid-run receives the model, the optimizer's and the scheduler's state live
+from a running one; a job started again loads torchtitan's newest checkpoint on every replica.
 
-torchtitan's whole `Trainer` does not run on a host without an accelerator: with its device type
-pointed at "cpu" its `set_device` passes, but its process group is NCCL (`distributed.utils` binds
-its own device type) and its metrics' memory monitor calls `torch.cuda`. `cpu_fallback()` points
-the device type that torchtitan's mesh builder reads at "cpu" so its `ParallelDims` and
-`parallelize_fn` run on gloo, and `build_job` uses the builders the `Trainer` would, without it.
+On a host without an accelerator torchtitan's `Trainer` would ask for "cuda": `cpu_fallback()`
+points the device type its modules bound at import at "cpu" (the mesh, the process group, the
+weight init), gives its metrics a host stand-in for the device memory monitor (the one thing in
+it that calls `torch.cuda` unconditionally), and each attention layer uses torchtitan's causal
+SDPA (Flex has no CPU backward). With that the whole `Trainer.__init__` runs on CPU.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.device_mesh import init_device_mesh
 
 from recover.data import IdBatches
@@ -36,8 +39,7 @@ from recover.recovery import StepResult
 from recover.settings import Hooks, ReplicaConfig
 
 try:
-    from torchtitan.components.loss import ChunkedLossWrapper
-    from torchtitan.distributed import ParallelDims
+    from torchtitan.components.dataloader import BaseDataLoader
     from torchtitan.trainer import Trainer
 except ImportError as e:  # one clear line naming the extra (the CLI prints it, no traceback)
     raise ImportError("recover.integrations.torchtitan needs torchtitan: pip install "
@@ -46,20 +48,39 @@ except ImportError as e:  # one clear line naming the extra (the CLI prints it, 
 log = logging.getLogger(__name__)
 
 
+class _HostMemory:
+    """torchtitan's `DeviceMemoryMonitor` where there is no device: no device memory to report
+    (its metrics line then says 0.00GiB), nothing to reset."""
+
+    device_name = "cpu"
+
+    def get_peak_stats(self) -> Any:
+        from torchtitan.components.metrics import DeviceMemStats
+
+        return DeviceMemStats(*([0] * len(DeviceMemStats._fields)))
+
+    def reset_peak_stats(self) -> None:
+        pass
+
+
 def cpu_fallback() -> str:
-    """The device type torchtitan's builders use here: the accelerator's, or "cpu" where there
-    is none (torchtitan would say "cuda" and fail in `set_device`/`init_device_mesh`)."""
+    """The device type torchtitan's `Trainer` uses here: the accelerator's, or "cpu" where there
+    is none (torchtitan would say "cuda" and fail in `set_device`)."""
     if torch.accelerator.is_available():
         found = torch.accelerator.current_accelerator()
         if found is not None:
             return found.type
-    # torchtitan reads its device type from module globals bound at import: rebind the two
-    # that the mesh and the weight init read (the Trainer's own `set_device` stays unusable).
+    # torchtitan's modules bind the device type at import: rebind the ones the Trainer reads
+    # (set_device and the weight init, the process group's backend, the mesh), and the monitor.
+    import torchtitan.components.metrics as metrics
     import torchtitan.distributed.parallel_dims as pd
+    import torchtitan.distributed.utils as du
     import torchtitan.tools.utils as tu
 
     tu.device_type, tu.device_module = "cpu", torch.cpu
+    du.device_type, du.device_module = "cpu", torch.cpu
     pd.device_type = "cpu"
+    metrics.build_device_memory_monitor = _HostMemory
     return "cpu"
 
 
@@ -75,67 +96,11 @@ def cpu_attention(model_config: Any) -> None:
             layer.attention.inner_attention = ScaledDotProductAttention.Config()
 
 
-@dataclass
-class TitanJob:
-    """What a torchtitan `Trainer` would hold for one replica, built by its own builders."""
-
-    config: Trainer.Config
-    parallel_dims: ParallelDims
-    model: nn.Module
-    optimizers: Any  # torchtitan's OptimizersContainer
-    lr_schedulers: Any  # torchtitan's LRSchedulersContainer
-    loss_fn: Callable[..., tuple[Tensor, Any]]
-
-
-def build_job(config: Trainer.Config) -> TitanJob:
-    """This rank's part of the replica's torchtitan job: model (meta init, `parallelize_fn`
-    unchanged, FSDP2 over the replica's ranks), optimizer, LR scheduler and loss."""
-    device = cpu_fallback()
-    spec = config.model_spec
-    assert spec is not None, "the torchtitan config has no model_spec"
-    world = dist.get_world_size()
-    pdims = ParallelDims.from_config(config.parallelism, world_size=world)
-    pdims.build_mesh()
-    from torchtitan.distributed import utils as dist_utils
-
-    dist_utils.set_spmd_backend(config.parallelism.spmd_backend)  # as the Trainer does
-    model_config = spec.model
-    if device == "cpu":
-        cpu_attention(model_config)
-    model_config.update_from_config(config=config)
-    with torch.device("meta"):
-        model = model_config.build()
-    model = spec.parallelize_fn(
-        model, parallel_dims=pdims, training=config.training, parallelism=config.parallelism,
-        compile_config=config.compile, ac_config=config.activation_checkpoint,
-        dump_folder=config.dump_folder)
-    if device == "cpu":  # gloo has no PREMUL_SUM: FSDP2 sums (torchtitan divides by 1.0 anyway)
-        from torch.distributed.fsdp import FSDPModule
-
-        for m in model.modules():
-            if isinstance(m, FSDPModule):
-                m.set_force_sum_reduction_for_comms(True)
-    model.to_empty(device=device)
-    # every rank of every replica the same initial weights (the Trainer seeds in set_determinism)
-    torch.manual_seed(config.debug.seed if config.debug.seed is not None else 0)
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    model.train()
-    loss_fn = config.loss.build(compile_config=config.compile)
-    if isinstance(loss_fn, ChunkedLossWrapper):  # as the Trainer does: the loss owns the head
-        loss_fn.set_lm_head(model.lm_head)
-        model._skip_lm_head = True
-    optimizers = config.optimizer.build(model_parts=[model])
-    schedulers = config.lr_scheduler.build(optimizers=optimizers,
-                                           training_steps=config.training.steps)
-    return TitanJob(config, pdims, model, optimizers, schedulers, loss_fn)
-
-
 class TokenWindows:
     """A map-style dataset of `seq_len + 1`-token windows (item i: tokens [i*L, i*L + L + 1))
     of texts tokenised once by torchtitan's tokenizer: `IdBatches` makes them id-addressable."""
 
-    def __init__(self, tokenizer: Any, texts: Sequence[str], seq_len: int) -> None:
+    def __init__(self, tokenizer: Any, texts: list[str], seq_len: int) -> None:
         ids: list[int] = []
         for t in texts:
             ids.extend(tokenizer.encode(t, add_bos=True, add_eos=True))
@@ -150,123 +115,191 @@ class TokenWindows:
         return self.tokens[i * self.seq_len: i * self.seq_len + self.seq_len + 1]
 
 
-def forward_loss(job: TitanJob, x: Tensor, y: Tensor, tokens: int) -> Tensor:
-    """torchtitan's loss (the sum over the tokens of `y` / `tokens`) of `job.model` on inputs
-    `x` [B, T]: as the Trainer's forward, each row one document (positions 0..T-1, causal)."""
-    positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)
-    kwargs: dict[str, Any] = {"positions": positions}
-    inner = job.model.config.first_attention.inner_attention
-    if _masked(inner):
-        kwargs["attention_masks"] = job.model.get_attention_masks(positions=positions)
-    pred = job.model(x, **kwargs)
-    loss, _ = job.loss_fn(pred, y, torch.tensor(float(tokens)), positions=positions)
-    return loss
+def read_texts(path: str) -> list[str]:
+    """The documents of a local file: one per line of a text file, or the "text" field of each
+    line of a `.jsonl` file (the shape of torchtitan's c4 samples)."""
+    lines = [x for x in Path(path).read_text().splitlines() if x.strip()]
+    return [json.loads(x)["text"] for x in lines] if path.endswith(".jsonl") else lines
 
 
-def _masked(inner: Any) -> bool:
-    """Whether this inner-attention config needs masks (Flex, Varlen), not SDPA's `is_causal`."""
-    from torchtitan.models.common.attention import FlexAttention, VarlenAttention
+class IdDataLoader(BaseDataLoader):
+    """torchtitan's data loader slot (`config.dataloader`), id-addressed: microbatch id i is the
+    same tokens on whichever replica computes it (`IdBatches`: every window once per epoch, in
+    an order drawn from `seed`), split over the replica's data-parallel ranks as torchtitan
+    splits a local batch. Its checkpoint entry is what the ids mean (N, rows, seed, items), not a
+    position: a resume with other data or another N is refused."""
 
-    return isinstance(inner, (FlexAttention.Config, VarlenAttention.Config))
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):
+        seed: int = 0
+        """The epoch order's seed."""
 
+    def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer: Any,
+                 seq_len: int, local_batch_size: int, **kwargs: Any) -> None:
+        if not config.dataset_path:
+            raise ValueError("IdDataLoader.Config needs dataset_path (a local .txt or .jsonl)")
+        windows = TokenWindows(tokenizer, read_texts(config.dataset_path), seq_len)
+        self.batches = IdBatches(windows, local_batch_size * dp_world_size, seed=config.seed)
+        self.rank, self.ranks = dp_rank, dp_world_size
+        self.microbatches = 0  # N: set by the trainer (torchtitan builds the loader first)
 
-class DataState:
-    """The data loader's entry in torchtitan's checkpoint. recover's data has no position to
-    save (a microbatch id names its tokens, and step t's ids are t*N..t*N+N-1), so what a resume
-    must match is what the ids mean: N, the rows per microbatch and the epoch order's seed."""
-
-    def __init__(self, batches: IdBatches, microbatches: int) -> None:
-        self.value = {"microbatches": int(microbatches), "rows": batches.microbatch_size,
-                      "seed": batches.seed, "items": batches.size}
-
-    def state_dict(self) -> dict[str, int]:
-        return dict(self.value)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = {k: int(v) for k, v in state.items()}
-        if saved != self.value:  # another N or data: the ids would name other tokens
-            raise ValueError(f"the checkpoint's data {saved} is not this job's {self.value}")
-
-
-class RecoverTrainer:
-    """The torchtitan job of this rank's replica, stepped by recover (`train_step`)."""
-
-    def __init__(self, config: Trainer.Config, batches: IdBatches, microbatches: int, *,
-                 replica: ReplicaConfig | None = None, hooks: Hooks | None = None) -> None:
-        self.job = build_job(config)
-        self.batches, self.n = batches, microbatches
-        self.rank, self.ranks = dist.get_rank(), dist.get_world_size()
-        self.step = 0  # steps applied: torchtitan's "train_state" in its checkpoints
-        # torchtitan's checkpointer, as its Trainer builds it (`config.checkpoint`): DCP over the
-        # replica's ranks under `dump_folder/checkpoint/step-N`. Every replica loads the newest
-        # one before joining the run (a resume: all start at its step); one replica saves.
-        self.checkpointer = config.checkpoint.build(
-            dataloader=DataState(batches, microbatches), model_parts=[self.job.model],
-            optimizers=self.job.optimizers, lr_schedulers=self.job.lr_schedulers,
-            states={"train_state": self}, sd_adapter=None, base_folder=config.dump_folder)
-        if config.checkpoint.enable:
-            self.checkpointer.load()
-        # recover's view of the replica: one "shard" dimension over its ranks (FSDP2's).
-        mesh = init_device_mesh("cpu", (self.ranks,), mesh_dim_names=("shard",))
-        # The live transfer sends torch's optimizer (its state per parameter) and the scheduler.
-        inner = self.job.optimizers.optimizers[0]
-        self.replica = Replica(self.job.model, microbatches, mesh=mesh, optimizer=inner,
-                               state={"lr_schedulers": self.job.lr_schedulers},
-                               config=replica, hooks=hooks)
-        if self.replica.joined:  # a running replica's state, newer than any checkpoint
-            self.step = self.replica.start_step
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
-
-    def _compute(self, mb_id: int, j: int) -> float:
-        """Forward + backward of this rank's rows of microbatch `mb_id`, the loss scaled by 1/N
-        (FSDP2 averages over the replica's ranks); returns the rows' mean token loss."""
+    def batch(self, mb_id: int) -> tuple[dict[str, Tensor], Tensor]:
+        """This rank's rows of microbatch `mb_id` as torchtitan's loaders yield them: inputs
+        (each row one document: positions 0..T-1) and labels."""
         w = self.batches.batch(mb_id, self.rank, self.ranks)
         x, y = w[:, :-1], w[:, 1:]
-        # torchtitan's FSDP2 sums gradients over the ranks (divide factor 1): each rank's loss is
-        # its tokens' sum over the whole microbatch's tokens; its rows' mean is that x ranks.
-        loss = forward_loss(self.job, x, y, y.numel() * self.ranks)
-        (loss / self.n).backward()
-        return float(loss.detach()) * self.ranks
+        return {"input": x, "positions": torch.arange(x.shape[1]).expand(x.shape[0], -1)}, y
 
-    def train_step(self, step: int) -> StepResult:
-        """One step of N microbatches; torchtitan's optimizer and scheduler step on commit."""
+    def __iter__(self) -> Any:  # a plain Trainer reads the ids in order
+        i = 0
+        while True:
+            yield self.batch(i)
+            i += 1
+
+    def state_dict(self) -> dict[str, int]:
+        b = self.batches
+        return {"microbatches": self.microbatches, "rows": b.microbatch_size, "seed": b.seed,
+                "items": b.size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved, mine = {k: int(v) for k, v in state.items()}, self.state_dict()
+        if saved != mine:  # another N or data: the ids would name other tokens
+            raise ValueError(f"the checkpoint's data {saved} is not this job's {mine}")
+
+
+@dataclass(kw_only=True, slots=True)
+class FaultTolerance:
+    """recover's settings beside torchtitan's (`RecoverTrainer.Config.fault_tolerance`)."""
+
+    microbatches: int = 8
+    """N: microbatches per step, the whole job's (each one `local_batch_size` rows per rank)."""
+    replica: ReplicaConfig = field(default_factory=ReplicaConfig)
+    """Where to join and the protocol's settings (coordinator and replica id default to the
+    launcher's environment: RECOVER_COORDINATOR, RECOVER_REPLICA)."""
+
+
+class RecoverTrainer(Trainer):
+    """torchtitan's `Trainer`, its data parallel dimension across replicas recover's."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
+
+    def __init__(self, config: Config, *, hooks: Hooks | None = None) -> None:
+        if not isinstance(config.dataloader, IdDataLoader.Config):
+            raise ValueError("RecoverTrainer needs config.dataloader = IdDataLoader.Config(...): "
+                             "a microbatch id must name the same tokens on every replica")
+        if cpu_fallback() == "cpu" and config.model_spec is not None:
+            cpu_attention(config.model_spec.model)
+        if config.debug.seed is None:  # every replica must start from the same weights
+            config.debug.seed = 0
+        super().__init__(config)
+        if dist.get_world_size() > 1 and self.device.type == "cpu":
+            # gloo has no PREMUL_SUM: FSDP2 sums (torchtitan's divide factor is 1 here anyway)
+            from torch.distributed.fsdp import FSDPModule
+
+            for m in self.model_parts[0].modules():
+                if isinstance(m, FSDPModule):
+                    m.set_force_sum_reduction_for_comms(True)
+        ft = config.fault_tolerance
+        self.n = ft.microbatches
+        self.data: IdDataLoader = self.dataloader  # type: ignore[assignment]
+        self.data.microbatches = self.n
+        self.results: dict[int, StepResult] = {}
+        # A resume: every replica loads the newest checkpoint before it joins; a joiner then
+        # receives a running replica's state, newer than any checkpoint.
+        if config.checkpoint.enable:
+            self.checkpointer.load(step=config.checkpoint.load_step)
+        mesh = init_device_mesh(self.device.type, (dist.get_world_size(),),
+                                mesh_dim_names=("shard",))
+        self.replica = Replica(self.model_parts[0], self.n, mesh=mesh,
+                               optimizer=self.optimizers.optimizers[0],
+                               state={"lr_schedulers": self.lr_schedulers},
+                               config=ft.replica, hooks=hooks)
+        if self.replica.joined:
+            self.step = self.replica.start_step
+
+    def _compute(self, mb_id: int, j: int) -> float:
+        """torchtitan's forward + backward of this rank's rows of microbatch `mb_id`, the loss
+        scaled by 1/N; returns the rows' mean token loss (what `Replica.step` sums over ranks)."""
+        t0 = time.perf_counter()
+        inputs, labels = self.data.batch(mb_id)
+        self.metrics_processor.data_loading_times.append(time.perf_counter() - t0)
+        inputs = {k: v.to(self.device) for k, v in inputs.items()}
+        # torchtitan's loss is the rank's token sum / global_valid_tokens: over the whole
+        # microbatch's tokens (all ranks) x N, the step's gradient is the mean over N.
+        tokens = labels.numel() * self.data.ranks
+        loss = self.forward_backward_step(
+            input_dict=inputs, labels=labels.to(self.device),
+            global_valid_tokens=torch.tensor(float(tokens * self.n), device=self.device))
+        self.metrics_processor.ntokens_since_last_log += labels.numel()
+        return float(loss.detach()) * self.n * self.data.ranks
+
+    def train_step(self, data_iterator: Any = None) -> StepResult:  # type: ignore[override]
+        """Step `self.step` over its N ids (the iterator is not read: the ids are the data);
+        torchtitan's clipping, optimizer and scheduler on the committed gradient."""
+        step, cfg = self.step, self.config
+        self.optimizers.zero_grad()
         res = self.replica.step(step, self._compute)
-        self.job.optimizers.step()
-        self.job.lr_schedulers.step()
-        self.job.optimizers.zero_grad()
+        grad_norm = self.replica.clip_grad_norm_(cfg.training.max_norm)
+        self.checkpointer.maybe_wait_for_staging()
+        self.optimizers.step()
+        self.lr_schedulers.step()
         self.step = step + 1
+        # torchtitan's count of this rank's tokens, as if its replica computed every step alone
+        # (whoever computed which ids): the same on every replica, so any one's checkpoint holds it
+        rows = cfg.training.local_batch_size
+        self.ntokens_seen = self.step * self.n * rows * cfg.training.seq_len
+        if self.metrics_processor.should_log(self.step):
+            self.metrics_processor.log(self.step, res.loss, res.loss, grad_norm,
+                                       extra_metrics={"microbatches": res.microbatches})
         return res
 
-    def save(self, res: StepResult, last: bool) -> None:
+    def save(self, res: StepResult) -> None:
         """torchtitan's save policy (its interval, and the last step), by one replica: the
         lowest of the generation the step committed in. Every rank of every replica holds the
         same `res.members`, so a replica's ranks agree on it without a word (DCP's save is
         collective over them); a leader lost after the commit leaves this save point out."""
         if min(res.members) == self.replica.replica:
             with self.replica.busy():  # bounded on its own: no stuck-thread watchdog meanwhile
-                self.checkpointer.save(self.step, last_step=last)
+                self.checkpointer.save(self.step,
+                                       last_step=self.step == self.config.training.steps)
 
-    def train(self, steps: int) -> dict[int, StepResult]:
+    def train(self) -> dict[int, StepResult]:  # type: ignore[override]
         """Steps from where this replica starts (0, a checkpoint's step, or a joiner's
-        `start_step`) to `steps`."""
-        out = {}
-        for step in range(self.step, steps):
-            out[step] = res = self.train_step(step)
-            self.save(res, last=step + 1 == steps)
-            if self.rank == 0:
-                log.info("replica %d step %d loss %.6f microbatches %d live %s",
-                         self.replica.replica, step, res.loss, res.microbatches, res.members)
-        return out
+        `start_step`) to `training.steps`; returns each step's result."""
+        cfg = self.config
+        with cfg.profiler.build(global_step=self.step, base_folder=cfg.dump_folder) as profiler:
+            while self.should_continue_training():
+                step = self.step
+                self.gc_handler.run(step + 1)
+                self.results[step] = res = self.train_step()
+                self.save(res)
+                if cfg.validator.enable and self.validator.should_validate(self.step):
+                    self.validator.validate(self.model_parts, self.step)
+                profiler.step()
+                if dist.get_rank() == 0:
+                    log.info("replica %d step %d loss %.6f microbatches %d live %s",
+                             self.replica.replica, step, res.loss, res.microbatches,
+                             res.members)
+        return self.results
 
     def full_params(self) -> dict[str, Tensor]:
         """The model's whole parameters (every rank gathers them; FSDP2's shards joined)."""
         return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-                for k, v in self.job.model.state_dict().items()}
+                for k, v in self.model_parts[0].state_dict().items()}
+
+    def close(self) -> None:
+        """Leave the run (a clean exit, not a fault), then torchtitan's own close."""
+        self.replica.leave()
+        super().close()
+
+
+def recover_config(config: Trainer.Config, **fault_tolerance: Any) -> RecoverTrainer.Config:
+    """A torchtitan `Trainer.Config` (e.g. a config registry entry) as `RecoverTrainer`'s, with
+    recover's settings beside it (`FaultTolerance`'s fields)."""
+    own = {f.name: getattr(config, f.name) for f in fields(config) if f.init}
+    return RecoverTrainer.Config(**own, fault_tolerance=FaultTolerance(**fault_tolerance))
 
 
 def load_config(spec: str) -> Trainer.Config:
