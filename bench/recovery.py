@@ -223,7 +223,7 @@ def main() -> int:
     steady, gap = (median([r[k] for r in res]) * 1e3 for k in ("steady", "gap"))
     say(f"for scale: a failure-free reduce of {a.numel:,} floats among {a.replicas} took median "
         f"{steady:.0f} ms here (before the kills), and the selftest's own gap between reduces "
-        f"(payload allocation, log) {gap:.0f} ms, which 'agree' includes once")
+        f"(payload refill, check, log) {gap:.0f} ms, which 'agree' includes once")
     print(f"recovery_median_s={median(tot):.3f}", flush=True)
     return 0
 
