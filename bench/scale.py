@@ -159,12 +159,26 @@ def run_scale(reps: int, pos: int, a: argparse.Namespace, rng: random.Random, d:
     ranks = [(r, p) for r in range(reps) for p in range(pos)]
     counted = d / "coordinator_requests"
 
-    def coord_requests() -> int:
-        """The requests the coordinator's clients sent to its main store so far."""
+    def coord_counts() -> dict[str, int]:
+        """The requests the coordinator's clients sent to its main store so far (`total`), the
+        decisions it wrote and the total right after the last one (`coordinator_main`)."""
         try:
-            return int(counted.read_text() or 0)
+            return json.loads(counted.read_text())
         except (OSError, ValueError):
-            return 0
+            return {"total": 0, "decisions": 0, "at_decision": 0}
+
+    def coord_requests() -> int:
+        return coord_counts()["total"]
+
+    def coord_failure(before: dict[str, int], after: dict[str, int]) -> float:
+        """The coordinator's main-store requests between two snapshots that a failure-free
+        stretch would not have made. Between two decisions (snapshots taken as each was
+        written) that is exact: every request but one compare-and-set per decision. Without
+        decisions (no store shards: the ranks decide) it is every request."""
+        if after["decisions"] > before["decisions"]:
+            return (after["at_decision"] - before["at_decision"]
+                    - (after["decisions"] - before["decisions"]))
+        return after["total"] - before["total"]
 
     try:
         kids.call("coord", coordinator_main, CoordArgs([
@@ -218,11 +232,14 @@ def run_scale(reps: int, pos: int, a: argparse.Namespace, rng: random.Random, d:
                                                  if k[0] in live)
 
         c0, n0 = progress()
-        q0 = coord_requests()
+        q0, ff0 = coord_requests(), coord_counts()
         wait_for(reached(hi, ranks), a.timeout_s * 3, f"{hi} failure-free steps on every rank")
         c1, n1 = progress()
         step_cpu = (c1 - c0) / max(1, n1 - n0)  # the coordinator's CPU per failure-free step
         step_reqs = (coord_requests() - q0) / max(1, n1 - n0)  # its requests, likewise
+        # what the exact count finds in failure-free steps: 0 unless the coordinator makes
+        # requests besides its decisions (then a failure's count would include them)
+        ff_extra = coord_failure(ff0, coord_counts())
         setup_s = time.monotonic() - t0
         pss, rss = pss_mib(kids.unreaped())
         ff = failure_free({k: tails[k].steps() for k in ranks}, a.warm, hi)
@@ -234,6 +251,7 @@ def run_scale(reps: int, pos: int, a: argparse.Namespace, rng: random.Random, d:
             before = len(live) * pos
             k0, m0 = progress()
             q0 = coord_requests()
+            snap = coord_counts()
             t_kill = time.time()
             kids.signal(victim, signal.SIGKILL)
             live.discard(victim[0])
@@ -244,7 +262,8 @@ def run_scale(reps: int, pos: int, a: argparse.Namespace, rng: random.Random, d:
                      "every survivor's commits in the new generation")
             k1, m1 = progress()
             time.sleep(0.1)  # the coordinator's count file is rewritten every 20 ms
-            coord = coord_requests() - q0 - (m1 - m0) * step_reqs
+            estimate = coord_requests() - q0 - (m1 - m0) * step_reqs
+            coord = coord_failure(snap, coord_counts())
             t_gen = next(e["time"] for e in generations(clog) if e["gen"] > g0)
             everything = {k: tails[k].steps() for k in survivors}
             bd = breakdown({k: [s for s in recs if s["t_commit"] > t_kill]
@@ -253,6 +272,7 @@ def run_scale(reps: int, pos: int, a: argparse.Namespace, rng: random.Random, d:
                           "store_cpu": max(0.0, k1 - k0 - (m1 - m0) * step_cpu),
                           "recovery_ops": max(0.0, bd["step_ops"] - ff["store_ops"]),
                           "recovery_cpu": recovery_cpu(everything, t_kill, g0),
+                          "coord_estimate": estimate,
                           **failure_requests(everything, t_kill, g0, coord)})
         bad = [(k, s["step"]) for k in ranks for s in tails[k].steps() if not s["correct"]]
         if bad:
@@ -273,6 +293,7 @@ def run_scale(reps: int, pos: int, a: argparse.Namespace, rng: random.Random, d:
             "fork_s": fork_s,
             "pss_mib": pss, "max_rss_mib": rss, "load": loadavg(), **ff,
             "coord_step_cpu": step_cpu, "coord_step_requests": step_reqs,
+            "coord_failure_free_extra": ff_extra,
             "kills": kills, **{p: median([k[p] for k in kills]) for p in EXTRA}}
 
 
@@ -489,7 +510,10 @@ def figures(res: list[dict]) -> list[str]:
             f"replica added: {r['main_max']:.0f}), shard requests {r['shard_reqs']:.1f}")
         for k in r["kills"]:
             say(f"  main-store requests per surviving replica by key: coordinator "
-                f"{k['coord_reqs'] / max(1, r['replicas'] - 1):.2f}, "
+                f"{k['coord_reqs'] / max(1, r['replicas'] - 1):.2f} (counted between two of its "
+                f"decisions; the old step-rate estimate "
+                f"{k.get('coord_estimate', 0) / max(1, r['replicas'] - 1):.2f}; failure-free "
+                f"steps gave {r.get('coord_failure_free_extra', 0)} besides its decisions), "
                 + ", ".join(f"{kind} {n:.2f}" for kind, n in k.get("main_kinds", {}).items()))
     small, big = (one[0], one[-1]) if one else (res[0], res[-1])
     ratio = big["recovery_cpu"] / small["recovery_cpu"]

@@ -13,7 +13,9 @@ Invariants:
   It ends with `os._exit` (gloo teardown after a peer's death can block or abort), after
   `Member.leave()` when told to stop, so a clean stop is not mistaken for a fault.
 - The coordinator (`coordinator_main`) counts the requests its own clients send to its main
-  store (a generation's publication) into a file the parent reads.
+  store (a generation's publication) into a file the parent reads, with a snapshot taken on the
+  coordinator's own thread right after each decision it writes (one compare-and-set a step), so
+  the parent can take a failure-free step's share out exactly, not by a rate.
 - `Children` signals a process only through its handle (never a recycled PID) and ends every one
   by PID; every wait here is bounded.
 """
@@ -256,16 +258,30 @@ class CoordArgs:
 def coordinator_main(a: CoordArgs) -> int:
     """`recover coordinator` whose store clients count their requests (all of them go to its
     main store: it serves its shards, it never connects to them), written to `a.count_file`
-    every 20 ms (a generation's publication is what a failure adds)."""
+    every 20 ms as JSON: `total`, and `decisions` with `at_decision`, the decisions it wrote so
+    far and the total right after the last one (both read on the loop thread that writes them:
+    a consistent pair, whenever the file is read)."""
+    from recover.collectives import shards
+
     tally = Tally()
     # The coordinator connects its one client through keys.connect_store; in this forked
     # process only, every client it makes counts.
     keys.connect_store = counting_connect(keys.connect_store, tally, None)  # type: ignore
     path, tmp = a.count_file, a.count_file.with_suffix(".tmp")
+    decided = {"decisions": 0, "at_decision": 0}
+    top = shards.TreeTop.counted
+
+    def counted(self: Any, words: list[str]) -> bytes | None:
+        out = top(self, words)
+        if out is not None:  # a decision written: one compare-and-set on the main store
+            decided.update(decisions=decided["decisions"] + 1, at_decision=tally.total("main"))
+        return out
+
+    shards.TreeTop.counted = counted  # type: ignore[method-assign]
 
     def write() -> None:
         while True:
-            tmp.write_text(str(tally.total("main")))
+            tmp.write_text(json.dumps({"total": tally.total("main"), **decided}))
             os.replace(tmp, path)
             time.sleep(0.02)
 
