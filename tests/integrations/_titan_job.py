@@ -1,6 +1,7 @@
 """The torchtitan test job's launcher: every rank of both runs, forked from one interpreter.
 
-argv: OUT TOKENIZER_DIR TEXT_FILE STEPS N KILL_STEP REF_PORT_FILE KILL_PORT_FILE RANKS DEVICE
+argv: OUT TOKENIZER_DIR TEXT_FILE STEPS N KILL_STEP REF_PORT_FILE KILL_PORT_FILE RESUME_PORT_FILE
+RANKS DEVICE
 (DEVICE "cpu": gloo inside a replica; "cuda": NCCL, every rank on cuda:0). It imports torch
 and torchtitan once (seconds on a loaded 2-core host: one interpreter per rank made the test take
 minutes), then forks each replica's ranks, as `torchrun` would start them: the failure-free
@@ -12,7 +13,9 @@ replica's torchrun; every replica's plan waits (bounded) for the replacement at 
 boundary (`Hooks.scheduled_joins`), so the rejoin happens before the end on a loaded machine too.
 The last incarnation's rank 0 of each replica writes OUT/{run}/replica{R}.json (each step's loss,
 microbatch count, live replicas; the start step) and OUT/{run}/params{R}.pt; torchtitan's
-checkpointer saves the last step into OUT/{run}/checkpoint/step-STEPS.
+checkpointer saves step STEPS-1 and the last step into OUT/kill/checkpoint/step-N. Then a third
+run resumes: one replica (at the coordinator in RESUME_PORT_FILE) whose checkpoint folder holds
+only the kill run's step-(STEPS-1) save loads it and trains the last step.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sys
 import time
@@ -97,10 +101,12 @@ def rank_main(job: Job, run: str, port: str, replica: int, incarnation: int, ran
     config.parallelism.spmd_backend = "partial_dtensor"
     config.dataloader = IdDataLoader.Config(dataset_path=job.text, seed=0)
     config.validator.enable = False  # its loader is torchtitan's c4_test, not shipped here
-    # torchtitan's checkpointer: only its last-step save (the interval is past the end), by
-    # the lowest replica of the last step's generation, into OUT/{run}/checkpoint/step-STEPS
+    # torchtitan's checkpointer, by the lowest replica of the step's generation, into
+    # OUT/{run}/checkpoint/step-N: the kill run saves step STEPS-1 (the resume's start) and the
+    # last step; the others only the last (the interval is past the end)
     config.dump_folder = str(job.out / run)
-    config.checkpoint.enable, config.checkpoint.interval = True, 10 * job.steps
+    config.checkpoint.enable = True
+    config.checkpoint.interval = job.steps - 1 if run == "kill" else 10 * job.steps
     trainer = RecoverTrainer(config, hooks=hooks(job, run, replica, incarnation, rank))
     results = trainer.train()
     params = trainer.full_params()
@@ -121,8 +127,9 @@ def wait_port(path: Path, deadline: float) -> str:
     raise TimeoutError(f"no coordinator port in {path}")
 
 
-def supervise(job: Job, ports: dict[str, str], deadline: float) -> int:
-    """Start each replica's ranks; restart replica 1 of the kill run once (its other rank
+def supervise(job: Job, ports: dict[str, str], deadline: float,
+              replicas: list[tuple[str, int]]) -> int:
+    """Start each (run, replica)'s ranks; restart replica 1 of the kill run once (its other rank
     killed first, as torchrun's agent does); 0 when every replica's last ranks exited 0."""
     ctx = mp.get_context("fork")
 
@@ -133,8 +140,7 @@ def supervise(job: Job, ports: dict[str, str], deadline: float) -> int:
             p.start()
         return procs
 
-    groups = {("ref", 0): start("ref", 0, 0), ("kill", 0): start("kill", 0, 0),
-              ("kill", 1): start("kill", 1, 0)}
+    groups = {key: start(*key, 0) for key in replicas}
     restarts = {("kill", 1): 1}
     try:
         while time.monotonic() < deadline:
@@ -165,15 +171,22 @@ def supervise(job: Job, ports: dict[str, str], deadline: float) -> int:
 
 
 def main(argv: list[str]) -> int:
-    out, tk, text, steps, n, kill_step, ref_port, kill_port, ranks, device = argv
+    out, tk, text, steps, n, kill_step, ref_port, kill_port, resume_port, ranks, device = argv
     job = Job(Path(out), tk, text, int(steps), int(n), int(kill_step), int(ranks), device)
     torch.set_num_threads(1)
     deadline = time.monotonic() + TIMEOUT_S
-    for run in ("ref", "kill"):
+    for run in ("ref", "kill", "resume"):
         (job.out / run).mkdir(parents=True, exist_ok=True)
-    ports = {"ref": wait_port(Path(ref_port), deadline),
-             "kill": wait_port(Path(kill_port), deadline)}
-    return supervise(job, ports, deadline)
+    ports = {run: wait_port(Path(f), deadline)
+             for run, f in (("ref", ref_port), ("kill", kill_port), ("resume", resume_port))}
+    code = supervise(job, ports, deadline, [("ref", 0), ("kill", 0), ("kill", 1)])
+    if code:
+        return code
+    # the resume: a job started again from the kill run's step STEPS-1 save (its newest here)
+    save = f"step-{job.steps - 1}"
+    shutil.copytree(job.out / "kill" / "checkpoint" / save,
+                    job.out / "resume" / "checkpoint" / save)
+    return supervise(job, ports, deadline, [("resume", 0)])
 
 
 if __name__ == "__main__":

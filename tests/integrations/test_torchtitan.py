@@ -6,7 +6,8 @@ two), AdamW, LR scheduler, metrics and checkpointer; the replicas meet at a `rec
 coordinator`. A replica's rank is SIGKILLed mid-step, the replica is started again under a new
 incarnation and rejoins with a live transfer: the survivor's losses match a failure-free
 run's, every step had N microbatches, and the two replicas end with bitwise the same parameters,
-which torchtitan's checkpointer saved (once) at the last step.
+which torchtitan's checkpointer saved (once) at the last step. A job started again from its
+checkpoint of the step before trains the last step onto the reference's trajectory.
 Skipped when torchtitan is not installed.
 """
 
@@ -74,12 +75,14 @@ def run_and_check(tmp_path: Path, tokenizer_dir: Path, corpus: Path, ranks: int,
     # its own coordinator; their ranks are forked by one launcher (see _titan_job.py).
     # the run token keys the live state transfer (`recover train` makes one per run)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RECOVER_RUN_TOKEN": secrets.token_hex(16)}
-    procs = [coordinator(tmp_path / "ref", 1, env), coordinator(tmp_path / "kill", 2, env)]
+    procs = [coordinator(tmp_path / "ref", 1, env), coordinator(tmp_path / "kill", 2, env),
+             coordinator(tmp_path / "resume", 1, env)]
     try:
         procs.append(subprocess.Popen(
             [sys.executable, str(JOB), str(tmp_path), str(tokenizer_dir), str(corpus),
              str(STEPS), str(N), str(KILL_STEP), str(tmp_path / "ref" / "port"),
-             str(tmp_path / "kill" / "port"), str(ranks), device],
+             str(tmp_path / "kill" / "port"), str(tmp_path / "resume" / "port"), str(ranks),
+             device],
             env=env, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True))
         text, _ = procs[-1].communicate(timeout=TIMEOUT_S)
@@ -103,15 +106,26 @@ def run_and_check(tmp_path: Path, tokenizer_dir: Path, corpus: Path, ranks: int,
     assert survivor[str(STEPS - 1)][2] == [0, 1]  # and the last one with it again
     a, b = (torch.load(tmp_path / "kill" / f"params{r}.pt") for r in (0, 1))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    # torchtitan's checkpointer saved the last step once (by replica 0): its model is the final
-    # parameters, its train state the step count, its data entry what the ids mean
+    # torchtitan's checkpointer saved its interval's step and the last step once each (by
+    # replica 0): the last one's model is the final parameters, its train state the step count,
+    # its data entry what the ids mean
     saved = sorted(p.name for p in (tmp_path / "kill" / "checkpoint").iterdir())
-    assert saved == [f"step-{STEPS}"], saved
+    assert saved == [f"step-{STEPS - 1}", f"step-{STEPS}"], saved
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    dcp_to_torch_save(tmp_path / "kill" / "checkpoint" / saved[0], tmp_path / "ckpt.pt")
+    dcp_to_torch_save(tmp_path / "kill" / "checkpoint" / saved[-1], tmp_path / "ckpt.pt")
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
     # torchtitan's token count: a rank's rows of N microbatches a step, whoever computed them
     assert ckpt["train_state"] == {"step": STEPS, "ntokens_seen": STEPS * N * 4 // ranks * 32}
     assert ckpt["dataloader"]["microbatches"] == N
     assert all(torch.equal(ckpt[k], a[k]) for k in a), sorted(set(a) - set(ckpt))
+    # The job started again from the step STEPS-1 save (one replica: every replica loads the
+    # newest checkpoint before it joins) trains the last step onto the reference's trajectory:
+    # torchtitan's model, AdamW and scheduler state, and the step, came back from it.
+    resumed = json.loads((tmp_path / "resume" / "replica0.json").read_text())["steps"]
+    last = str(STEPS - 1)
+    assert sorted(resumed) == [last] and resumed[last][1] == N, resumed
+    assert max_rel([resumed[last][0]], [ref[last][0]]) <= TOL, (resumed, ref)
+    r, f = (torch.load(tmp_path / run / "params0.pt") for run in ("resume", "ref"))
+    worst = max(float((r[k] - f[k]).norm() / f[k].norm().clamp_min(1e-30)) for k in f)
+    assert r.keys() == f.keys() and worst <= TOL, worst
