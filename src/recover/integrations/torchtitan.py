@@ -190,8 +190,10 @@ class RecoverTrainer(Trainer):
             raise ValueError("RecoverTrainer needs config.dataloader = IdDataLoader.Config(...): "
                              "a microbatch id must name the same tokens on every replica")
         if cpu_fallback() == "cpu" and config.model_spec is not None:
+            log.info("no accelerator: torchtitan on CPU, each attention layer causal SDPA")
             cpu_attention(config.model_spec.model)
         if config.debug.seed is None:  # every replica must start from the same weights
+            log.info("debug.seed unset: seeding 0, so every replica starts from the same weights")
             config.debug.seed = 0
         super().__init__(config)
         if dist.get_world_size() > 1 and self.device.type == "cpu":
