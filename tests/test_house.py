@@ -3,7 +3,8 @@
 - The library (`recover.collectives`, `recovery`, `workload`, `parallel`, `data` and the top-level
   modules `settings`, `errors`, `procs`) imports nothing of the reference app (`recover.app`),
   the test harness (`recover.testing`) or the simulator (`recover.sim`), not even lazily; the
-  simulator imports nothing of the others; there is no cycle between recover's packages.
+  simulator imports nothing of the others; there is no cycle between recover's packages; only
+  `recover.integrations` imports torchtitan.
 - No module imports a private name (`_x`) from another module.
 - No class in the library inherits from more than one base (no mixins sharing state).
 - No function in `src/` is longer than 80 lines or takes more than 10 parameters.
@@ -71,6 +72,8 @@ def test_the_library_imports_nothing_of_the_app_harness_or_simulator() -> None:
             if _is_library(mod) and any(_in(target, p) for p in
                                         ("recover.app", "recover.testing", "recover.sim")):
                 bad.append(f"{mod}:{line} imports {target}")
+            if _in(target, "torchtitan") and not _in(mod, "recover.integrations"):
+                bad.append(f"{mod}:{line} imports {target} (torchtitan: integrations only)")
             if _in(mod, "recover.sim") and _in(target, "recover") and not _in(
                     target, "recover.sim") and target != "recover.errors":
                 bad.append(f"{mod}:{line} imports {target} (the simulator stays isolated)")
