@@ -22,7 +22,8 @@ TRAJECTORY = {f"model.{f}" for f in ("vocab_size", "block_size", "n_layer", "n_h
                            "grad_clip")} | {
     f"data.{f}" for f in ("path", "sampling", "val_fraction", "microbatches", "microbatch_size",
                           "eval_every", "eval_microbatches")} | {
-    "run.seed", "run.steps", "ft.policy", "compute.dtype", "compute.reduce_dtype", "compute.exact"}
+    "run.seed", "run.steps", "ft.policy", "compute.dtype", "compute.reduce_dtype", "compute.exact",
+    "compute.bucket_mb"}
 
 
 def _cfg(*argv: str) -> RunConfig:

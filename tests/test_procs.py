@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -82,9 +83,11 @@ def test_descendants_and_foreign_pids(tmp_path: Path) -> None:
                   "print('parent-up', c.pid, flush=True); time.sleep(60)")
     # Its own line: the grandchild writes its "up" to the same log, maybe first.
     parent = started(parent_cmd, tmp_path / "p.log", b"parent-up")
-    line = next(x for x in (tmp_path / "p.log").read_text().splitlines()
-                if x.startswith("parent-up"))
-    grandchild = int(line.split()[1])
+    deadline = time.monotonic() + 30  # the whole line: its PID may land after "parent-up"
+    while not (found := re.search(r"^parent-up (\d+)$", (tmp_path / "p.log").read_text(), re.M)):
+        assert time.monotonic() < deadline, (tmp_path / "p.log").read_text()
+        time.sleep(0.01)
+    grandchild = int(found.group(1))
     try:
         assert descendants(parent.pid) == [grandchild]
         assert alive(grandchild)

@@ -171,6 +171,10 @@ class Numerics:
     backend: str = "gloo"  # gloo, or nccl (CUDA tensors)
     reduce_dtype: str = ""  # "" (the gradient's), fp32, bf16 or fp16
     exact: bool = False  # fixed-point sums: bitwise independent of grouping and faults
+    # The reduce runs in buckets of about this many MiB (the first one issued: at most 1 MiB),
+    # each started while the last microbatch's backward still runs, where the layout reports
+    # finished gradients (plain); 0: one reduce after the backward (`recover.recovery.buckets`).
+    bucket_mb: float = bounded(25.0, Bounds(0.0, 1024.0))
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -103,6 +103,28 @@ def test_hang_fenced(ref: Run, corpus: Path, tmp_path: Path, record: Row) -> Non
     assert recs[-1]["live_replicas"] == 2
 
 
+def test_faults_inside_an_overlapped_bucket(ref: Run, corpus: Path, tmp_path: Path,
+                                            record: Row) -> None:
+    record.scenario = ("crash, then hang (SIGSTOP 3 s), while a bucket of the gradient is reduced "
+                       "and the last microbatch's backward still runs (--bucket-mb 0.05)")
+    record.expected = ("recovered as a fault in the reduce is: the lost microbatches recomputed, "
+                       "N microbatches committed; the hung replica fenced")
+    # The debug model's 0.5 MB gradient in 0.05 MiB buckets: 10 operations a step, the first
+    # ones issued from autograd's hooks while the backward goes on. The `bucket` phase fires
+    # only then: a run that did not overlap never injects these faults, and fails below.
+    run = faulty(tmp_path, corpus, "kill:replica=1,step=3,phase=bucket",
+                 "hang:replica=3,step=7,seconds=3,phase=bucket", extra=("--bucket-mb", "0.05"))
+    record.measured = measure(run)
+    recs = check_run(run, ref, [0, 2])
+    assert "injecting kill:replica=1,step=3,phase=bucket" in run.log(1), run.log(1)[-2000:]
+    assert "injecting hang:replica=3,step=7,phase=bucket" in run.log(3), run.log(3)[-2000:]
+    # Step 3's ids are 24..31; replica 1 died in the backward of its last one: none of its
+    # buckets completed anywhere, so exactly its two ids were recomputed.
+    assert recs[3]["recovered"] == [26, 27], recs[3]
+    assert recs[3]["live_replicas"] == 3 and recs[-1]["live_replicas"] == 2
+    assert "fenced" in run.log(3), run.log(3)[-2000:]
+
+
 def test_straggler_and_rejoin_during_fault(ref: Run, corpus: Path, tmp_path: Path,
                                            record: Row) -> None:
     record.scenario = "straggler (3x slow) not fenced; a crash and its replacement rejoining"

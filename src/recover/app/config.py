@@ -318,6 +318,10 @@ class ComputeConfig:
     exact: bool = setting(False, "bitwise-reproducible steps: fixed-point gradient sums that do "
                           "not depend on how microbatches are grouped or which replicas failed",
                           trajectory=True)
+    bucket_mb: float = setting(25.0, "the cross-replica reduce runs in buckets of about this many "
+                               "MiB, started while the last microbatch's backward still runs "
+                               "(plain layout); 0: one reduce after the backward",
+                               trajectory=True, bounds=Bounds(0.0, 1024.0), metavar="MB")
     device: str = setting("cpu", "cpu, or cuda (one GPU per process; plain layout)",
                           choices=("cpu", "cuda"))
     backend: str = setting("gloo", "cross-replica communicator: gloo, or nccl (--device cuda)",

@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 PHASE_HELP = {
     "forward": "in the forward pass of local microbatch J (default 0)",
     "backward": "in the backward pass of local microbatch J (default 0)",
+    "bucket": "while the first bucket of the gradient is reduced, the backward of this "
+              "replica's last microbatch of step S still running (plain layout, a model of more "
+              "than one bucket: --bucket-mb)",
     "reduce": "while the cross-replica reduce is in flight",
     "commit": "after the reduce, before the agreement",
     "optimizer": "after the commit decision",

@@ -1,11 +1,13 @@
 """Generation-fenced fault-tolerant reduction.
 
 Invariant: `reduce_(tensors)` leaves in each tensor the full sum over every member of one
-generation, or raises `ReplicaFault` on this survivor within a bounded time; it never reports
-success for a partial sum, never waits on a communicator past the moment a newer generation is
-known, and tells its caller (`in_use`) which buffers an abandoned operation may still write into,
-so none is reused before that operation ends. A group it stops using is retired, never destroyed
-on the caller's thread nor while its work is in flight (`reaper.py`).
+generation, or raises `ReplicaFault` on this survivor within a bounded time; so does a reduction
+issued piecewise (`open`, `issue` per tensor, e.g. a bucket from inside a backward, then
+`complete` for all of them, or `abandon`). It never reports success for a partial sum, never
+waits on a communicator past the moment a newer generation is known, and tells its caller
+(`in_use`) which buffers an abandoned operation may still write into, so none is reused before
+that operation ends. A group it stops using is retired, never destroyed on the caller's thread
+nor while its work is in flight (`reaper.py`).
 
 Cross-replica gloo traffic binds the address `netif.GlooInterface` chooses (the interface the user
 names, else this host's end of its connection to the coordinator; never loopback towards another
@@ -97,6 +99,26 @@ class _Held:
     since: float = field(default_factory=time.monotonic)
 
 
+@dataclass
+class Flight:
+    """One reduction in one generation's group: operations issued one at a time
+    (`FaultTolerantComm.issue`, a bucket as soon as the backward has finished its part), waited
+    for together (`complete`) or let go together (`abandon`). `pg` None: this member is alone
+    in the generation, nothing to meet."""
+
+    g: int
+    pg: object | None
+    hold: list[torch.Tensor]  # the buffers its operations write into
+    works: list[Any] = field(default_factory=list)
+    futs: list[torch.futures.Future] = field(default_factory=list)
+    events: list[Any] = field(default_factory=list)  # NCCL: one device event per operation
+    error: Exception | None = None  # an issue the group refused
+
+    def clear(self) -> None:
+        """Drop the references to the group and its work (a caller's frame may outlive it)."""
+        self.pg, self.works, self.futs, self.events = None, [], [], []
+
+
 class FaultTolerantComm:
     """The cross-replica communicator of one position (a shard index, a (tp, pp) rank, or 0)."""
 
@@ -154,6 +176,26 @@ class FaultTolerantComm:
         On return every tensor holds the full sum; on `ReplicaFault` their contents are
         undefined, and a tensor an abandoned operation may still write into is reported by
         `in_use()` until that operation ends (the caller must not reuse it before)."""
+        flight = self.open(generation, tensors)
+        for t in tensors:
+            self.issue(flight, t)
+        self.complete(flight, on_issued)
+
+    def ready(self, generation: int) -> bool:
+        """Whether `open(generation)` would return at once with a group to issue into: this
+        member is in it, it is the newest, its group is built and the data path is up. A caller
+        that issues from inside a backward (a bucket) opens only then: it must not block on a
+        rebuild nor raise there."""
+        return (not self.member.fenced and self.member.generation() == generation
+                and self._pg is not None and self._pg_gen == generation
+                and self.member.replica in self.member.members(generation)
+                and len(self.member.members(generation)) > 1
+                and not (self.link_down is not None and self.link_down()))
+
+    def open(self, generation: int | None = None, hold: Sequence[torch.Tensor] = ()) -> Flight:
+        """Start a reduction in `generation` (default: newest): its group, built if need be;
+        `hold` are the buffers its operations will write into (held after an abandon, `in_use`).
+        Raises `ReplicaFault` as `reduce_` does when this member cannot reduce in it."""
         g = self.member.generation() if generation is None else generation
         members = self.member.members(g)
         if self.member.fenced or self.member.replica not in members:
@@ -162,35 +204,61 @@ class FaultTolerantComm:
         if len(members) == 1:
             self._close_old()  # no peer left to meet, nor to wait for
             self._superseded(g)
-            if on_issued is not None:  # the step reached its reduce, even with nobody to meet
-                on_issued()
-            return
+            return Flight(g, None, [])
         if self.link_down is not None and self.link_down():
             # Fault injection (`partition`): no peer is reachable on the data path; reported as
             # its probes (`reach`) would, for the cut rule (`admission.cut_off`) to decide.
             others = [m for m in members if m != self.member.replica]
             self.member.report_cut(g, others)
             raise ReplicaFault(g, [], "partitioned: no peer reachable")
-        pg = self._group(g, members)
+        return Flight(g, self._group(g, members), list(hold))
+
+    def issue(self, flight: Flight, tensor: torch.Tensor) -> None:
+        """Start summing `tensor` in place in `flight`'s group; never blocks on the peers. An
+        error is kept for `complete` to raise (a group a peer's death already failed may refuse
+        new work)."""
+        if flight.pg is None or flight.error is not None:
+            return
+        try:
+            work = flight.pg.allreduce([tensor])  # type: ignore[attr-defined]
+        except Exception as e:
+            flight.error = e
+            return
+        flight.works.append(work)
+        flight.futs.append(work.get_future())
+        if self.backend == "nccl":
+            # NCCL's futures may complete before the device does (no host callback at the end):
+            # its completion is an event recorded after the collective on the current stream.
+            work.wait()  # only orders the current stream after the collective; does not block
+            ev = torch.cuda.Event()
+            ev.record()
+            flight.events.append(ev)
+        self.stats["collectives"] += 1
+
+    def complete(self, flight: Flight, on_issued: Callable[[], None] | None = None) -> None:
+        """Wait until every operation of `flight` has ended: on return each tensor issued in it
+        holds the full sum over its generation's members; else `ReplicaFault` within the bounds
+        of `reduce_`'s invariant (its group is then severed and retired)."""
+        if flight.pg is None:  # alone in the generation: nobody to meet
+            if on_issued is not None:  # the step reached its reduce, even with nobody to meet
+                on_issued()
+            return
+        g, pg, works, futs = flight.g, flight.pg, flight.works, flight.futs
         t0 = time.monotonic()
-        works: list[Any] = [pg.allreduce([t]) for t in tensors]
-        self.stats["collectives"] += len(works)
-        done = self._completion(works)
+        done = self._completion(flight)
         # One event for "every op finished or the membership changed": the thread sleeps until
         # either happens instead of waking every few ms to compare generations.
         wake = threading.Event()
-        futs = [w.get_future() for w in works]
         for fut in futs:
             fut.add_done_callback(lambda _: wake.set())
         self.member.notify_on_change(wake)
         if on_issued is not None:
             on_issued()
         watch, deadline = self._watch(g), time.monotonic() + self.timeout_s
-        # NCCL's futures may complete before the device does (no host callback at the end), so
-        # its completion is polled from device events at the fine pace.
+        # NCCL's completion is polled from device events at the fine pace.
         pace = self.poll_s if self.backend == "nccl" else self.recheck_s
         try:
-            while not done():
+            while flight.error is None and not done():
                 self.member.progress()  # a legitimate wait, not a stuck thread
                 wake.wait(min(pace, max(0.0, deadline - time.monotonic())))
                 wake.clear()
@@ -200,15 +268,17 @@ class FaultTolerantComm:
                 if self.member.generation() != g:
                     # The op can no longer commit in g: end it now (`_abandon`), so the last
                     # survivor is not held up waiting for a failure to travel round the ring.
-                    self._abandon(pg, works, futs, tensors)
+                    self.abandon(flight)
                     raise ReplicaFault(g, self._lost_since(g), "a newer generation was published")
                 if time.monotonic() > deadline:
-                    self._abandon(pg, works, futs, tensors)
+                    self.abandon(flight)
                     self._report_fail(watch, g)
                     raise ReplicaFault(g, [], f"no completion within {self.timeout_s:.0f}s")
         finally:
             self.member.notify_on_change(wake, on=False)
         try:
+            if flight.error is not None:
+                raise flight.error
             for fut in futs:
                 fut.value()
         except Exception as e:
@@ -219,6 +289,7 @@ class FaultTolerantComm:
             # their sends still land (a socket shut both ways answers data with a reset, `sever`).
             self._sever(pg, socket.SHUT_WR if all(f.done() for f in futs) else socket.SHUT_RD)
             self._release(pg, works, futs)
+            flight.clear()
             works, futs, pg = [], [], None  # this frame outlives the raise (its traceback)
             self._report_fail(watch, g)
             raise ReplicaFault(g, self._lost_since(g), str(e).splitlines()[0][:200]) from None
@@ -228,20 +299,23 @@ class FaultTolerantComm:
         self.stats["reduces"] += 1
         self.stats["reduce_s"] += time.monotonic() - t0
 
-    def _completion(self, works: list[Any]) -> Callable[[], bool]:
+    def abandon(self, flight: Flight) -> None:
+        """Let `flight` go unfinished (its generation can no longer commit, or its caller gave
+        up): its operations are ended as `reduce_` ends a superseded one, its buffers held until
+        they have (`in_use`), its group retired."""
+        if flight.pg is not None:
+            self._abandon(flight.pg, flight.works, flight.futs, flight.hold)
+        flight.clear()
+
+    def _completion(self, flight: Flight) -> Callable[[], bool]:
         """A non-blocking test of "every op is complete", never a host read of a result before
         that: gloo completes its futures when the op is done; NCCL's work is known complete only
-        when a device event recorded after it has passed (a host watchdog, `reduce_`'s loop,
+        when a device event recorded after it has passed (a host watchdog, `complete`'s loop,
         aborts the communicator on a timeout or a newer generation instead of waiting)."""
         if self.backend != "nccl":
-            futs = [w.get_future() for w in works]
+            futs = flight.futs
             return lambda: all(f.done() for f in futs)
-        events = []
-        for w in works:
-            w.wait()  # only orders the current stream after the collective; does not block
-            ev = torch.cuda.Event()
-            ev.record()
-            events.append(ev)
+        events = flight.events
         return lambda: all(ev.query() for ev in events)
 
     def in_use(self, tensor: torch.Tensor) -> bool:

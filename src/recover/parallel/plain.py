@@ -9,6 +9,8 @@ every `.grad` at once. If anything replaced the views (a user's `zero_grad()`, a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -35,6 +37,21 @@ class FlatGrads:
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.flat = flat_grad_buffer(module)
         self.numel, self.dtype, self.device = self.flat.numel(), self.flat.dtype, self.flat.device
+        # `on_final`: autograd tells when a parameter's gradient is accumulated (once per
+        # backward); the step engine reduces finished buckets while the backward goes on.
+        self._ready: Callable[[int], None] | None = None
+        for k, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(self._hook(k))
+
+    def _hook(self, k: int) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            if self._ready is not None:
+                self._ready(k)
+        return hook
+
+    def on_final(self, ready: Callable[[int], None] | None) -> None:
+        """Call `ready(k)` each time parameter k's gradient has been accumulated (None: stop)."""
+        self._ready = ready
 
     def pack(self, into: torch.Tensor) -> None:
         into.copy_(self.flat)

@@ -6,8 +6,8 @@ Public API: `StepEngine` (one replica's side of a step), `StepResult`, `GradAcce
 (the names of `Numerics.reduce_dtype`), and the strategy interface `StepStrategy` with recover's
 own `InStepRecovery` and the helper `chain_owners` (for other strategies). Modules: `step` (the
 step loop), `chain` (the ownership chain), `decide` (the commit decision), `lifetime` (deleting
-the keys of old steps), `trailer` (the reduce's verification), `grads`, `exact`, `strategy`,
-`shrink`.
+the keys of old steps), `trailer` (the reduce's verification), `buckets` (the reduce overlapped
+with the last backward), `grads`, `exact`, `strategy`, `shrink`.
 """
 
 from recover.recovery.exact import ExactGrads

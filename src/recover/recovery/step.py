@@ -17,6 +17,10 @@ Invariants:
   surviving replica holds a verified result. A rank whose chain moves past a generation it did not
   reduce in marks that attempt failed at once, so its siblings never wait on it for a decision.
 - The keys a step leaves in the store are deleted two commits later (recovery/lifetime.py).
+- Over a layout that reports finished gradients, the reduce runs in buckets, the ones the last
+  microbatch's backward finishes issued from inside it (recovery/buckets.py); every member issues
+  the same operations in the same order whether it overlapped or not, and an attempt that moves
+  to a newer generation abandons what it issued.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ import torch
 from torch.profiler import record_function
 
 from recover.collectives import FaultTolerantComm, Member, ReplicaFault, keys
+from recover.collectives.comm import Flight
 from recover.collectives.waiter import KeyWaiter
+from recover.recovery.buckets import BucketPlan, Overlap, StreamedGrad
 from recover.recovery.chain import OwnershipChain
 from recover.recovery.counting import CountingStore
 from recover.recovery.decide import CommitDecision
@@ -87,6 +93,7 @@ class _Progress:
     compute_s: float = 0.0
     t_fault: float | None = None  # when the first attempt failed
     implied: bool = False  # entry 0 of the chain was implied, not read from the store
+    flight: Flight | None = None  # buckets issued inside this attempt's last backward
 
 
 def _recovered(chain: Chain) -> list[int]:
@@ -165,6 +172,14 @@ class StepEngine:
         self.trailer = Trailer(member.replicas, self._slots,
                                self.reduce_dtype if self._folded else torch.float64)
         self._scratch: torch.Tensor | None = None
+        # The reduction's operations (`recover.recovery.buckets`): buckets over a layout that
+        # reports finished parameters, issued while the last microbatch's backward runs; else
+        # one operation.
+        self._stream = (isinstance(self.grads, StreamedGrad) and numerics.bucket_mb > 0
+                        and not numerics.exact)
+        elem = torch.empty((), dtype=self.reduce_dtype).element_size()
+        self.buckets = (BucketPlan.make(self.grads.sizes, elem, numerics.bucket_mb)  # type: ignore[attr-defined]
+                        if self._stream else BucketPlan.make([self.grads.numel], elem, 0))
 
     @property
     def speeds(self) -> dict[int, float]:
@@ -212,9 +227,12 @@ class StepEngine:
             self.stats["attempts"] += 1
             if not self._extend_chain(step, p):
                 continue
-            self._compute(p, compute)
             entry_gen = p.chain[-1]["gen"]
+            self._compute(p, compute, step, entry_gen)
             newest = self.member.generation()
+            if newest != entry_gen and p.flight is not None:
+                self.comm.abandon(p.flight)  # its buckets can no longer commit
+                p.flight = None
             if newest < entry_gen:
                 self.member.wait_newer(newest, self.ft.reduce_timeout_s)
                 continue
@@ -224,8 +242,7 @@ class StepEngine:
             owners = self.strategy.owners(p.chain)
             t0 = time.monotonic()
             with record_function("recover.reduce"):
-                out, trailer, ok = self._reduce(step, entry_gen, p.held, p.loss_sum,
-                                                sorted(owners))
+                out, trailer, ok = self._reduce(step, entry_gen, p, sorted(owners))
             self.stats["reduce_s"] += time.monotonic() - t0
             self.hooks.phase("commit", step, len(p.held))
             p.settled.add(entry_gen)
@@ -284,17 +301,66 @@ class StepEngine:
                                     "admitted nor given up in time") from None
         return False
 
-    def _compute(self, p: _Progress, compute: Callable[[int, int], float]) -> None:
-        """Compute the ids this replica owns in the chain and does not hold yet."""
+    def _compute(self, p: _Progress, compute: Callable[[int, int], float], step: int,
+                 g: int) -> None:
+        """Compute the ids this replica owns in the chain and does not hold yet; during the last
+        one's backward, reduce the buckets it finishes in g (`_overlap`)."""
         entries = p.chain if self.strategy.keeps_work else p.chain[-1:]
         todo = [i for e in entries for i in e["assign"].get(str(self.me), []) if i not in p.held]
         t0 = time.monotonic()
-        with record_function("recover.compute"):
-            for i in todo:
-                p.loss_sum += compute(i, len(p.held))
-                p.held.append(i)
+        try:
+            with record_function("recover.compute"):
+                for n, i in enumerate(todo):
+                    overlap = self._overlap(p, step, g, len(p.held)) if n == len(todo) - 1 else None
+                    try:
+                        p.loss_sum += compute(i, len(p.held))
+                    finally:
+                        if overlap is not None:
+                            self.grads.on_final(None)  # type: ignore[attr-defined]
+                    if overlap is not None:
+                        overlap.flush()  # parameters this microbatch left without a gradient
+                    p.held.append(i)
+        except BaseException:
+            if p.flight is not None:  # nobody will complete it: end its operations
+                self.comm.abandon(p.flight)
+                p.flight = None
+            raise
         p.compute_s += time.monotonic() - t0 if todo else 0.0
         self.stats["compute_s"] += time.monotonic() - t0
+
+    def _overlap(self, p: _Progress, step: int, g: int, j: int) -> Overlap | None:
+        """Arm the buckets of the microbatch about to run (the attempt's last): each is reduced
+        in g as soon as its parameters' gradients are final, while the backward goes on. Only
+        with a layout that reports them, more than one bucket, and g's group ready now (a
+        rebuild or a fault is never waited on from inside a backward)."""
+        if not self._stream or len(self.buckets.ranges) < 2 or not self.comm.ready(g):
+            return None
+        buf = self._scratch_buffer()
+        t = self.trailer.size if self._folded else 0
+        flat = self.grads.local_flat()  # type: ignore[attr-defined]
+        flight = p.flight = self.comm.open(g, [buf])
+        seen: set[int] = set()
+        overlap = Overlap(self.buckets, lambda lo, hi: self._issue(flight, buf[t + lo:t + hi],
+                                                                   flat[lo:hi]),
+                          lambda: self.hooks.phase("bucket", step, j))
+
+        def ready(k: int) -> None:
+            if k in seen:  # its bucket may be on the wire already: the sum would be stale
+                raise RuntimeError(
+                    f"parameter {k} finished a second backward in the step's last microbatch; "
+                    "a compute that runs more than one backward per microbatch needs "
+                    "Numerics(bucket_mb=0)")
+            seen.add(k)
+            overlap.ready(k)
+
+        self.grads.on_final(ready)  # type: ignore[attr-defined]
+        return overlap
+
+    def _issue(self, flight: Flight, into: torch.Tensor, src: torch.Tensor) -> None:
+        """Pack one bucket of the local gradient into the scratch buffer and start its sum."""
+        with torch.no_grad():
+            into.copy_(src)
+        self.comm.issue(flight, into)
 
     def _commit(self, step: int, p: _Progress, decision: bytes, out: torch.Tensor,
                 trailer: torch.Tensor, owners: dict[int, int], attempt: int) -> StepResult:
@@ -332,22 +398,41 @@ class StepEngine:
                           p.chain)
 
     # -- reduce and verify -------------------------------------------------------------------
-    def _reduce(self, step: int, g: int, held: list[int], loss_sum: float, expect_ids: list[int]
+    def _reduce(self, step: int, g: int, p: _Progress, expect_ids: list[int]
                 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """Reduce a copy of the kept local gradient, and the trailer; ok iff the sum verifiably
-        holds exactly `expect_ids` of this step from every member of g."""
-        numel = self.grads.numel
-        buf = self._scratch_buffer()
-        out = buf[:numel]
-        self.grads.pack(out)
-        tail = buf[numel:] if self._folded else torch.empty(
+        holds exactly `expect_ids` of this step from every member of g. The buckets the last
+        backward issued (`p.flight`) are part of it; the others are issued now, the first one
+        last, with the trailer."""
+        numel, held = self.grads.numel, p.held
+        flight, p.flight = p.flight, None
+        t = self.trailer.size if self._folded else 0
+        buf = flight.hold[0] if flight is not None and flight.hold else self._scratch_buffer()
+        out = buf[t:t + numel]
+        tail = buf[:t] if self._folded else torch.empty(
             self.trailer.size, dtype=torch.float64, device=buf.device)
+        ranges = self.buckets.ranges
+        done = 0
+        if flight is None:
+            self.grads.pack(out)
+        else:  # the backward issued every bucket but the first (`Overlap.flush`): pack it
+            done = len(ranges) - 1
+            out[:ranges[-1][1]].copy_(self.grads.local_flat()[:ranges[-1][1]])  # type: ignore[attr-defined]
         slots = self.grads.slot_values() if self._slots else []  # type: ignore[attr-defined]
         self.trailer.encode(tail, (len(held), id_checksum(held), step + 1), self.me,
-                            [loss_sum, self.mb_time or 0.0, *slots])
+                            [p.loss_sum, self.mb_time or 0.0, *slots])
+        last = ranges[-1][1]  # the first bucket: elements [0, last), issued last
+        ops = [out[lo:hi] for lo, hi in ranges[done:-1]]
+        ops += [buf[:t + last]] if self._folded else [out[:last], tail]
         try:
-            self.comm.reduce_([buf] if self._folded else [out, tail], g,
-                              on_issued=lambda: self.hooks.phase("reduce", step, len(held)))
+            if flight is None:
+                flight = self.comm.open(g, [buf] if self._folded else [buf, tail])
+            else:
+                flight.hold.append(tail)
+            for op in ops:
+                self.comm.issue(flight, op)
+            self.comm.complete(flight, on_issued=lambda: self.hooks.phase("reduce", step,
+                                                                          len(held)))
         except ReplicaFault:
             return out, tail, False
         trailer = self.trailer.decode(tail)

@@ -36,7 +36,7 @@ import resource
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from recover.collectives import Coordinator, CoordinatorConfig, FaultTolerantComm, Member, keys
-from recover.collectives.comm import ReplicaFault
+from recover.collectives.comm import Flight, ReplicaFault
 from recover.collectives.keys import try_get
 from recover.parallel.rank import connect_rank, new_member
 from recover.recovery import StepResult
@@ -165,11 +165,10 @@ class _Comm(FaultTolerantComm):
 
     rank_state: Rank
 
-    def reduce_(self, tensors: Sequence[torch.Tensor], generation: int | None = None,
-                on_issued: Callable[[], None] | None = None) -> None:
-        g = self.member.generation() if generation is None else generation
-        super().reduce_(tensors, generation, on_issued)
+    def complete(self, flight: Flight, on_issued: Callable[[], None] | None = None) -> None:
+        super().complete(flight, on_issued)
         if self.rank_state.should_raise():
+            g = flight.g
             self.member.report_fail(g)
             raise ReplicaFault(g, [], "scripted: completed here, raised like a killed peer's "
                                       "neighbour")

@@ -15,6 +15,9 @@ import random
 from recover.app.faults import PHASES, Fault
 from recover.errors import ConfigError
 
+# Where a drawn kill may land: not `bucket`, which a model of one bucket never reaches.
+KILL_PHASES = tuple(p for p in PHASES if p != "bucket")
+
 
 def bench_schedule(replicas: int, steps: int, seed: int, kills: int | None = None) -> list[Fault]:
     """`kills` SIGKILLs spread over the run, one replica each, in step order."""
@@ -32,7 +35,7 @@ def bench_schedule(replicas: int, steps: int, seed: int, kills: int | None = Non
         a, b = lo + k * span // kills, lo + (k + 1) * span // kills
         victim = rng.choice(alive)
         alive.remove(victim)
-        out.append(Fault("kill", victim, step=rng.randrange(a, b), phase=rng.choice(PHASES)))
+        out.append(Fault("kill", victim, step=rng.randrange(a, b), phase=rng.choice(KILL_PHASES)))
     return out
 
 
