@@ -34,6 +34,23 @@ def test_failure_free(tmp_path: Path) -> None:
                for r in res.values()), res
 
 
+def test_prefetch_names_the_ids_the_next_step_computes(tmp_path: Path, store_shards: int) -> None:
+    """While a verified rank waits for the decision, `prefetch` gets the next step's ids; in a
+    failure-free run (the plan implied by each commit) they are the ids it then computes."""
+    h = Harness(tmp_path, 3, steps=5).run()
+    h.check([0, 1, 2])
+    named = 0
+    for rank in h.ranks.values():
+        for t, ids in rank.prefetched.items():
+            assert 1 <= t <= h.steps, t
+            if t < h.steps:
+                assert ids == rank.computed[t], (rank.replica, t, ids, rank.computed)
+                named += 1
+    # Every rank that waits names the next step: all but the one whose count decides (one
+    # store), or every rank (shards: the coordinator decides).
+    assert named >= (h.steps - 1) * (2 if store_shards == 0 else 3), named
+
+
 @pytest.mark.parametrize("phase", ["compute", "reduce", "commit", "outcome", "optimizer"])
 def test_kill_in_each_phase(tmp_path: Path, phase: str) -> None:
     h = Harness(tmp_path, 4, steps=3, faults=[Fault(2, 1, phase, j=1)]).run()

@@ -18,6 +18,7 @@ import datetime
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from recover.collectives.member import Member
@@ -83,7 +84,10 @@ class KeyWaiter:
         # helper is still blocked), i.e. in a recovery: its client is connected ahead (`spare`).
         self._spare = SpareClient(self.store.clone)
 
-    def get(self, key: str, generation: int, timeout_s: float) -> bytes | None:
+    def get(self, key: str, generation: int, timeout_s: float,
+            meanwhile: Callable[[], None] | None = None) -> bytes | None:
+        """The key's value (see the module's invariant); `meanwhile()` runs once on the
+        caller's thread while the request is out."""
         self.gets += 1
         helper = self._idle()
         box: dict[str, Any] = {}
@@ -92,6 +96,8 @@ class KeyWaiter:
         self.member.notify_on_change(done)  # a newer generation wakes us too
         deadline = time.monotonic() + timeout_s
         try:
+            if meanwhile is not None:
+                meanwhile()
             while True:
                 if "value" in box:
                     return box["value"]

@@ -182,13 +182,18 @@ class Replica:
         return False
 
     # -- the loop ------------------------------------------------------------------------------
-    def step(self, step: int, compute: Callable[[int, int], float]) -> StepResult:
+    def step(self, step: int, compute: Callable[[int, int], float],
+             prefetch: Callable[[int, list[int]], None] | None = None) -> StepResult:
         """Run step `step`: `compute(id, j)` does forward + backward of microbatch `id` with the
         loss scaled by 1/N and returns this rank's (unscaled) loss; on return the gradients are
         the reduced step gradient and `result.loss` is the step's mean loss. In the plain layout
         the reduce starts inside the backward of this replica's last microbatch, in buckets
         (`Numerics.bucket_mb`): `compute` must end with that one backward and leave the gradients
-        as it made them (with more than one backward per microbatch, set `bucket_mb=0`)."""
+        as it made them (with more than one backward per microbatch, set `bucket_mb=0`).
+        `prefetch(next_step, ids)`, if given, runs while the commit decision travels, with the ids
+        this rank most likely computes in the next step: load their data there (a guess; nothing
+        may be applied there, and `compute` must not rely on it)."""
+        self.engine.prefetch = prefetch
         self.grads.zero()
         w = self.loss_weight
         # Inside the step the main thread must keep making progress (every wait in the protocol

@@ -56,6 +56,14 @@ class OwnershipChain:
         next step's entry 0."""
         self._implied = (step + 1, g) if decision == keys.COMMIT else None
 
+    def predict(self, step: int, g: int, speeds: dict[int, float]) -> list[int]:
+        """The ids this replica computes in step `step` if its entry 0 is implied by a commit in
+        g with `speeds`: what it most likely computes next. A guess for a prefetch, never a plan
+        (a `redo`, `commit-plan` or fault makes another)."""
+        members = self.member.members(g)
+        known = {m: speeds[m] for m in members if m in speeds} if self.speed_aware else None
+        return list(self.strategy.assign(step, self.n, [], members, known).get(self.me, []))
+
     def sync(self, step: int, tag: int | str, chain: Chain, g: int, members: list[int]) -> Chain:
         """Read the agreed chain up to an entry of generation >= g, extending it if nobody has
         yet. Entry 0, the step's plan, is proposed by one rank (position 0 of the lowest member);

@@ -78,7 +78,8 @@ class CommitDecision:
                 if self.shard is not None:
                     self.shard.set(dkey, decided)
 
-    def decide(self, step: int, tag: int | str, g: int, ok: bool) -> bytes:
+    def decide(self, step: int, tag: int | str, g: int, ok: bool,
+               meanwhile: Callable[[], None] | None = None) -> bytes:
         """Commit iff every position of every surviving member of g holds a verified result;
         decided once, by compare-and-set of the attempt's decision key.
 
@@ -89,7 +90,8 @@ class CommitDecision:
         membership changes while we wait (a member died, maybe after its reduce completed: its
         part is then inside the sum, as the trailer proves), the survivors decide on evidence
         instead: each counts itself once per newer generation it learns, and the rank whose count
-        covers every surviving position writes `commit-plan`.
+        covers every surviving position writes `commit-plan`. `meanwhile()` runs at most once,
+        while a verified rank's wait for the decision is out (work that applies nothing).
         """
         dkey = keys.decision_key(tag, g)
         if not ok:
@@ -98,13 +100,14 @@ class CommitDecision:
                 self.shard.set(dkey, decided)  # our shard's ranks may be waiting there
             return decided
         if self.shard is not None:
-            return self._decide_sharded(step, tag, g, dkey)
+            return self._decide_sharded(step, tag, g, dkey, meanwhile)
         total = len(self.member.members(g)) * self.positions
         if self.store.add(keys.count_key(tag, g), 1) == total:
             return self.store.compare_set(dkey, "", self.commit_value(step, g))
-        return self._await_decision(self.waiter, tag, g, dkey)
+        return self._await_decision(self.waiter, tag, g, dkey, meanwhile=meanwhile)
 
-    def _decide_sharded(self, step: int, tag: int | str, g: int, dkey: str) -> bytes:
+    def _decide_sharded(self, step: int, tag: int | str, g: int, dkey: str,
+                        meanwhile: Callable[[], None] | None) -> bytes:
         """`decide` through this rank's store shard (collectives/shards.py): count there, then
         wait there; the rank completing its shard's count tells the coordinator (a line on its
         liveness socket, no round trip), which decides on the main store once every shard's
@@ -120,13 +123,15 @@ class CommitDecision:
         # copied here too: that ends our shard waiter's blocked get, so its client is reused,
         # not replaced by a new connection (each costs the server a blocking DNS lookup:
         # docs/MEASUREMENTS.md, "TCPStore").
-        return self._await_decision(self.shard_waiter, tag, g, dkey, copy_to=self.shard)
+        return self._await_decision(self.shard_waiter, tag, g, dkey, copy_to=self.shard,
+                                    meanwhile=meanwhile)
 
     def _await_decision(self, waiter: KeyWaiter, tag: int | str, g: int, dkey: str,
-                        copy_to: Any = None) -> bytes:
+                        copy_to: Any = None, meanwhile: Callable[[], None] | None = None
+                        ) -> bytes:
         """Block on the decision; if the membership changes first, decide on evidence (and
         copy that decision into `copy_to`, a shard, if given)."""
-        decided = waiter.get(dkey, g, 3 * self.timeout_s)
+        decided = waiter.get(dkey, g, 3 * self.timeout_s, meanwhile)
         if decided in (*keys.COMMITS, keys.REDO):
             return decided
         if decided is not None:

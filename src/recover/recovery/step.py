@@ -119,6 +119,8 @@ class StepEngine:
     `torch.profiler.record_function` spans ("recover.compute", "recover.reduce",
     "recover.decide"). `on_join(step, entry)` is called on every rank when a replica joins at a
     step boundary (`recover.Replica` serves the joiner its state when this replica is the donor).
+    `prefetch(step + 1, ids)`, if set, is called while this rank's verified result waits for
+    the commit decision, with the ids it most likely computes next (their data may load then).
     """
 
     def __init__(self, member: Member, comm: FaultTolerantComm, grad: torch.Tensor | GradAccess,
@@ -158,6 +160,8 @@ class StepEngine:
         self.lifetime = KeyLifetime(member, self.position, positions, self.stats)
         self.mb_time: float | None = None  # EMA of this replica's seconds per microbatch
         self.on_join: Callable[[int, dict], None] | None = None
+        # (next step, ids): called while a verified rank waits for the commit decision.
+        self.prefetch: Callable[[int, list[int]], None] | None = None
         self._served: set[int] = set()
         numerics = numerics or Numerics()
         # One gradient-sized scratch buffer, reused by every reduce unless an abandoned
@@ -248,7 +252,8 @@ class StepEngine:
             p.settled.add(entry_gen)
             t0 = time.monotonic()
             with record_function("recover.decide"):
-                decision = self.decision.decide(step, p.tag, entry_gen, ok)
+                decision = self.decision.decide(step, p.tag, entry_gen, ok,
+                                                self._meanwhile(step, entry_gen, trailer, ok))
             self.stats["decide_s"] += time.monotonic() - t0
             if decision in keys.COMMITS:
                 if not ok:  # unreachable by the protocol: see CommitRefused
@@ -266,6 +271,19 @@ class StepEngine:
             if self.member.generation() == entry_gen:
                 self.member.wait_newer(entry_gen, self.ft.reduce_timeout_s)
         raise RecoveryError(f"step {step} did not commit after {MAX_ATTEMPTS} attempts")
+
+    def _meanwhile(self, step: int, g: int, trailer: torch.Tensor, ok: bool
+                   ) -> Callable[[], None] | None:
+        """What this rank may do while the decision travels: hand `prefetch` the ids it most
+        likely computes in the next step (their data loads). Nothing is applied: a guess the
+        decision turns out to contradict costs only the loads."""
+        prefetch = self.prefetch
+        if prefetch is None or not ok:
+            return None
+        reps = self.member.replicas
+        speeds = {r: v for r, v in enumerate(trailer[HEAD:HEAD + reps].tolist()) if v > 0}
+        ids = self.chains.predict(step + 1, g, speeds)
+        return (lambda: prefetch(step + 1, ids)) if ids else None
 
     def _extend_chain(self, step: int, p: _Progress) -> bool:
         """Bring the chain up to the newest generation; False when this attempt computes

@@ -183,6 +183,8 @@ class Rank:
         self.fenced: str | None = None
         self.error: str | None = None
         self.results: dict[int, tuple[StepResult, torch.Tensor]] = {}
+        self.computed: dict[int, list[int]] = {}  # step -> ids this rank computed in it
+        self.prefetched: dict[int, list[int]] = {}  # step -> ids `prefetch` named for it
         self.ops: dict[int, float] = {}  # step -> the engine's store round trips in that step
         self.step = -1
         self.done = threading.Event()
@@ -278,6 +280,7 @@ class Rank:
             self.comm = comm
             _GRAVE.extend([member, comm, engine, grad])
             self.engine = engine
+            engine.prefetch = self.prefetched.__setitem__
             for t in range(h.steps):
                 self.step = t
                 self.ops[t] = engine.stats["store_ops"] + engine.store_waits
@@ -308,6 +311,7 @@ class Rank:
 
     def _compute(self, i: int, j: int) -> float:
         self.fire("compute", j)
+        self.computed.setdefault(self.step, []).append(i)
         oracle.add(self.grad, i, self.base)
         return oracle.loss(i)
 

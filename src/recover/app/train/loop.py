@@ -115,6 +115,8 @@ class Trainer:
                                   d.eval_microbatches)
         self.batches = train_batches(self.corpus.train, m.block_size, d.microbatch_size,
                                      cfg.run.seed, d.sampling)
+        # The next step's microbatches, loaded while a commit decision travels (`prefetch`).
+        self.prefetched: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.windows_log = _windows_log(LaunchEnv.from_env().windows_log, replica, rank)
         self.timer = StepTimer()
         # The records this rank offered last: a restarted coordinator's store has none of them.
@@ -182,7 +184,7 @@ class Trainer:
             lr = lr_at(step, cfg)
             set_lr(self.opt, lr)
             self.rm.module.train()
-            res = rep.step(step, self.compute)  # COMPUTE -> REDUCE -> agreed COMMIT
+            res = rep.step(step, self.compute, self.prefetch)  # COMPUTE -> REDUCE -> COMMIT
             self.faults.at("optimizer", step, 0)
             grad_norm = rep.clip_grad_norm_(cfg.optim.grad_clip)
             self.opt.step()
@@ -213,11 +215,17 @@ class Trainer:
                 return True
         return False
 
+    def prefetch(self, step: int, ids: list[int]) -> None:
+        """Load the microbatches this rank most likely computes in `step` while the decision
+        of the step before travels (idle time: every replica waits for it at once)."""
+        self.prefetched = {i: self.batches.batch(i) for i in ids}
+
     def compute(self, mb_id: int, j: int) -> float:
         """This rank's part of microbatch `mb_id`: gradients += its share of grad(loss)/N."""
         m, seed, step = self.cfg.model, self.cfg.run.seed, self.faults.step
         with self.timer.microbatch(self.faults.slow_factor(step)):
-            x, y = self.batches.batch(mb_id)
+            ready = self.prefetched.pop(mb_id, None)  # a pure function of the id: the same
+            x, y = ready if ready is not None else self.batches.batch(mb_id)
             if self.windows_log is not None:
                 self.log_windows(mb_id, step)
             seeded = foreign.seeded_forward(m)
