@@ -13,9 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from recover.app.config import RunConfig, preset
-from recover.data import EpochOrder, IdBatches, TokenWindows, open_prepared, permute
+from recover.data import EpochOrder, IdBatches, TokenWindows, open_prepared, order, permute
 from recover.errors import DataError
 
 
@@ -126,3 +128,16 @@ def test_a_run_saved_before_epochs_keeps_random_windows(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(saved))
     assert RunConfig.load(tmp_path / "config.json").data.sampling == "random"
     assert preset("debug").data.sampling == "epoch"
+
+
+@settings(max_examples=300, deadline=None)
+@given(size=st.integers(1, 1 << 45), key=st.integers(0, (1 << 64) - 1),
+       fractions=st.lists(st.floats(0, 1, exclude_max=True), min_size=1, max_size=40))
+def test_small_lookups_walk_the_same_bijection(size: int, key: int,
+                                               fractions: list[float]) -> None:
+    """A microbatch's few samples are walked with Python integers (`order.SMALL`); the same
+    indices among many more (numpy's vectorised rounds) land on the same items."""
+    idx = np.array([int(f * size) for f in fractions], dtype=np.int64)
+    big = np.concatenate([idx, np.zeros(order.SMALL, dtype=np.int64)])
+    assert len(idx) <= order.SMALL < len(big)
+    assert permute(idx, size, key).tolist() == permute(big, size, key)[:len(idx)].tolist()

@@ -16,6 +16,10 @@ from recover.workload.ids import id_seed
 ORDER_STREAM = 3  # id_seed stream of the epoch keys (0: random windows, 1: dropout, 2: eval)
 ROUNDS = 6  # Feistel rounds: 3 give a pseudo-random permutation (Luby-Rackoff); 6 mix small sizes
 _U64 = np.uint64
+_M64 = (1 << 64) - 1
+# Up to this many indices `permute` walks each with Python integers (a microbatch's samples);
+# more go through numpy at once. Both give the same images (tests/test_data_order.py).
+SMALL = 64
 
 
 def _mix(z: np.ndarray) -> np.ndarray:
@@ -28,6 +32,27 @@ def _mix(z: np.ndarray) -> np.ndarray:
 def _half_bits(size: int) -> int:
     """Bits of one Feistel half: the smallest even-split power of two domain holding `size`."""
     return max(1, ((size - 1).bit_length() + 1) // 2)
+
+
+def _round_keys(key: int) -> list[int]:
+    return [id_seed(key, r, stream=ORDER_STREAM) for r in range(ROUNDS)]
+
+
+def _walk(y: int, size: int, h: int, keys: list[int]) -> int:
+    """`permute` of one index with Python integers: the same arithmetic as `_mix` and the
+    vectorised rounds, modulo 2^64 by masking (a microbatch's few samples: numpy's per-call
+    overhead made its 8 lookups cost 1.2 ms)."""
+    mask = (1 << h) - 1
+    while True:
+        left, right = y >> h, y & mask
+        for k in keys:
+            z = right ^ k
+            z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+            left, right = right, left ^ ((z ^ (z >> 31)) & mask)
+        y = (left << h) | right
+        if y < size:  # cycle walking, as below
+            return y
 
 
 def permute(index: np.ndarray, size: int, key: int) -> np.ndarray:
@@ -44,8 +69,11 @@ def permute(index: np.ndarray, size: int, key: int) -> np.ndarray:
     if x.size and (x.min() < 0 or x.max() >= size):
         raise ValueError(f"indices must lie in [0, {size})")
     h = _half_bits(size)
+    if x.size <= SMALL:
+        return np.array([_walk(int(i), size, h, _round_keys(key)) for i in x.flat],
+                        dtype=np.int64).reshape(x.shape)
     mask = _U64((1 << h) - 1)
-    keys = [_U64(id_seed(key, r, stream=ORDER_STREAM)) for r in range(ROUNDS)]
+    keys = [_U64(k) for k in _round_keys(key)]
     out = x.astype(np.uint64)
     todo = np.ones(out.shape, dtype=bool)
     while todo.any():
