@@ -1,6 +1,8 @@
 """Soak: consecutive `recover train` runs under a random, seeded fault schedule for M minutes
 (replica kills, hangs, slowdowns, deadlocks, partitions, preemptions, restarts of the lost, and
-coordinator kills: every kind `--fault` has).
+coordinator kills: every kind `--fault` has). Half the runs reduce in 0.05 MiB buckets, the
+first ones issued inside the last backward (`--bucket-mb 0.05`), and may aim their faults at
+that phase too (`bucket`).
 
 Invariant: every run is checked the way tests/faults checks one scenario (exit 0, committed
 steps 0..S-1 exactly once, `microbatches` = N on every line, losses within 1e-5 relative of a
@@ -51,6 +53,7 @@ class Shape:
     kinds: tuple[str, ...] = ("kill", "kill", "hang", "slow", "deadlock", "partition",
                               "preempt")
     coordinator_kills: bool = True  # in a third of the runs
+    overlap: bool = True  # half the runs reduce in small buckets inside the backward
 
     def flags(self) -> list[str]:
         return ["--preset", "debug", "--steps", str(self.steps), "--eval-every", "0",
@@ -61,14 +64,17 @@ class Shape:
 FULL = Shape()
 # --smoke: the reference and one run with one replica kill (maybe restarted), as small as the
 # checks still see a recovery (R=3: two survivors reduce together after it).
-SMOKE = Shape(replicas=3, steps=8, max_faults=1, kinds=("kill",), coordinator_kills=False)
+SMOKE = Shape(replicas=3, steps=8, max_faults=1, kinds=("kill",), coordinator_kills=False,
+              overlap=False)
+BUCKETS = ["--bucket-mb", "0.05"]  # the debug model's gradient in 10 operations a step
 
 
-def train(out: Path, data: Path, faults: list[str], shape: Shape, timeout: float = 300) -> int:
+def train(out: Path, data: Path, faults: list[str], shape: Shape, timeout: float = 300,
+          extra: tuple[str, ...] = ()) -> int:
     """Run `recover train`; its exit code (-1 past `timeout`). Its whole tree is ended by PID."""
     fresh_dir(out)  # `recover train` refuses a folder that holds a run (a reused --out)
     args = [sys.executable, "-m", "recover", "train", "--out", str(out), "--data", str(data),
-            *shape.flags()]
+            *shape.flags(), *extra]
     for f in faults:
         args += ["--fault", f]
     Path(f"{out}.log").unlink(missing_ok=True)
@@ -87,7 +93,7 @@ def train(out: Path, data: Path, faults: list[str], shape: Shape, timeout: float
         kill_pids(kids)  # only those still alive (by PID, checked in /proc)
 
 
-def schedule(rng: random.Random, shape: Shape) -> list[str]:
+def schedule(rng: random.Random, shape: Shape, phases: tuple[str, ...] = PHASES) -> list[str]:
     """1..max_faults faults on distinct replicas among 1..R-1: kill, deadlock, partition or
     preempt (a scheduler's SIGTERM: a planned leave; each maybe followed by the lost replica's
     restart), hang, slow; and in a third of the runs, the
@@ -96,19 +102,20 @@ def schedule(rng: random.Random, shape: Shape) -> list[str]:
     faults, steps = [], shape.steps
     if shape.coordinator_kills and rng.random() < 1 / 3:
         faults.append(f"coordinator:replica=0,step={rng.randrange(1, steps - 1)},"
-                      f"phase={rng.choice(PHASES)}")
+                      f"phase={rng.choice(phases)}")
     for r in rng.sample(range(1, shape.replicas), rng.randint(1, shape.max_faults)):
         kind, step = rng.choice(shape.kinds), rng.randrange(1, steps - 3)
         if kind in ("kill", "deadlock", "preempt"):
-            faults.append(f"{kind}:replica={r},step={step},phase={rng.choice(PHASES)}")
+            faults.append(f"{kind}:replica={r},step={step},phase={rng.choice(phases)}")
         elif kind == "partition":
             faults.append(f"partition:replica={r},step={step}")
         if kind in ("kill", "deadlock", "partition", "preempt"):
             if rng.random() < 0.4:
                 faults.append(f"restart:replica={r},step={rng.randrange(step + 2, steps)}")
-        elif kind == "hang":
+        elif kind == "hang":  # inside the step: from the forward to the reduce
+            inside = [p for p in phases if p not in ("commit", "optimizer")]
             faults.append(f"hang:replica={r},step={step},seconds={rng.choice((1, 3, 5))},"
-                          f"phase={rng.choice(PHASES[:3])}")
+                          f"phase={rng.choice(inside)}")
         else:
             faults.append(f"slow:replica={r},factor={rng.choice((2, 3))},step={step}")
     return faults
@@ -175,13 +182,16 @@ def main() -> int:
     total, runs = 0, 0
     deadline = time.monotonic() + 60 * (args.minutes or 0)
     while runs == 0 or time.monotonic() < deadline:  # --smoke: exactly one run
-        faults = schedule(rng, shape)
+        extra = BUCKETS if shape.overlap and rng.random() < 0.5 else []
+        faults = schedule(rng, shape, PHASES + ("bucket",) if extra else PHASES)
         out = root / f"run{runs:03d}"
         t0 = time.monotonic()
-        bad = violations(out, train(out, data, faults, shape), ref, shape.steps)
+        bad = violations(out, train(out, data, faults, shape, extra=tuple(extra)), ref,
+                         shape.steps)
         total += len(bad)
-        print(f"run {runs}: {' '.join(faults)} -> {'ok' if not bad else '; '.join(bad)} "
-              f"({time.monotonic() - t0:.0f}s)", flush=True)
+        print(f"run {runs}: {' '.join(faults)}{' (' + ' '.join(extra) + ')' if extra else ''} "
+              f"-> {'ok' if not bad else '; '.join(bad)} ({time.monotonic() - t0:.0f}s)",
+              flush=True)
         runs += 1
     print(f"runs={runs} (in {root})")
     print(f"violations={total}")
