@@ -38,6 +38,7 @@ from typing import Any, NoReturn
 import torch
 
 from recover.collectives import FaultTolerantComm, ReplicaFault, coordinator, keys
+from recover.collectives.comm import Flight
 from recover.collectives.storecount import CountedStore, Tally, counting_connect
 from recover.parallel.rank import RankStack, connect_rank, new_member
 from recover.procs import Process, Spawner, alive, stop_all
@@ -65,32 +66,46 @@ class RankArgs:
 
 
 class TimedComm(FaultTolerantComm):
-    """Records each reduce call: [generation, start, end, True or why it failed, barrier s, build s,
-    collective s, build CPU s (this process's CPU clock over barrier + build, every thread),
-    this process's CPU clock (every thread) at the start]."""
+    """Records each reduce (from `open`, which may build the group, to the end of `complete`):
+    [generation, start, end, True or why it failed, barrier s, build s, collective s, build CPU s
+    (this process's CPU clock over barrier + build, every thread), this process's CPU clock
+    (every thread) at the start]."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.calls: list[list[Any]] = []
+        self._start: tuple[int, dict[str, float], float, float] | None = None
 
-    def reduce_(self, tensors: Sequence[torch.Tensor], generation: int | None = None,
-                on_issued: Callable[[], None] | None = None) -> None:
+    def open(self, generation: int | None = None, hold: Sequence[torch.Tensor] = ()) -> Flight:
         g = self.member.generation() if generation is None else generation
-        s0 = dict(self.stats)
-        t0, c0 = time.time(), time.process_time()
-        ok: bool | str = False
+        self._start = (g, dict(self.stats), time.time(), time.process_time())
         try:
-            super().reduce_(tensors, g, on_issued)
-            ok = True
-        except ReplicaFault as e:
-            ok = e.why[:120] or False  # falsy only if it gave no reason
-            log.warning("%.4f reduce in generation %d failed: %s", time.time(), g, e.why)
+            return super().open(g, hold)
+        except BaseException as e:
+            self._record(e)
             raise
-        finally:
-            s1 = self.stats
-            self.calls.append([g, t0, time.time(), ok, s1["barrier_s"] - s0["barrier_s"],
-                               s1["build_s"] - s0["build_s"], s1["reduce_s"] - s0["reduce_s"],
-                               s1["build_cpu_s"] - s0["build_cpu_s"], c0])
+
+    def complete(self, flight: Flight, on_issued: Callable[[], None] | None = None) -> None:
+        try:
+            super().complete(flight, on_issued)
+        except BaseException as e:
+            self._record(e)
+            raise
+        self._record(None)
+
+    def _record(self, error: BaseException | None) -> None:
+        if self._start is None:
+            return
+        (g, s0, t0, c0), self._start = self._start, None
+        ok: bool | str = True
+        if error is not None:
+            why = error.why if isinstance(error, ReplicaFault) else ""
+            ok = why[:120] or False  # falsy only if it gave no reason
+            log.warning("%.4f reduce in generation %d failed: %s", time.time(), g, why or error)
+        s1 = self.stats
+        self.calls.append([g, t0, time.time(), ok, s1["barrier_s"] - s0["barrier_s"],
+                           s1["build_s"] - s0["build_s"], s1["reduce_s"] - s0["reduce_s"],
+                           s1["build_cpu_s"] - s0["build_cpu_s"], c0])
 
 
 class TracedStore:
