@@ -11,11 +11,14 @@ import json
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 
-from recover.parallel import channel, transfer
+from recover.collectives import CoordinatorGone
+from recover.parallel import channel, rejoin, transfer
 
 pytestmark = pytest.mark.timeout(60)
 KEY, CTX = b"a run token", channel.context(2, 0)
@@ -89,3 +92,21 @@ def test_a_donor_gone_mid_stream_fails_the_joiner_at_once() -> None:
         transfer.receive(joiner, mine, {})
     donor.join(10)
     assert time.monotonic() - t0 < 10
+
+
+class _ResetStore:
+    """A store client whose coordinator just died: every call fails as torch's client does."""
+
+    def compare_set(self, *_: object) -> bytes:
+        raise torch.distributed.DistNetworkError("Connection reset by peer")
+
+
+def test_a_joiner_whose_store_breaks_asks_for_the_restarted_coordinator() -> None:
+    """The store's connection breaks while a joiner waits for its donor (the coordinator died,
+    before the liveness socket says so): `CoordinatorGone`, which the app answers by joining the
+    restarted coordinator, not a traceback from inside torch (a soak run's joiner exited 1 so,
+    and the others waited 60 s for it at the boundary its restart was scheduled for)."""
+    member = SimpleNamespace(token="t", replica=3, join_epoch=1, store=_ResetStore(),
+                             coordinator_lost=False, run_over=False)
+    with pytest.raises(CoordinatorGone, match="store's connection broke while it joined"):
+        rejoin.receive(member, 0, nn.Linear(2, 2), None, {}, None, 5.0)  # type: ignore[arg-type]

@@ -112,7 +112,20 @@ def receive(member: Member, rank: int, module: nn.Module,
             exact: Any | None, timeout_s: float, hooks: Hooks | None = None,
             join_at: int = 0) -> tuple[int, float, int]:
     """Joiner rank: get the state from a donor (another one if a donor dies), tell the
-    coordinator, wait for the admission. Returns (step to continue from, transfer s, bytes)."""
+    coordinator, wait for the admission. Returns (step to continue from, transfer s, bytes).
+    `CoordinatorGone` if the store's connection breaks meanwhile (its coordinator died: a
+    restarted one may be joined again), before the liveness socket has said so."""
+    try:
+        return _receive(member, rank, module, optimizer, extra, exact, timeout_s, hooks, join_at)
+    except torch.distributed.DistNetworkError as e:
+        raise CoordinatorGone(f"replica {member.replica}: the store's connection broke while it "
+                              f"joined ({str(e).splitlines()[0][:120]})") from None
+
+
+def _receive(member: Member, rank: int, module: nn.Module,
+             optimizer: torch.optim.Optimizer | None, extra: Mapping[str, Any],
+             exact: Any | None, timeout_s: float, hooks: Hooks | None, join_at: int
+             ) -> tuple[int, float, int]:
     key = _key(member)
     if optimizer is not None:
         transfer.materialize_optimizer(optimizer)
