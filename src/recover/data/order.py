@@ -69,11 +69,12 @@ def permute(index: np.ndarray, size: int, key: int) -> np.ndarray:
     if x.size and (x.min() < 0 or x.max() >= size):
         raise ValueError(f"indices must lie in [0, {size})")
     h = _half_bits(size)
+    rounds = _round_keys(key)
     if x.size <= SMALL:
-        return np.array([_walk(int(i), size, h, _round_keys(key)) for i in x.flat],
+        return np.array([_walk(int(i), size, h, rounds) for i in x.flat],
                         dtype=np.int64).reshape(x.shape)
     mask = _U64((1 << h) - 1)
-    keys = [_U64(k) for k in _round_keys(key)]
+    keys = [_U64(k) for k in rounds]
     out = x.astype(np.uint64)
     todo = np.ones(out.shape, dtype=bool)
     while todo.any():

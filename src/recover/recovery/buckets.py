@@ -90,6 +90,7 @@ class Overlap:
     on_first: Callable[[], None]
     issued: int = 0  # buckets issued so far, in plan order
     left: list[int] = field(default_factory=list)  # per bucket: parameters not final yet
+    final: set[int] = field(default_factory=set)  # parameters that reported
 
     def __post_init__(self) -> None:
         self.left = [0] * len(self.plan.ranges)
@@ -97,7 +98,14 @@ class Overlap:
             self.left[b] += 1
 
     def ready(self, k: int) -> None:
-        """Parameter k's local gradient is final (autograd's hook, on the backward's thread)."""
+        """Parameter k's local gradient is final (autograd's hook, on the backward's thread).
+        A second report means a second backward: its bucket may be on the wire already."""
+        if k in self.final:
+            raise RuntimeError(
+                f"parameter {k} finished a second backward in the step's last microbatch; "
+                "a compute that runs more than one backward per microbatch needs "
+                "Numerics(bucket_mb=0)")
+        self.final.add(k)
         self.left[self.plan.of[k]] -= 1
         last = len(self.plan.ranges) - 1
         while self.issued < last and self.left[self.issued] <= 0:
@@ -108,6 +116,7 @@ class Overlap:
 
     def flush(self) -> None:
         """Issue every bucket but the last that is not issued yet."""
-        for b in range(self.issued, len(self.plan.ranges) - 1):
+        last = len(self.plan.ranges) - 1
+        for b in range(self.issued, last):
             self.issue(*self.plan.ranges[b])
-        self.issued = max(self.issued, len(self.plan.ranges) - 1)
+        self.issued = last

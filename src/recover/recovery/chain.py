@@ -60,9 +60,7 @@ class OwnershipChain:
         """The ids this replica computes in step `step` if its entry 0 is implied by a commit in
         g with `speeds`: what it most likely computes next. A guess for a prefetch, never a plan
         (a `redo`, `commit-plan` or fault makes another)."""
-        members = self.member.members(g)
-        known = {m: speeds[m] for m in members if m in speeds} if self.speed_aware else None
-        return list(self.strategy.assign(step, self.n, [], members, known).get(self.me, []))
+        return list(self._assign(step, [], self.member.members(g), speeds).get(self.me, []))
 
     def sync(self, step: int, tag: int | str, chain: Chain, g: int, members: list[int]) -> Chain:
         """Read the agreed chain up to an entry of generation >= g, extending it if nobody has
@@ -124,10 +122,15 @@ class OwnershipChain:
     def _plan_entry(self, step: int, g: int, members: list[int], chain: Chain | None = None
                     ) -> dict:
         """The chain entry after `chain` in generation g, as stored (JSON-shaped)."""
-        speeds = ({m: self.speeds[m] for m in members if m in self.speeds}
-                  if self.speed_aware else None)
-        assign = self.strategy.assign(step, self.n, chain or [], members, speeds)
+        assign = self._assign(step, chain or [], members, self.speeds)
         return {"gen": g, "assign": {str(m): ids for m, ids in assign.items() if ids}}
+
+    def _assign(self, step: int, chain: Chain, members: list[int], speeds: dict[int, float]
+                ) -> dict[int, list[int]]:
+        """The strategy's answer for the entry after `chain`, with the members' known speeds
+        (none when quotas are not speed-aware)."""
+        known = {m: speeds[m] for m in members if m in speeds} if self.speed_aware else None
+        return self.strategy.assign(step, self.n, chain, members, known)
 
     def _await_scheduled_join(self, step: int, members: list[int]) -> None:
         """Fault injection (`restart:replica=R,step=S`): at boundary S the plan waits, bounded,

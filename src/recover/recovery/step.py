@@ -280,10 +280,13 @@ class StepEngine:
         prefetch = self.prefetch
         if prefetch is None or not ok:
             return None
-        reps = self.member.replicas
-        speeds = {r: v for r, v in enumerate(trailer[HEAD:HEAD + reps].tolist()) if v > 0}
-        ids = self.chains.predict(step + 1, g, speeds)
+        ids = self.chains.predict(step + 1, g, self._speeds(trailer))
         return (lambda: prefetch(step + 1, ids)) if ids else None
+
+    def _speeds(self, trailer: torch.Tensor) -> dict[int, float]:
+        """Every replica's seconds per microbatch, as a decoded trailer carries them."""
+        reps = self.member.replicas
+        return {r: v for r, v in enumerate(trailer[HEAD:HEAD + reps].tolist()) if v > 0}
 
     def _extend_chain(self, step: int, p: _Progress) -> bool:
         """Bring the chain up to the newest generation; False when this attempt computes
@@ -357,21 +360,10 @@ class StepEngine:
         t = self.trailer.size if self._folded else 0
         flat = self.grads.local_flat()  # type: ignore[attr-defined]
         flight = p.flight = self.comm.open(g, [buf])
-        seen: set[int] = set()
         overlap = Overlap(self.buckets, lambda lo, hi: self._issue(flight, buf[t + lo:t + hi],
                                                                    flat[lo:hi]),
                           lambda: self.hooks.phase("bucket", step, j))
-
-        def ready(k: int) -> None:
-            if k in seen:  # its bucket may be on the wire already: the sum would be stale
-                raise RuntimeError(
-                    f"parameter {k} finished a second backward in the step's last microbatch; "
-                    "a compute that runs more than one backward per microbatch needs "
-                    "Numerics(bucket_mb=0)")
-            seen.add(k)
-            overlap.ready(k)
-
-        self.grads.on_final(ready)  # type: ignore[attr-defined]
+        self.grads.on_final(overlap.ready)  # type: ignore[attr-defined]
         return overlap
 
     def _issue(self, flight: Flight, into: torch.Tensor, src: torch.Tensor) -> None:
@@ -391,8 +383,7 @@ class StepEngine:
             out.mul_(scale)
         self.grads.assign(out)
         reps = self.member.replicas
-        self.chains.speeds = {r: v for r, v in enumerate(trailer[HEAD:HEAD + reps].tolist())
-                              if v > 0}
+        self.chains.speeds = self._speeds(trailer)
         redo = bool(self._slots) and self.grads.agree(  # type: ignore[attr-defined]
             trailer[HEAD + reps:].view(reps, self._slots))
         self._record_speed(p.compute_s, len(p.held))
@@ -425,21 +416,21 @@ class StepEngine:
         numel, held = self.grads.numel, p.held
         flight, p.flight = p.flight, None
         t = self.trailer.size if self._folded else 0
-        buf = flight.hold[0] if flight is not None and flight.hold else self._scratch_buffer()
+        buf = flight.hold[0] if flight is not None else self._scratch_buffer()
         out = buf[t:t + numel]
         tail = buf[:t] if self._folded else torch.empty(
             self.trailer.size, dtype=torch.float64, device=buf.device)
         ranges = self.buckets.ranges
+        last = ranges[-1][1]  # the first bucket: elements [0, last), issued last
         done = 0
         if flight is None:
             self.grads.pack(out)
         else:  # the backward issued every bucket but the first (`Overlap.flush`): pack it
             done = len(ranges) - 1
-            out[:ranges[-1][1]].copy_(self.grads.local_flat()[:ranges[-1][1]])  # type: ignore[attr-defined]
+            out[:last].copy_(self.grads.local_flat()[:last])  # type: ignore[attr-defined]
         slots = self.grads.slot_values() if self._slots else []  # type: ignore[attr-defined]
         self.trailer.encode(tail, (len(held), id_checksum(held), step + 1), self.me,
                             [p.loss_sum, self.mb_time or 0.0, *slots])
-        last = ranges[-1][1]  # the first bucket: elements [0, last), issued last
         ops = [out[lo:hi] for lo, hi in ranges[done:-1]]
         ops += [buf[:t + last]] if self._folded else [out[:last], tail]
         try:
