@@ -44,6 +44,9 @@ from recover.settings import LaunchEnv
 
 log = logging.getLogger(__name__)
 
+# After the last replica process exits, how long the launcher waits for the coordinator to have
+# taken every replica off the membership (ms on a quiet machine) before it reads the exit records.
+SETTLE_S = 2.0
 # What the launch's processes import, once, in the fork server: the replica's and the
 # coordinator's entry points, the training loop and the parallel layouts; and what torch imports
 # lazily later: torch._dynamo (AdamW's constructor imports it, 2.6 CPU-s in every replica) and
@@ -439,6 +442,10 @@ def _await_leaving(store: Any, coord: Process, procs: dict[tuple[int, int], Proc
     while time.monotonic() < deadline:
         if not external:
             if all(p.poll() is not None for p in procs.values()):
+                # Their last words (a bye, a closed liveness socket) reach the coordinator just
+                # after they exit: let it take them all off the membership first, or the exit
+                # records read its view from before (a preempted replica read as "running").
+                _await_no_members(store, coord, min(deadline, time.monotonic() + SETTLE_S))
                 return
         elif coord.poll() is not None:
             return
@@ -449,6 +456,17 @@ def _await_leaving(store: Any, coord: Process, procs: dict[tuple[int, int], Proc
             except Exception:  # the store went away with the coordinator
                 return
         time.sleep(0.05)
+
+
+def _await_no_members(store: Any, coord: Process, until: float) -> None:
+    """Wait until the coordinator's newest generation is empty (or it is gone), until `until`."""
+    while time.monotonic() < until and coord.poll() is None:
+        try:
+            if keys.newest_members(store) == []:
+                return
+        except Exception:  # the store went away with the coordinator
+            return
+        time.sleep(0.02)
 
 
 def _describe_exits(replicas: int, codes: dict[int, int | None],
