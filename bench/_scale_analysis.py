@@ -95,7 +95,8 @@ def failure_requests(steps: dict[Any, list[dict]], t_kill: float, g0: int, coord
     its first commit in a generation after g0, less as many of its steps at the mean rate of
     the AFTER steps that follow (the new membership's failure-free steps: who deletes old keys
     or tops a shard's count may have changed with it); `coord` (the coordinator's own requests
-    over the failure) is added to the main store's. `main_kinds`: the survivors' main-store
+    over the failure) is added to the main store's; `probes`: the data-path probes its ranks
+    started (`reach`: a handshake with every member each). `main_kinds`: the survivors' main-store
     requests per key kind (numbers as '#'), per surviving replica."""
     per_replica: dict[int, dict[str, float]] = {}
     kinds: dict[str, float] = {}
@@ -105,8 +106,8 @@ def failure_requests(steps: dict[Any, list[dict]], t_kill: float, g0: int, coord
         end = next(i for i, s in enumerate(recs) if s["gen"] > g0) + TAIL
         if first == 0 or end + AFTER >= len(recs):
             raise ValueError(f"rank {(rep, pos)}: its steps do not cover the failure's window")
-        mine = per_replica.setdefault(rep, {"main_reqs": 0.0, "shard_reqs": 0.0})
-        for key in mine:
+        mine = per_replica.setdefault(rep, {"main_reqs": 0.0, "shard_reqs": 0.0, "probes": 0.0})
+        for key in [k for k in mine if k in recs[end]]:
             rate = (recs[end + AFTER][key] - recs[end][key]) / AFTER
             mine[key] += recs[end][key] - recs[first - 1][key] - (end - first + 1) * rate
         if "main_kinds" in recs[end]:  # the same count, per key kind (storecount.Tally)
@@ -120,6 +121,7 @@ def failure_requests(steps: dict[Any, list[dict]], t_kill: float, g0: int, coord
     return {"main_reqs": (ranks + coord) / reps, "rank_main_reqs": ranks / reps,
             "coord_reqs": coord, "main_max": max(r["main_reqs"] for r in per_replica.values()),
             "shard_reqs": sum(r["shard_reqs"] for r in per_replica.values()) / reps,
+            "probes": sum(r["probes"] for r in per_replica.values()) / reps,
             "main_kinds": {k: round(n / reps, 2) for k, n in sorted(kinds.items())
                            if abs(n / reps) >= 0.05}}
 

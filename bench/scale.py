@@ -136,7 +136,7 @@ log = logging.getLogger("bench.scale")
 CURVE = BENCH_DIR.parent / "src" / "recover" / "sim" / "data" / "scale_curve.json"
 EXTRA = (*PARTS, "total", "teardown", "agree_med", "agree_cpu", "rebuild_cpu", "store_cpu",
          "recovery_ops", "recovery_cpu", "main_reqs", "main_max", "shard_reqs", "rank_main_reqs",
-         "coord_reqs")
+         "coord_reqs", "probes")
 
 
 class FalseAlarm(RuntimeError):
@@ -507,7 +507,8 @@ def figures(res: list[dict]) -> list[str]:
             "tells the coordinator on its liveness socket, no round trip), "
             f"recovery_cpu {r['recovery_cpu'] * 1e3:.1f} ms, "
             f"main_store_requests_per_failure_per_replica {r['main_reqs']:.2f} (the most one "
-            f"replica added: {r['main_max']:.0f}), shard requests {r['shard_reqs']:.1f}")
+            f"replica added: {r['main_max']:.0f}), shard requests {r['shard_reqs']:.1f}, "
+            f"probes of the peers' data path per surviving replica {r['probes']:.2f}")
         for k in r["kills"]:
             say(f"  main-store requests per surviving replica by key: coordinator "
                 f"{k['coord_reqs'] / max(1, r['replicas'] - 1):.2f} (counted between two of its "

@@ -132,6 +132,48 @@ def test_a_named_member_whose_main_thread_stalls_is_evicted(
     assert "stalled" in coord.client.get(keys.reason_key(1)).decode()
 
 
+def test_a_member_others_wait_for_in_a_reduce_is_evicted_once_stalled(
+        run: tuple[Coordinator, list[Fake]]) -> None:
+    """A reduce names nobody: a member waiting in one past suspect_s (`wait`) accuses whoever's
+    main thread stalls meanwhile (a deadlock between steps), and nobody for lateness alone."""
+    coord, fakes = run
+    fakes[0].send("wait 0")
+    fakes[1].send("wait 0")
+    time.sleep(0.5)
+    assert keys.store_int(coord.client, keys.GEN_COUNT) == 1  # nobody stalled: only late
+    fakes[0].send("arrived 0")  # replica 0's op ended: its wait accuses nobody any more
+    time.sleep(0.2)
+    fakes[2].stalled = 2.5
+    wait_generations(coord, 2, within_s=2.0)  # replica 1 still waits: 2 is convicted
+    assert members(coord, 1) == [0, 1]
+    assert "its main thread stalled while replica(s) [1] waited for it" in \
+        coord.client.get(keys.reason_key(1)).decode()
+
+
+def test_a_member_only_slower_at_the_same_work_is_not_evicted(
+        run: tuple[Coordinator, list[Fake]]) -> None:
+    """The waiter spent 1 s between its steps (an evaluation, say): a member stalled 2.5 s
+    there is slower, not stuck; stalled past 3 x 1 s, it is."""
+    coord, fakes = run
+    fakes[0].send("wait 0 1.000")
+    fakes[2].stalled = 2.5
+    time.sleep(0.5)
+    assert keys.store_int(coord.client, keys.GEN_COUNT) == 1
+    fakes[2].stalled = 3.5
+    wait_generations(coord, 2, within_s=2.0)
+    assert members(coord, 1) == [0, 1]
+
+
+def test_a_withdrawn_wait_accuses_nobody(run: tuple[Coordinator, list[Fake]]) -> None:
+    coord, fakes = run
+    fakes[0].send("wait 0")
+    fakes[0].send("arrived 0")
+    time.sleep(0.2)
+    fakes[2].stalled = 2.5  # stalled after every wait ended: nothing waits for it
+    time.sleep(1.0)
+    assert keys.store_int(coord.client, keys.GEN_COUNT) == 1
+
+
 def test_an_isolated_member_is_evicted(run: tuple[Coordinator, list[Fake]]) -> None:
     coord, fakes = run
     fakes[1].send("fail 0 0,2")  # replica 1 reaches nobody...

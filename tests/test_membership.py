@@ -97,7 +97,7 @@ def test_naming_alone_convicts_nobody_but_a_stalled_named_member_is_evicted() ->
     m, _, _ = started()
     m.failed(0, 0, [2])  # replica 0 could not reach replica 2 at its barrier
     assert m.accusations == {2: {0}} and m.pending_since is None  # late is not lost
-    m.heartbeat(2, stalled=True)  # ...and replica 2's main thread says it is stalled
+    m.heartbeat(2, stalled_s=2.5)  # ...and replica 2's main thread says it is stalled
     assert 2 in m.lost and m.pending_since is not None
 
 

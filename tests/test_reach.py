@@ -70,3 +70,21 @@ def test_a_watch_probes_once_past_suspect_s_and_reports_once(listener: reach.Lis
     watch.turn(3.0)
     watch.settle(lambda: False, poll_s=0.01)
     assert started == [True] and reports == [[5]]
+
+
+def test_a_failure_something_else_answers_is_not_probed(listener: reach.Listener) -> None:
+    """A crash is the coordinator's to see: when a newer generation answers the failure, the
+    watch probes nobody (a probe is a handshake with every member, at every crash otherwise)."""
+    started: list[bool] = []
+
+    def start() -> reach.Probe:
+        started.append(True)
+        return reach.Probe("127.0.0.1", {5: (UNROUTABLE, 9)}, timeout_s=5.0)
+
+    reports: list[list[int]] = []
+    answered = reach.PathWatch(start, reports.append, suspect_s=1.0)
+    answered.settle(lambda: True, poll_s=0.01, answered=lambda: True)
+    assert not started and not reports
+    unanswered = reach.PathWatch(start, reports.append, suspect_s=1.0)
+    unanswered.settle(lambda: False, poll_s=0.01, answered=lambda: False)  # a cut: probe it
+    assert started == [True] and reports == [[5]]

@@ -34,7 +34,7 @@ from torch.distributed import PrefixStore, ProcessGroupGloo
 
 from recover.collectives import keys, reach, sever, shards
 from recover.collectives.listen import ListenError
-from recover.collectives.member import Member
+from recover.collectives.member import CoordinatorLost, Member
 from recover.collectives.netif import GlooInterface, GlooInterfaceError, is_loopback
 from recover.collectives.reaper import retire
 from recover.collectives.spare import SpareClient
@@ -44,6 +44,12 @@ from recover.settings import FaultTolerance, Numerics
 __all__ = ["FaultTolerantComm", "GlooInterfaceError", "ReplicaFault"]
 
 log = logging.getLogger(__name__)
+
+# How long a failed op waits for the coordinator to publish the generation that answers a crash
+# (the dead process's liveness socket closed) before it probes the peers itself: kill ->
+# published took 35-55 ms at 4 ranks, 185 ms median at 64 ranks on 2 shared cores
+# (docs/MEASUREMENTS.md, "A survivor's CPU from a kill"). A cut's report comes this much later.
+CRASH_SEEN_S = 0.25
 
 
 def _new_group(backend: str, store: PrefixStore, rank: int, size: int, timeout_s: float,
@@ -164,9 +170,11 @@ class FaultTolerantComm:
         self._spare = SpareClient(self.rendezvous.clone)  # each build's own rendezvous client
         # Cumulative, for profilers: seconds building groups / in barriers / in reduces, this
         # process's CPU seconds (every thread) while it built groups (barrier included), and
-        # the collectives issued (one per tensor of a reduce).
+        # the collectives issued (one per tensor of a reduce), and the probes of the peers'
+        # data path this rank started (`reach`).
         self.stats: dict[str, float] = {"build_s": 0.0, "barrier_s": 0.0, "reduces": 0,
-                                        "reduce_s": 0.0, "build_cpu_s": 0.0, "collectives": 0}
+                                        "reduce_s": 0.0, "build_cpu_s": 0.0, "collectives": 0,
+                                        "probes": 0}
 
     # -- public ------------------------------------------------------------------------------
     def reduce_(self, tensors: Sequence[torch.Tensor], generation: int | None = None,
@@ -257,6 +265,7 @@ class FaultTolerantComm:
         watch, deadline = self._watch(g), time.monotonic() + self.timeout_s
         # NCCL's completion is polled from device events at the fine pace.
         pace = self.poll_s if self.backend == "nccl" else self.recheck_s
+        waiting = False  # told the coordinator this op waits for someone (`report_waiting`)
         try:
             while flight.error is None and not done():
                 self.member.progress()  # a legitimate wait, not a stuck thread
@@ -264,7 +273,13 @@ class FaultTolerantComm:
                 wake.clear()
                 if done():
                     break
-                watch.turn(time.monotonic() - t0)  # stalled: is a peer cut off from us?
+                waited = time.monotonic() - t0
+                watch.turn(waited)  # stalled: is a peer cut off from us?
+                if waited >= self.suspect_s and not waiting:
+                    # Maybe a member whose main thread never came (a deadlock between steps):
+                    # its own heartbeats say so, and this wait is the evidence against it.
+                    waiting = True
+                    self.member.report_waiting(g)
                 if self.member.generation() != g:
                     # The op can no longer commit in g: end it now (`_abandon`), so the last
                     # survivor is not held up waiting for a failure to travel round the ring.
@@ -295,6 +310,8 @@ class FaultTolerantComm:
             raise ReplicaFault(g, self._lost_since(g), str(e).splitlines()[0][:200]) from None
         if self.member.fenced:  # resumed after being fenced: its result must not be used
             raise ReplicaFault(g, [self.member.replica], "fenced while reducing")
+        if waiting:
+            self.member.report_arrived(g)  # whoever it waited for came after all
         self._reap()
         self.stats["reduces"] += 1
         self.stats["reduce_s"] += time.monotonic() - t0
@@ -449,9 +466,18 @@ class FaultTolerantComm:
 
     def _report_fail(self, watch: reach.PathWatch, g: int) -> None:
         """An op of g failed here: name whom a probe cannot reach first (gloo's error cannot),
-        so the coordinator weighs the cut before the bare request to rebuild."""
-        watch.settle(lambda: self.member.generation() != g, self.poll_s * 10)
+        so the coordinator weighs the cut before the bare request to rebuild. A failure that a
+        newer generation answers within `CRASH_SEEN_S` (a crash) is not probed."""
+        watch.settle(lambda: self.member.generation() != g, self.poll_s * 10,
+                     answered=lambda: self._newer_within(g, CRASH_SEEN_S))
         self.member.report_fail(g)
+
+    def _newer_within(self, g: int, timeout_s: float) -> bool:
+        """Whether a generation newer than g is known within `timeout_s` (False: the
+        coordinator is gone, which is the caller's next check)."""
+        with contextlib.suppress(TimeoutError, CoordinatorLost):
+            self.member.wait_newer(g, timeout_s)
+        return self.member.generation() != g
 
     def _probe(self, g: int) -> reach.Probe | None:
         """A probe of every other member of g at this position (None: no listener here, or a
@@ -467,6 +493,7 @@ class FaultTolerantComm:
         found = {members[r]: reach.parse(v)
                  for r, v in zip(others, self.rendezvous.multi_get(names), strict=True)}
         peers = {m: a for m, a in found.items() if a is not None}
+        self.stats["probes"] += 1
         return reach.Probe(self._listener.addr, peers, self.probe_s)
 
     def _peer_addrs(self, prefix: str, rank: int, size: int) -> list[str] | None:

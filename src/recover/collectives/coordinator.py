@@ -367,7 +367,7 @@ class Coordinator:
         if kind == "hb":  # hb [<seconds stalled in the protocol> [<main-store requests>]]
             if len(words) > 2:
                 conn.requests = max(conn.requests, int(words[2]))
-            m.heartbeat(fd, len(words) > 1 and float(words[1]) > 0)
+            m.heartbeat(fd, float(words[1]) if len(words) > 1 else 0.0)
         elif kind == "fail":  # fail <generation> [suspects]: a reduce failed; rebuild
             suspects = [int(r) for r in words[2].split(",")] if len(words) > 2 and \
                 words[2] != "-" else []
@@ -376,6 +376,8 @@ class Coordinator:
             m.cut(fd, int(words[1]), [int(r) for r in words[2].split(",")])
         elif kind == "arrived":  # arrived <generation>: whom this rank named caught up
             m.arrived(fd, int(words[1]))
+        elif kind == "wait":  # wait <generation> <its span between steps, s>: its op waits
+            m.waiting(fd, int(words[1]), float(words[2]) if len(words) > 2 else 0.0)
         elif kind == "lost":  # lost <reason...>: one of this replica's ranks died
             m.reported_lost(fd, " ".join(words[1:]))
         elif kind == "bye":  # bye [<main-store requests> [<reason>]]: a clean leave

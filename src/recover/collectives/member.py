@@ -22,7 +22,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +121,10 @@ class Member:
         # is stuck (a deadlock, a hung kernel): the process fences itself (ExitCode.STUCK).
         self._on_stuck = handlers.stuck or exit_stuck
         self._stuck_s = 0.0
+        self._report_after_s = 0.0
+        # The last span between two steps (`arm_between` -> `arm`), and when the open one began.
+        self._between_s = 0.0
+        self._between_since: float | None = None
         self._progress = time.monotonic()
         self._welcomed = threading.Event()  # the coordinator answered our hello
         self._hb_paused = False
@@ -262,8 +266,16 @@ class Member:
             self._send(f"cut {generation} {named}\n")
 
     def report_arrived(self, generation: int) -> None:
-        """The members this rank named in `generation` arrived after all: withdraw it."""
+        """The members this rank named in `generation` arrived after all (or the op it waited
+        in ended): withdraw it."""
         self._send(f"arrived {generation}\n")
+
+    def report_waiting(self, generation: int) -> None:
+        """This rank's op of `generation` has waited past `suspect_s` for someone it cannot
+        name (a reduce names nobody): evidence against any member whose main thread stalls
+        meanwhile for longer than WAIT_SLOWER x this rank's own last span between steps (the
+        same work: `Membership.waiting`); withdrawn by `report_arrived` when the op ends."""
+        self._send(f"wait {generation} {self._between_s:.3f}\n")
 
     def report_ready(self, epoch: int) -> None:
         """A joiner's rank holds its verified state: admit it (`epoch` of the join)."""
@@ -288,10 +300,39 @@ class Member:
             self._sock.close()
 
     # -- the progress watchdog -------------------------------------------------------------
-    def arm(self, stuck_s: float) -> None:
-        """From now on, `stuck_s` without `progress()` means this main thread is stuck."""
+    def arm(self, stuck_s: float, report_after_s: float | None = None) -> None:
+        """From now on, `stuck_s` without `progress()` means this main thread is stuck, and
+        `report_after_s` (default: STALL_REPORT_FRACTION of it) that it is stalled: said in its
+        heartbeats, evidence against it when others wait for it (`stalled_s`). Armed inside a
+        step after `arm_between`, it also ends the span between steps (`report_waiting`)."""
+        if self._between_since is not None:
+            self._between_s = time.monotonic() - self._between_since
+            self._between_since = None
+        self._arm(stuck_s, report_after_s)
+
+    def arm_between(self, stuck_s: float, report_after_s: float) -> None:
+        """`arm` for the time between two steps (the optimizer, the caller's own code): the
+        span until the next `arm` is this rank's measure of that work (`report_waiting`)."""
+        self._arm(stuck_s, report_after_s)
+        self._between_since = self._progress
+
+    def _arm(self, stuck_s: float, report_after_s: float | None) -> None:
         self._progress = time.monotonic()
         self._stuck_s = stuck_s
+        self._report_after_s = report_after_s if report_after_s is not None \
+            else STALL_REPORT_FRACTION * stuck_s
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """A long operation bounded on its own (a checkpoint save, serving a joiner's state):
+        the watchdog stops meanwhile, then resumes with the same bounds."""
+        stuck_s, report_after_s = self._stuck_s, self._report_after_s
+        self.disarm()
+        try:
+            yield
+        finally:
+            if stuck_s:
+                self._arm(stuck_s, report_after_s)
 
     def progress(self) -> None:
         self._progress = time.monotonic()
@@ -304,11 +345,11 @@ class Member:
         return self._stuck_s
 
     def stalled_s(self) -> float:
-        """Seconds the armed main thread has gone without progress, once that exceeds
-        STALL_REPORT_FRACTION of its bound (0.0 otherwise, and while disarmed)."""
-        stuck_s = self._stuck_s
+        """Seconds the armed main thread has gone without progress, once that exceeds its
+        report bound (`arm`; 0.0 otherwise, and while disarmed)."""
+        stuck_s, report_after_s = self._stuck_s, self._report_after_s
         age = time.monotonic() - self._progress
-        return age if stuck_s and age > STALL_REPORT_FRACTION * stuck_s else 0.0
+        return age if stuck_s and age > report_after_s else 0.0
 
     def tell(self, line: str) -> None:
         """Send one protocol line to the coordinator (a store shard's complete count,

@@ -21,6 +21,9 @@ Invariants:
 - A member is evicted on others' naming only when `admission.convicted` convicts it (its main
   thread stalled, or it reaches nobody); a naming its reporter withdraws (`arrived`) stands no
   more; naming that neither convicts nor is withdrawn rebuilds the same members after 2 x stale_s.
+  A member whose op waits past suspect_s for someone it cannot name (`wait`: a reduce) names
+  every member whose main thread stalls meanwhile for over WAIT_SLOWER x the waiter's own last
+  span between steps, until it withdraws (`arrived`).
 - A joiner becomes a member only in a new generation published after every one of its ranks
   reported a verified state from a donor (`ready`); a join given up publishes a generation too, so
   whoever paused a step for it goes on.
@@ -51,6 +54,9 @@ from recover.collectives.admission import (
 from recover.collectives.coordconfig import CoordinatorConfig
 
 DEBOUNCE_S = 0.02  # collect simultaneous failures into one generation
+# A member others wait for is evicted once its main thread has stalled this many times as long as
+# they spent between their last two steps (`waiting`): a deadlock, not a straggler at the same work.
+WAIT_SLOWER = 3.0
 
 
 class Wire(Protocol):
@@ -72,7 +78,11 @@ class Peer:
     pid: int
     said_bye: bool = False
     bye_reason: str = ""  # why it left cleanly, as it said ("preempted"; "": the run ended)
-    stalled: bool = False  # its last heartbeat: the main thread is stalled in the step protocol
+    stalled_s: float = 0.0  # its last heartbeat: how long its main thread has stalled (0: not)
+
+    @property
+    def stalled(self) -> bool:
+        return self.stalled_s > 0
 
 
 class Membership:
@@ -101,6 +111,8 @@ class Membership:
         self.lost: dict[int, str] = {}  # replica -> reason, not yet published
         self.pending_since: float | None = None
         self.accusations: dict[int, set[int]] = {}  # accused -> accusers, this generation
+        # member -> its span between steps, while its op waits for someone (`waiting`)
+        self.waiters: dict[int, float] = {}
         self.accused_since: float | None = None
         self.cuts: dict[int, set[int]] = {}  # reporter -> whom its data path cannot reach
         self.cut_reporters: list[int] = []  # in the order their first cut report came
@@ -163,12 +175,13 @@ class Membership:
             self.wire.send(conn, f"joining {join.epoch} {self.generation} {self.floor}\n")
         return True
 
-    def heartbeat(self, conn: int, stalled: bool) -> None:
-        """`hb [<seconds stalled>]`: whether its main thread is stalled in the step protocol."""
+    def heartbeat(self, conn: int, stalled_s: float) -> None:
+        """`hb [<seconds stalled>]`: how long its main thread has stalled in the step protocol
+        (0: it has not, or not past its report bound)."""
         peer = self.peers[conn]
-        was, peer.stalled = peer.stalled, stalled
-        if stalled and not was and self.accusations:
-            self._judge()  # a named member's main thread stalls: the evidence may convict
+        was, peer.stalled_s = peer.stalled, stalled_s
+        if peer.stalled and ((not was and self.accusations) or self.waiters):
+            self._judge()  # a named or awaited member's main thread stalls: it may convict
 
     def failed(self, conn: int, generation: int, suspects: list[int]) -> None:
         """`fail <generation> [suspects]`: a reduce failed there; rebuild, or weigh whom it
@@ -207,9 +220,20 @@ class Membership:
                 f"{', '.join(map(str, by))} over the data path (a cut; {why})")
 
     def arrived(self, conn: int, generation: int) -> None:
-        """`arrived <generation>`: whom this rank named caught up; its naming is withdrawn."""
+        """`arrived <generation>`: whom this rank named caught up (or the op it waited in
+        ended); its naming is withdrawn."""
         if generation == self.generation:
             self._withdraw(self.peers[conn].replica)
+
+    def waiting(self, conn: int, generation: int, between_s: float) -> None:
+        """`wait <generation> <span>`: this rank's op has waited past suspect_s for someone it
+        cannot name; `span`, its own last time between two steps. Evidence, until the op ends,
+        against every other member whose main thread stalls for longer than WAIT_SLOWER x that
+        span (`_judge`): a deadlock, not a member only slower at the same work (an evaluation)."""
+        replica = self.peers[conn].replica
+        if generation == self.generation and replica in self.members:
+            self.waiters[replica] = max(self.waiters.get(replica, 0.0), between_s)
+            self._judge()
 
     def reported_lost(self, conn: int, reason: str) -> None:
         """`lost <reason>`: one of this replica's ranks died."""
@@ -371,18 +395,31 @@ class Membership:
 
     def _judge(self) -> bool:
         """Evict every member the standing evidence convicts; True if any."""
-        stalled = {p.replica for p in self.peers.values()
-                   if p.stalled and p.replica in self.members}
-        guilty = convicted(self.accusations, self.members, stalled)
+        stalled_for: dict[int, float] = {}  # replica -> its ranks' longest stall
+        for p in self.peers.values():
+            if p.stalled and p.replica in self.members:
+                stalled_for[p.replica] = max(stalled_for.get(p.replica, 0.0), p.stalled_s)
+        stalled = set(stalled_for)
+        # A member others wait for in an op that names nobody stands accused by them, but only
+        # once it is stalled itself, and WAIT_SLOWER times longer than they took between steps:
+        # a late member is not evicted for being late.
+        accusations = {r: set(a) for r, a in self.accusations.items()}
+        for r, age in stalled_for.items():
+            by = {w for w, span in self.waiters.items() if w != r and age > WAIT_SLOWER * span}
+            if by:
+                accusations.setdefault(r, set()).update(by)
+        guilty = convicted(accusations, self.members, stalled)
         for r in guilty:
-            how = "its main thread stalled" if r in stalled else "it reaches nobody"
-            self._mark_lost(r, f"unreachable, named by replica(s) "
-                               f"{sorted(self.accusations[r])} ({how})")
+            by = sorted(accusations[r])
+            self._mark_lost(r, f"its main thread stalled while replica(s) {by} waited for it"
+                            if r in stalled else
+                            f"unreachable, named by replica(s) {by} (it reaches nobody)")
         return bool(guilty)
 
     def _withdraw(self, reporter: int) -> None:
         """The members `reporter` named have arrived at its barrier: its accusations stand no
         more (nothing is rebuilt for a member that was only late)."""
+        self.waiters.pop(reporter, None)
         for accused in list(self.accusations):
             self.accusations[accused].discard(reporter)
             if not self.accusations[accused]:
@@ -474,6 +511,7 @@ class Membership:
         push = keys.gen_push(g, base, self.members, members)
         self.generation, self.members, self.published = g, sorted(members), g
         self.lost, self.pending_since, self.accusations, self.accused_since = {}, None, {}, None
+        self.waiters = {}
         self.cuts, self.cut_reporters, self.cut_since = {}, [], None
         self.log({"event": "generation", "gen": g, "members": self.members, "reason": reason})
         self.wire.send_all(push)

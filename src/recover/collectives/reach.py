@@ -165,10 +165,18 @@ class PathWatch:
                 self.report(self.probe.result)
             self.probe = None
 
-    def settle(self, superseded: Callable[[], bool], poll_s: float) -> None:
+    def settle(self, superseded: Callable[[], bool], poll_s: float,
+               answered: Callable[[], bool] | None = None) -> None:
         """The op failed: probe now (if not yet) and report before the failure is, so the
         coordinator weighs the cut before a bare rebuild request; give up on a newer
-        generation (nothing of this one needs deciding any more)."""
+        generation (nothing of this one needs deciding any more).
+
+        `answered()`, if given, first waits (bounded) for something else to answer the failure
+        and says whether it did (a crash: the coordinator sees it by itself). Then nobody is
+        probed: a probe is a handshake with every other member, O(R) for each survivor and
+        O(R^2) over the group, at every crash otherwise."""
+        if not self.tried and answered is not None and answered():
+            return
         self.turn(self.suspect_s)
         while self.probe is not None and not superseded():
             self.probe.wait(poll_s)

@@ -198,8 +198,8 @@ class Replica:
         w = self.loss_weight
         # Inside the step the main thread must keep making progress (every wait in the protocol
         # reports it); a deadlocked one fences itself. The bound grows with slow microbatches.
-        mb = self.engine.mb_time or 1.0
-        self.member.arm((self.member.fence_after_s or 6.0) + 10 * mb)
+        in_step = self._in_step_bound()
+        self.member.arm(in_step)
 
         def weighted(i: int, j: int) -> float:
             self.member.progress()
@@ -224,15 +224,22 @@ class Replica:
         # Between steps (the optimizer, the caller's own code) the main thread must be back in
         # `step` within the reduce timeout, the longest the others would wait for it in a reduce:
         # deadlocked there, its live heartbeats kept it a member the others could never reduce
-        # with, and every replica failed the next step after 32 rebuilds. A longer operation
-        # that is bounded on its own (a checkpoint save) runs inside `busy()`.
-        self.member.arm(max(self.config.ft.reduce_timeout_s,
-                            (self.member.fence_after_s or 6.0) + 10 * mb))
+        # with, and every replica failed the next step after 32 rebuilds. Away longer than a
+        # whole step's bound it says it is stalled, so the others waiting for it in the next
+        # reduce get it evicted then, not after the reduce timeout, unless they themselves spent
+        # over a third as long between steps (the same work: `Membership.waiting`).
+        # A longer operation that is bounded on its own (a checkpoint save) runs in `busy()`.
+        self.member.arm_between(max(self.config.ft.reduce_timeout_s, in_step), in_step)
         if self.nranks > 1:
             with self.guard():
                 self._sum_tied()
                 res.loss = self._agree(res.loss, self._asked())
         return res
+
+    def _in_step_bound(self) -> float:
+        """The watchdog's bound inside a step: the fence's, plus 10 of this replica's
+        microbatches (slow ones get longer)."""
+        return (self.member.fence_after_s or 6.0) + 10 * (self.engine.mb_time or 1.0)
 
     def _asked(self) -> bool:
         return self._leave_asked is not None and self._leave_asked.is_set()
@@ -269,11 +276,9 @@ class Replica:
         """The step engine found a join at this step boundary: the donor replica's ranks serve
         the joiner's ranks (rank k to rank k), before anything of step `step` is computed."""
         if int(join["donor"]) == self.replica:
-            bound = self.member.stuck_s
-            self.member.disarm()  # a big state takes its time; serve() has its own timeouts
-            rejoin.serve(self.member, self.rank, step, join, self.module, self.optimizer,
-                         self.user_state, self.exact, self.hooks)
-            self.member.arm(bound)
+            with self.member.paused():  # a big state takes its time; serve() has its own bounds
+                rejoin.serve(self.member, self.rank, step, join, self.module, self.optimizer,
+                             self.user_state, self.exact, self.hooks)
 
     def replica_sum(self, value: float) -> float:
         """Sum a float over this replica's ranks (e.g. weighted per-rank losses); the value itself
@@ -343,13 +348,8 @@ class Replica:
     def busy(self) -> Iterator[None]:
         """A long operation between steps that is bounded on its own (a checkpoint save): the
         stuck-thread watchdog armed after each step pauses meanwhile."""
-        budget = self.member.stuck_s
-        self.member.disarm()
-        try:
+        with self.member.paused():
             yield
-        finally:
-            if budget:
-                self.member.arm(budget)
 
     @contextmanager
     def guard(self, wait_s: float = 30.0) -> Iterator[None]:
