@@ -101,6 +101,25 @@ def test_naming_alone_convicts_nobody_but_a_stalled_named_member_is_evicted() ->
     assert 2 in m.lost and m.pending_since is not None
 
 
+def test_each_rank_withdraws_only_its_own_wait() -> None:
+    """Two ranks of replica 0 wait in their positions' reduces; one's op ends: the other's wait
+    still names replica 2 once its main thread stalls past 3 x the waiter's span."""
+    store, wire = DictStore(), Lines()
+    m = Membership(CoordinatorConfig(replicas=3, port=0), store, wire, started=0.0)
+    for conn, (r, rank, n) in enumerate([(0, 0, 2), (0, 1, 2), (1, 0, 1), (2, 0, 1)]):
+        assert m.hello(conn, Hello(r, rank, n, 100 + conn))
+    assert m.first_generation(now=0.1)
+    m.waiting(0, 0, between_s=0.5)
+    m.waiting(1, 0, between_s=0.5)
+    m.arrived(0, 0)  # rank 0's op ended
+    m.heartbeat(3, stalled_s=1.0)  # stalled, but not 3 x 0.5 s
+    assert 2 not in m.lost
+    m.heartbeat(3, stalled_s=1.6)
+    assert 2 in m.lost and "waited for it" in m.lost[2]
+    m.closed(1)  # a closed connection's wait goes with it
+    assert 1 not in m.waiters
+
+
 def test_a_withdrawn_naming_stands_no_more() -> None:
     m, _, _ = started()
     m.failed(0, 0, [2])

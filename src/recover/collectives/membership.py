@@ -111,7 +111,7 @@ class Membership:
         self.lost: dict[int, str] = {}  # replica -> reason, not yet published
         self.pending_since: float | None = None
         self.accusations: dict[int, set[int]] = {}  # accused -> accusers, this generation
-        # member -> its span between steps, while its op waits for someone (`waiting`)
+        # connection -> its rank's span between steps, while its op waits for someone (`waiting`)
         self.waiters: dict[int, float] = {}
         self.accused_since: float | None = None
         self.cuts: dict[int, set[int]] = {}  # reporter -> whom its data path cannot reach
@@ -223,6 +223,7 @@ class Membership:
         """`arrived <generation>`: whom this rank named caught up (or the op it waited in
         ended); its naming is withdrawn."""
         if generation == self.generation:
+            self.waiters.pop(conn, None)
             self._withdraw(self.peers[conn].replica)
 
     def waiting(self, conn: int, generation: int, between_s: float) -> None:
@@ -232,7 +233,7 @@ class Membership:
         span (`_judge`): a deadlock, not a member only slower at the same work (an evaluation)."""
         replica = self.peers[conn].replica
         if generation == self.generation and replica in self.members:
-            self.waiters[replica] = max(self.waiters.get(replica, 0.0), between_s)
+            self.waiters[conn] = between_s
             self._judge()
 
     def reported_lost(self, conn: int, reason: str) -> None:
@@ -267,6 +268,7 @@ class Membership:
     def closed(self, conn: int) -> None:
         """The connection closed (the transport has dropped it)."""
         peer = self.peers.pop(conn, None)
+        self.waiters.pop(conn, None)  # fds are reused: a new connection must not inherit it
         if peer is None:
             return
         join = self.joins.get(peer.replica)
@@ -405,7 +407,8 @@ class Membership:
         # a late member is not evicted for being late.
         accusations = {r: set(a) for r, a in self.accusations.items()}
         for r, age in stalled_for.items():
-            by = {w for w, span in self.waiters.items() if w != r and age > WAIT_SLOWER * span}
+            by = {self.peers[c].replica for c, span in self.waiters.items()
+                  if c in self.peers and age > WAIT_SLOWER * span} - {r}
             if by:
                 accusations.setdefault(r, set()).update(by)
         guilty = convicted(accusations, self.members, stalled)
@@ -419,7 +422,6 @@ class Membership:
     def _withdraw(self, reporter: int) -> None:
         """The members `reporter` named have arrived at its barrier: its accusations stand no
         more (nothing is rebuilt for a member that was only late)."""
-        self.waiters.pop(reporter, None)
         for accused in list(self.accusations):
             self.accusations[accused].discard(reporter)
             if not self.accusations[accused]:
