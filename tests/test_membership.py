@@ -158,6 +158,11 @@ def test_a_joiner_still_waiting_when_every_member_left_is_told_the_run_is_over()
     assert m.everyone_left()
     assert "over\n" in wire.to(11)
     assert not m.everyone_left()  # said once
+    # One whose hello comes after that is told at once too (the soak's 39-45 s runs: it was
+    # announced a join nobody would serve, and killed by the launcher 30 s later).
+    m.closed(11)  # it left
+    assert m.hello(12, Hello(1, 0, 1, 301, join_at=13))
+    assert [line for c, line in wire.sent if c == 12] == ["over\n"]  # no join announced
 
 def test_a_restarted_coordinator_resumes_from_the_highest_whole_step() -> None:
     store, wire = DictStore(), Lines()

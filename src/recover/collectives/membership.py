@@ -161,6 +161,11 @@ class Membership:
             self.replicas.setdefault(replica, Registration(nranks)).ranks.add(rank)
             self.wire.send(conn, f"welcome {self.floor}\n")
             return True
+        if self.all_left:
+            # A replacement that says hello after every member left (`everyone_left`) has
+            # nothing to join: told so at once, not left waiting to be killed (30 s in a soak).
+            self.wire.send(conn, "over\n")
+            return True
         # Mid-run: admission at a step boundary, after a live state transfer (docs/DESIGN.md,
         # "Checkpoints, rejoin and trust"). A replacement whose predecessor's loss is not yet
         # published joins too (announced with that generation, `_publish`): welcomed, it took
