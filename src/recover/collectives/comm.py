@@ -47,8 +47,8 @@ log = logging.getLogger(__name__)
 
 # How long a failed op waits for the coordinator to publish the generation that answers a crash
 # (the dead process's liveness socket closed) before it probes the peers itself: kill ->
-# published took 35-55 ms at 4 ranks, 185 ms median at 64 ranks on 2 shared cores
-# (docs/MEASUREMENTS.md, "A survivor's CPU from a kill"). A cut's report comes this much later.
+# published took 27-54 ms at 4 to 64 ranks on 2 cores, 185 ms in the shipped curve's loaded run
+# (docs/MEASUREMENTS.md, "The control plane at scale"). A cut's report comes this much later.
 CRASH_SEEN_S = 0.25
 
 
