@@ -40,6 +40,7 @@ import torch
 
 from recover.collectives import FaultTolerantComm, GlooInterfaceError
 from recover.collectives.netif import is_loopback
+from recover.collectives.progress import ProgressWatch
 from recover.testing.processes import Proc, stop_all
 from recover.testing.runs import Run, max_rel, recover_train
 
@@ -515,6 +516,7 @@ class _Member:
         self.coordinator_remote = coordinator_remote
         self.replica, self.host, self.fenced = 1, f"{SUBNET}.1", False
         self.failed: list[int] = []
+        self.watch = ProgressWatch()
 
     def generation(self) -> int:
         return 0
@@ -527,9 +529,6 @@ class _Member:
 
     def report_fail(self, generation: int, suspects: tuple[int, ...] = ()) -> None:
         self.failed.append(generation)
-
-    def progress(self) -> None:
-        pass
 
     def notify_on_change(self, event: object, on: bool = True) -> None:
         pass

@@ -262,24 +262,17 @@ class FaultTolerantComm:
         self.member.notify_on_change(wake)
         if on_issued is not None:
             on_issued()
-        watch, deadline = self._watch(g), time.monotonic() + self.timeout_s
+        watch, deadline = self._watch(g, waits=True), time.monotonic() + self.timeout_s
         # NCCL's completion is polled from device events at the fine pace.
         pace = self.poll_s if self.backend == "nccl" else self.recheck_s
-        waiting = False  # told the coordinator this op waits for someone (`report_waiting`)
         try:
             while flight.error is None and not done():
-                self.member.progress()  # a legitimate wait, not a stuck thread
+                self.member.watch.progress()  # a legitimate wait, not a stuck thread
                 wake.wait(min(pace, max(0.0, deadline - time.monotonic())))
                 wake.clear()
                 if done():
                     break
-                waited = time.monotonic() - t0
-                watch.turn(waited)  # stalled: is a peer cut off from us?
-                if waited >= self.suspect_s and not waiting:
-                    # Maybe a member whose main thread never came (a deadlock between steps):
-                    # its own heartbeats say so, and this wait is the evidence against it.
-                    waiting = True
-                    self.member.report_waiting(g)
+                watch.turn(time.monotonic() - t0)  # stalled: is a peer cut off from us?
                 if self.member.generation() != g:
                     # The op can no longer commit in g: end it now (`_abandon`), so the last
                     # survivor is not held up waiting for a failure to travel round the ring.
@@ -310,8 +303,7 @@ class FaultTolerantComm:
             raise ReplicaFault(g, self._lost_since(g), str(e).splitlines()[0][:200]) from None
         if self.member.fenced:  # resumed after being fenced: its result must not be used
             raise ReplicaFault(g, [self.member.replica], "fenced while reducing")
-        if waiting:
-            self.member.report_arrived(g)  # whoever it waited for came after all
+        watch.ended()
         self._reap()
         self.stats["reduces"] += 1
         self.stats["reduce_s"] += time.monotonic() - t0
@@ -420,7 +412,7 @@ class FaultTolerantComm:
         deadline = time.monotonic() + self.timeout_s
         watch = self._watch(g)
         while th.is_alive():
-            self.member.progress()
+            self.member.watch.progress()
             th.join(self.poll_s)
             if th.is_alive() and self.member.generation() != g:
                 raise ReplicaFault(g, self._lost_since(g), "superseded while building")
@@ -458,11 +450,15 @@ class FaultTolerantComm:
             values.append(f"{addr} {self._listener.port}")
         self.rendezvous.multi_set(names, values)
 
-    def _watch(self, g: int) -> reach.PathWatch:
+    def _watch(self, g: int, waits: bool = False) -> reach.PathWatch:
         """One op's evidence: whom this rank's data path cannot reach, named once to the
-        coordinator (`Member.report_cut`)."""
+        coordinator (`Member.report_cut`); `waits` (a reduce, which names nobody): that it
+        waits past suspect_s, until it ends (`Member.report_waiting`, `report_arrived`)."""
+        waiting = ((lambda: self.member.report_waiting(g)),
+                   (lambda: self.member.report_arrived(g))) if waits else None
         return reach.PathWatch(lambda: self._probe(g),
-                               lambda names: self.member.report_cut(g, names), self.suspect_s)
+                               lambda names: self.member.report_cut(g, names), self.suspect_s,
+                               waiting)
 
     def _report_fail(self, watch: reach.PathWatch, g: int) -> None:
         """An op of g failed here: name whom a probe cannot reach first (gloo's error cannot),

@@ -22,13 +22,14 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from recover.collectives import keys, shards
 from recover.collectives.admission import proof
 from recover.collectives.netif import is_loopback
+from recover.collectives.progress import ProgressWatch
 from recover.collectives.storecount import CountedStore, Tally
 from recover.errors import ExitCode
 from recover.settings import FaultTolerance
@@ -38,9 +39,6 @@ log = logging.getLogger(__name__)
 FENCE_STALE_FACTOR = 3.0  # silence bound = this x the coordinator's --stale-s
 READ_TICK_S = 0.1  # every liveness-socket read and the watchdog wake up at least this often
 REFRESH_S = 2.0  # the store is read for generations this often even without a push
-# Stalled this fraction of its stuck bound, a main thread says so in its heartbeats: evidence for an
-# eviction when others name it, before it fences itself (lateness alone never evicts anyone).
-STALL_REPORT_FRACTION = 0.5
 
 
 class CoordinatorLost(RuntimeError):
@@ -117,15 +115,10 @@ class Member:
         # replica -> (epoch, first step it may join at): joiners waiting to be served (several
         # may wait at once: two replacements started close together)
         self.join_requests: dict[int, tuple[int, int]] = {}
-        # Progress watchdog: while armed, a main thread that reports no progress for `_stuck_s`
-        # is stuck (a deadlock, a hung kernel): the process fences itself (ExitCode.STUCK).
+        # The main thread's progress watchdog (`progress.ProgressWatch`): armed and told of
+        # progress by the step protocol; overdue, the process fences itself (ExitCode.STUCK).
+        self.watch = ProgressWatch()
         self._on_stuck = handlers.stuck or exit_stuck
-        self._stuck_s = 0.0
-        self._report_after_s = 0.0
-        # The last span between two steps (`arm_between` -> `arm`), and when the open one began.
-        self._between_s = 0.0
-        self._between_since: float | None = None
-        self._progress = time.monotonic()
         self._welcomed = threading.Event()  # the coordinator answered our hello
         self._hb_paused = False
         self._admit_after = -1
@@ -275,7 +268,7 @@ class Member:
         name (a reduce names nobody): evidence against any member whose main thread stalls
         meanwhile for longer than WAIT_SLOWER x this rank's own last span between steps (the
         same work: `Membership.waiting`); withdrawn by `report_arrived` when the op ends."""
-        self._send(f"wait {generation} {self._between_s:.3f}\n")
+        self._send(f"wait {generation} {self.watch.between_s:.3f}\n")
 
     def report_ready(self, epoch: int) -> None:
         """A joiner's rank holds its verified state: admit it (`epoch` of the join)."""
@@ -298,58 +291,6 @@ class Member:
             self._sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self._sock.close()
-
-    # -- the progress watchdog -------------------------------------------------------------
-    def arm(self, stuck_s: float, report_after_s: float | None = None) -> None:
-        """From now on, `stuck_s` without `progress()` means this main thread is stuck, and
-        `report_after_s` (default: STALL_REPORT_FRACTION of it) that it is stalled: said in its
-        heartbeats, evidence against it when others wait for it (`stalled_s`). Armed inside a
-        step after `arm_between`, it also ends the span between steps (`report_waiting`)."""
-        if self._between_since is not None:
-            self._between_s = time.monotonic() - self._between_since
-            self._between_since = None
-        self._arm(stuck_s, report_after_s)
-
-    def arm_between(self, stuck_s: float, report_after_s: float) -> None:
-        """`arm` for the time between two steps (the optimizer, the caller's own code): the
-        span until the next `arm` is this rank's measure of that work (`report_waiting`)."""
-        self._arm(stuck_s, report_after_s)
-        self._between_since = self._progress
-
-    def _arm(self, stuck_s: float, report_after_s: float | None) -> None:
-        self._progress = time.monotonic()
-        self._stuck_s = stuck_s
-        self._report_after_s = report_after_s if report_after_s is not None \
-            else STALL_REPORT_FRACTION * stuck_s
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """A long operation bounded on its own (a checkpoint save, serving a joiner's state):
-        the watchdog stops meanwhile, then resumes with the same bounds."""
-        stuck_s, report_after_s = self._stuck_s, self._report_after_s
-        self.disarm()
-        try:
-            yield
-        finally:
-            if stuck_s:
-                self._arm(stuck_s, report_after_s)
-
-    def progress(self) -> None:
-        self._progress = time.monotonic()
-
-    def disarm(self) -> None:
-        self._stuck_s = 0.0
-
-    @property
-    def stuck_s(self) -> float:
-        return self._stuck_s
-
-    def stalled_s(self) -> float:
-        """Seconds the armed main thread has gone without progress, once that exceeds its
-        report bound (`arm`; 0.0 otherwise, and while disarmed)."""
-        stuck_s, report_after_s = self._stuck_s, self._report_after_s
-        age = time.monotonic() - self._progress
-        return age if stuck_s and age > report_after_s else 0.0
 
     def tell(self, line: str) -> None:
         """Send one protocol line to the coordinator (a store shard's complete count,
@@ -378,7 +319,7 @@ class Member:
         deadline = time.monotonic() + timeout_s
         with self._changed:
             while self._gen <= generation:
-                self._progress = time.monotonic()  # a legitimate wait, not a stuck thread
+                self.watch.progress()  # a legitimate wait, not a stuck thread
                 if self.coordinator_lost:
                     raise CoordinatorLost("the coordinator is unreachable")
                 left = deadline - time.monotonic()
@@ -460,7 +401,7 @@ class Member:
         while not self._stop.is_set():
             if not self._hb_paused:
                 # hb <seconds stalled> <main-store requests so far>
-                self._send(f"hb {self.stalled_s():.2f} {self.requests.total('main')}\n")
+                self._send(f"hb {self.watch.stalled_s():.2f} {self.requests.total('main')}\n")
             self._stop.wait(self.heartbeat_s)
 
     def _refresh_loop(self) -> None:
@@ -564,11 +505,12 @@ class Member:
         unread_since: float | None = None
         while not self._stop.wait(READ_TICK_S):
             now = time.monotonic()
-            if self._stuck_s and now - self._progress > self._stuck_s:
+            overdue = self.watch.overdue(now)
+            if overdue is not None:
                 self.fenced = True
                 self._on_stuck(f"replica {self.replica} rank {self.rank} (pid {os.getpid()}): "
                                f"its main thread made no progress in the step protocol for "
-                               f"{now - self._progress:.1f}s (bound {self._stuck_s:.1f}s): "
+                               f"{overdue[0]:.1f}s (bound {overdue[1]:.1f}s): "
                                f"stuck (a deadlock or a hung kernel); exiting with code "
                                f"{int(ExitCode.STUCK)} so the others can go on")
                 return

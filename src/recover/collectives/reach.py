@@ -11,7 +11,8 @@ answer within the bound, or the route refused it: EHOSTUNREACH, ENETUNREACH, EIN
 blackhole route, EACCES/EPERM of a filter); never when the peer's host answered (a refused
 connection: its process is gone, which the coordinator's liveness socket reports), and never a
 peer at an address where another peer answered (then the path to that host works: the silence
-is a process's, not the network's).
+is a process's, not the network's). `PathWatch` holds one op's evidence: its probe and, for a
+reduce, that it waits for someone it cannot name.
 """
 
 from __future__ import annotations
@@ -144,26 +145,41 @@ class Probe:
 
 
 class PathWatch:
-    """One communicator operation's probe (a group build, or a reduce): started once the op has
-    waited `suspect_s` (or at once when it failed), reported once, to the coordinator, if it
-    names anyone. `start` gives the probe (None: nothing to probe with, e.g. NCCL), `report`
-    sends the names (`Member.report_cut`), `superseded` tells a newer generation is known."""
+    """One communicator operation's evidence (a group build, or a reduce): a probe started once
+    the op has waited `suspect_s` (or at once when it failed), reported once, to the
+    coordinator, if it names anyone. `start` gives the probe (None: nothing to probe with, e.g.
+    NCCL), `report` sends the names (`Member.report_cut`), `superseded` tells a newer generation
+    is known. With `waiting` (tell, withdraw), past `suspect_s` it also tells once that the op
+    waits for someone it cannot name (`Member.report_waiting`), withdrawn when it `ended`."""
 
     def __init__(self, start: Callable[[], Probe | None], report: Callable[[list[int]], None],
-                 suspect_s: float) -> None:
+                 suspect_s: float,
+                 waiting: tuple[Callable[[], None], Callable[[], None]] | None = None) -> None:
         self.start, self.report, self.suspect_s = start, report, suspect_s
+        self.waiting, self.told = waiting, False
         self.probe: Probe | None = None
         self.tried = False
 
     def turn(self, waited_s: float) -> None:
-        """A wait loop's turn: probe once past `suspect_s`; report what an ended probe found."""
+        """A wait loop's turn: probe once past `suspect_s` (and tell that it waits); report what
+        an ended probe found."""
         if not self.tried and waited_s >= self.suspect_s:
             self.tried = True
             self.probe = self.start()
+        if self.waiting is not None and not self.told and waited_s >= self.suspect_s:
+            # Maybe a member whose main thread never came (a deadlock between steps): its own
+            # heartbeats say so, and this wait is the evidence against it.
+            self.told = True
+            self.waiting[0]()
         if self.probe is not None and self.probe.done():
             if self.probe.result:
                 self.report(self.probe.result)
             self.probe = None
+
+    def ended(self) -> None:
+        """The op completed: whoever it waited for came after all (withdraw the wait)."""
+        if self.told and self.waiting is not None:
+            self.waiting[1]()
 
     def settle(self, superseded: Callable[[], bool], poll_s: float,
                answered: Callable[[], bool] | None = None) -> None:

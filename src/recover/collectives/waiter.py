@@ -104,7 +104,7 @@ class KeyWaiter:
                 if ("error" in box or self.member.generation() != generation
                         or self.member.coordinator_lost or time.monotonic() > deadline):
                     return None
-                self.member.progress()  # a legitimate wait, not a stuck thread
+                self.member.watch.progress()  # a legitimate wait, not a stuck thread
                 done.wait(min(0.1, max(0.0, deadline - time.monotonic())))
                 done.clear()
         finally:

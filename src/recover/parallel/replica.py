@@ -199,13 +199,13 @@ class Replica:
         # Inside the step the main thread must keep making progress (every wait in the protocol
         # reports it); a deadlocked one fences itself. The bound grows with slow microbatches.
         in_step = self._in_step_bound()
-        self.member.arm(in_step)
+        self.member.watch.arm(in_step)
 
         def weighted(i: int, j: int) -> float:
-            self.member.progress()
+            self.member.watch.progress()
             with self.guard():
                 loss = w * compute(i, j)
-            self.member.progress()
+            self.member.watch.progress()
             if self.exact is not None:  # into the fixed-point sum, before the next microbatch
                 self.exact.fold(loss)
             return loss
@@ -229,7 +229,7 @@ class Replica:
         # reduce get it evicted then, not after the reduce timeout, unless they themselves spent
         # over a third as long between steps (the same work: `Membership.waiting`).
         # A longer operation that is bounded on its own (a checkpoint save) runs in `busy()`.
-        self.member.arm_between(max(self.config.ft.reduce_timeout_s, in_step), in_step)
+        self.member.watch.arm_between(max(self.config.ft.reduce_timeout_s, in_step), in_step)
         if self.nranks > 1:
             with self.guard():
                 self._sum_tied()
@@ -276,7 +276,7 @@ class Replica:
         """The step engine found a join at this step boundary: the donor replica's ranks serve
         the joiner's ranks (rank k to rank k), before anything of step `step` is computed."""
         if int(join["donor"]) == self.replica:
-            with self.member.paused():  # a big state takes its time; serve() has its own bounds
+            with self.member.watch.paused():  # a big state takes its time; serve() is bounded
                 rejoin.serve(self.member, self.rank, step, join, self.module, self.optimizer,
                              self.user_state, self.exact, self.hooks)
 
@@ -315,7 +315,7 @@ class Replica:
         step's ids go to the others: nothing this replica reduced is computed again."""
         if not self._left:
             self._left = True
-            self.member.disarm()
+            self.member.watch.disarm()
             self.engine.close()  # after the deletions already queued
             self.member.leave(reason.split()[0] if reason.split() else "")
 
@@ -348,7 +348,7 @@ class Replica:
     def busy(self) -> Iterator[None]:
         """A long operation between steps that is bounded on its own (a checkpoint save): the
         stuck-thread watchdog armed after each step pauses meanwhile."""
-        with self.member.paused():
+        with self.member.watch.paused():
             yield
 
     @contextmanager

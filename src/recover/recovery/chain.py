@@ -145,5 +145,5 @@ class OwnershipChain:
             while time.monotonic() < deadline and not self.member.coordinator_lost:
                 if replica in self.member.join_requests:
                     return
-                self.member.progress()
+                self.member.watch.progress()
                 time.sleep(0.01)

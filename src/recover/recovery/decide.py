@@ -174,6 +174,6 @@ class CommitDecision:
                 log.warning("step %s generation %d: unexpected decision value %r", tag, g,
                             decided)
             self.member.check()
-            self.member.progress()
+            self.member.watch.progress()
             if self.member.generation() == seen:
                 time.sleep(0.05)  # the wait ended on a store error, not a newer generation
