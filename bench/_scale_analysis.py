@@ -106,7 +106,8 @@ def failure_requests(steps: dict[Any, list[dict]], t_kill: float, g0: int, coord
         end = next(i for i, s in enumerate(recs) if s["gen"] > g0) + TAIL
         if first == 0 or end + AFTER >= len(recs):
             raise ValueError(f"rank {(rep, pos)}: its steps do not cover the failure's window")
-        mine = per_replica.setdefault(rep, {"main_reqs": 0.0, "shard_reqs": 0.0, "probes": 0.0})
+        mine = per_replica.setdefault(rep, {"main_reqs": 0.0, "shard_reqs": 0.0, "shard_bytes": 0.0,
+                                         "probes": 0.0})
         for key in [k for k in mine if k in recs[end]]:
             rate = (recs[end + AFTER][key] - recs[end][key]) / AFTER
             mine[key] += recs[end][key] - recs[first - 1][key] - (end - first + 1) * rate
@@ -121,6 +122,7 @@ def failure_requests(steps: dict[Any, list[dict]], t_kill: float, g0: int, coord
     return {"main_reqs": (ranks + coord) / reps, "rank_main_reqs": ranks / reps,
             "coord_reqs": coord, "main_max": max(r["main_reqs"] for r in per_replica.values()),
             "shard_reqs": sum(r["shard_reqs"] for r in per_replica.values()) / reps,
+            "shard_bytes": sum(r["shard_bytes"] for r in per_replica.values()) / reps,
             "probes": sum(r["probes"] for r in per_replica.values()) / reps,
             "main_kinds": {k: round(n / reps, 2) for k, n in sorted(kinds.items())
                            if abs(n / reps) >= 0.05}}

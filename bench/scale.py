@@ -55,7 +55,10 @@ scale:
                  replicas (and its decisions' compare-and-set, one a step, subtracted at
                  the failure-free rate like the ranks'); `main_max` is the
                  most any one replica added; `shard_req` the same count on the store shards
-                 (with shards: the rendezvous, barrier and gloo's address exchange).
+                 (with shards: the rendezvous, barrier and gloo's address exchange, batched:
+                 `collectives/meshstore.py`); `shard_kB` the value bytes the shards sent
+                 each survivor over the same span (gloo's addresses: O(R) values of O(R)
+                 bytes).
 
 Store shards: every mode runs with --store-shards 2 by default, as a large job would (about one
 per 1,000 ranks): the main store then serves the counts' tree top and a failure's agreement, the
@@ -67,9 +70,10 @@ into its .err log) is a protocol failure: reported, never hidden, and the scale 
 `scale.json` (the P = 1 curve: {"source", "ranks", "group", "store_ops_per_rank_step",
 "control_plane_s", "control_plane_cpu_s", "detect_s", "agree_s", "rebuild_s", "rebuild_cpu_s",
 "reduce_s", "store_cpu_s", "recovery_store_ops_per_rank", "failure_main_requests_per_rank",
-"failure_coordinator_requests", "failure_shard_requests_per_member", "store_shards",
-"store_request_cpu_s"}, the last the
-store server's CPU per request, `_store_rate.py`; "group" is
+"failure_coordinator_requests", "failure_shard_requests_per_member",
+"failure_shard_bytes_per_member", "store_shards", "store_request_cpu_s", "store_byte_cpu_s"},
+the last two the store server's CPU per request and per value byte sent, `_store_rate.py`;
+"group" is
 the size of the cross-replica group rebuilt, R, here = ranks), `scale_detail.json` (every
 scale and kill, and the failures), `scale.png`, and each scale's logs; `--write-curve` also
 copies `scale.json` to `src/recover/sim/data/scale_curve.json` (the simulator's input). Last
@@ -119,7 +123,7 @@ from _scale_analysis import (
     failure_requests,
     recovery_cpu,
 )
-from _store_rate import request_cpu_s
+from _store_rate import byte_cpu_s, request_cpu_s
 from recover.testing.scale import (
     Children,
     CoordArgs,
@@ -136,7 +140,7 @@ log = logging.getLogger("bench.scale")
 CURVE = BENCH_DIR.parent / "src" / "recover" / "sim" / "data" / "scale_curve.json"
 EXTRA = (*PARTS, "total", "teardown", "agree_med", "agree_cpu", "rebuild_cpu", "store_cpu",
          "recovery_ops", "recovery_cpu", "main_reqs", "main_max", "shard_reqs", "rank_main_reqs",
-         "coord_reqs", "probes")
+         "coord_reqs", "probes", "shard_bytes")
 
 
 class FalseAlarm(RuntimeError):
@@ -320,6 +324,7 @@ def curve(res: list[dict], source: str = "", store_shards: int = 0) -> dict[str,
             "failure_main_requests_per_rank": [round(r["rank_main_reqs"], 2) for r in one],
             "failure_coordinator_requests": [round(r["coord_reqs"], 2) for r in one],
             "failure_shard_requests_per_member": [round(r["shard_reqs"], 2) for r in one],
+            "failure_shard_bytes_per_member": [round(r["shard_bytes"]) for r in one],
             "store_shards": store_shards}
 
 
@@ -394,6 +399,7 @@ def parse_args() -> argparse.Namespace:
     defaults(a, {key: by_mode[mode] for key, by_mode in by_key.items()})
     # the store server's CPU per request: (clients, request pairs each)
     a.store_rate = (2, 200) if a.smoke else (8, 1500)
+    a.store_bytes = (2, 10) if a.smoke else (4, 100)
     return a
 
 
@@ -448,11 +454,11 @@ def report(res: list[dict], failures: list[dict], a: argparse.Namespace, root: P
              f"{r['total'] * 1e3:.0f}",
              *(f"{r[p] * 1e3:.0f}" for p in cols), f"{r['recovery_ops']:.1f}",
              f"{r['main_reqs']:.1f}", f"{r['main_max']:.0f}", f"{r['shard_reqs']:.1f}",
-             f"{r['pss_mib']:.0f}") for r in res]
+             f"{r['shard_bytes'] / 1e3:.1f}", f"{r['pss_mib']:.0f}") for r in res]
     say("")
     table(rows, ("RxP", "ranks", "ops", "ctl", "ctl_cpu", "step", "kill->ok",
                  *(c.replace("recovery_cpu", "rec_cpu") for c in cols), "rec_ops", "main_req",
-                 "main_max", "shard_req", "PSS MiB"))
+                 "main_max", "shard_req", "shard_kB", "PSS MiB"))
     say("  ops: store round trips per rank per failure-free step, engine.stats['store_ops'] / "
         "that plus the engine's blocking key waits; ctl: failure-free control plane (ctl_cpu: "
         "the most CPU a rank spent in it); step: "
@@ -464,7 +470,7 @@ def report(res: list[dict], failures: list[dict], a: argparse.Namespace, root: P
         "the most CPU a survivor spent from the kill to its commit; rec_ops: the store round "
         "trips a failure adds to a survivor's step; main_req / shard_req: the requests a failure "
         "added to the main store / the shards, per surviving replica (main_max: the most one "
-        "replica added)")
+        "replica added); shard_kB: the value bytes the shards sent it (gloo's addresses)")
     say(f"store shards: {a.store_shards} (" + ("as a large job runs, about one per 1,000 ranks: "
         "the main store serves a failure's agreement, the shards the counts and every "
         "rendezvous" if a.store_shards else "one store serves everything") + "); a replica "
@@ -481,6 +487,11 @@ def report(res: list[dict], failures: list[dict], a: argparse.Namespace, root: P
     say(f"store server: {req * 1e6:.1f} us of its CPU per request ({clients} client processes x "
         f"{pairs} x (add + get), bench/_store_rate.py): {req * 2 * 100_000:.2f} s of serial work "
         "a step for 100,000 ranks at 2 requests each")
+    per_byte = byte_cpu_s(root / "store_bytes", *a.store_bytes)
+    data["store_byte_cpu_s"] = per_byte
+    say(f"store server: {per_byte * 1e9:.2f} ns of its CPU per value byte it sends ("
+        f"{a.store_bytes[0]} client processes x {a.store_bytes[1]} multi_gets of 1 MiB, "
+        "bench/_store_rate.py)")
     (root / "scale.json").write_text(json.dumps(data, indent=1) + "\n")
     (root / "scale_detail.json").write_text(json.dumps({"scales": res, "failures": failures},
                                                        indent=1) + "\n")

@@ -70,7 +70,7 @@ def test_curve_keeps_the_simulators_schema() -> None:
            "control_cpu_s": 0.0005, "detect": 0.04, "agree": 0.01, "rebuild": 0.005,
            "rebuild_cpu": 0.001, "store_cpu": 0.01, "reduce": 0.002, "recovery_ops": 2.0,
            "main_reqs": 3.5, "shard_reqs": 12.0, "rank_main_reqs": 2.5, "coord_reqs": 4.0,
-           "store_ops_mean": 2.5}
+           "store_ops_mean": 2.5, "shard_bytes": 1500.4}
     data = scale.curve([{**row, "ranks": 16, "replicas": 16}, row,
                         {**row, "positions": 8, "ranks": 64, "replicas": 8}], "here", 2)
     assert list(data) == ["source", "ranks", "group", "store_ops_per_rank_step",
@@ -78,7 +78,9 @@ def test_curve_keeps_the_simulators_schema() -> None:
                           "rebuild_s", "rebuild_cpu_s", "store_cpu_s",
                           "recovery_store_ops_per_rank", "reduce_s",
                           "failure_main_requests_per_rank", "failure_coordinator_requests",
-                          "failure_shard_requests_per_member", "store_shards"]
+                          "failure_shard_requests_per_member",
+                          "failure_shard_bytes_per_member", "store_shards"]
+    assert data["failure_shard_bytes_per_member"] == [1500, 1500]
     assert data["store_ops_per_rank_step"] == [2.5, 2.5]  # the mean rank's
     assert data["ranks"] == [4, 16]  # P = 1 only, sorted by ranks
     assert data["group"] == [4, 16]  # each rebuilt group: one member per replica
@@ -88,7 +90,7 @@ def counted(t: int, commit: float, main: int, shard: int, gen: int = 0, cpu: flo
             marks: tuple = ()) -> dict:
     """A step record with cumulative request counts and its commit's CPU clock."""
     return {"step": t, "gen": gen, "t_commit": commit, "main_reqs": main, "shard_reqs": shard,
-            "cpu_commit": cpu, "marks": [list(m) for m in marks]}
+            "shard_bytes": 100 * shard, "cpu_commit": cpu, "marks": [list(m) for m in marks]}
 
 
 def test_failure_requests_count_the_window_less_the_new_memberships_rate() -> None:
@@ -113,6 +115,7 @@ def test_failure_requests_count_the_window_less_the_new_memberships_rate() -> No
     assert got["rank_main_reqs"] == pytest.approx((5 + 1) / 2) and got["coord_reqs"] == 4.0
     assert got["main_max"] == pytest.approx(5)
     assert got["shard_reqs"] == pytest.approx(20)
+    assert got["shard_bytes"] == pytest.approx(2000)  # counted like the requests
     with pytest.raises(ValueError):  # no steps after the window: no rate to subtract
         scale.failure_requests({k: v[:-1] for k, v in steps.items()}, 10.5, 0, coord=0.0)
 

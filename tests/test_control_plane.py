@@ -161,3 +161,20 @@ def test_rendezvous_goes_to_the_shards(tmp_path: Path, n_shards: int,
         seen = {m.groups() for k in tally.keys.get(f"shard:{ports[p % n_shards]}", ())
                 if (m := comm.match(k))}
         assert {("0", str(p)), ("1", str(p))} <= seen, (p, sorted(seen))
+
+
+def test_gloo_reads_every_members_address_in_one_request(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A communicator's build asks its store for gloo's addresses 3 times per member (its own,
+    one wait, one multi_get: `collectives/meshstore.py`), not 1 + 2R; here 3 replicas of 2
+    positions build generation 0 (3 members) and, after a kill, generation 1 (2): at most
+    3 x (3 + 2) x 2 such requests in all (gloo alone would ask 2 x (21 + 10))."""
+    h = Harness(tmp_path, 3, positions=2, n=6, steps=3, store_shards=2,
+                faults=[Fault(1, 1, "compute", j=0)])
+    tally = Tally()
+    monkeypatch.setattr(keys, "connect_store", counting_connect(keys.connect_store, tally, h.port))
+    h.run()
+    h.check([0, 2])
+    ports = [int(s.port) for s in h.coord.shards]
+    asked = sum(tally.by_kind(f"shard:{p}").get("gen#/pos#/pg/#/#", 0) for p in ports)
+    assert 0 < asked <= 3 * (3 + 2) * 2, asked

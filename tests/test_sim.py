@@ -477,9 +477,10 @@ def test_a_failure_charges_the_main_store_its_ranks_recovery_requests(tmp_path) 
 def test_a_failure_charges_every_main_store_request_and_the_rendezvous(tmp_path) -> None:
     """With the curve's failure_main_requests_per_rank (every request a failure makes of the
     main store, per one-rank replica) the main store's charge is that x G ranks (no speaker per
-    replica); the rebuild's rendezvous (failure_shard_requests_per_member, per member, linear
-    in the group) is charged on the busiest store server: with S = G / 1,024 shards, position p's
-    group meets on shard p mod S, so ceil(P / S) groups; with one store, all P."""
+    replica); the rebuild's rendezvous (failure_shard_requests_per_member per member, log2 in
+    the group, at the CPU per request, plus failure_shard_bytes_per_member, a + b*R^2, at the
+    CPU per byte) is charged on the busiest store server: with S = G / 1,024 shards, position
+    p's group meets on shard p mod S, so ceil(P / S) groups; with one store, all P."""
     from recover.sim.curve import COLUMNS, load_curve
     from recover.sim.scale import (
         ScaleSpec,
@@ -496,29 +497,31 @@ def test_a_failure_charges_every_main_store_request_and_the_rendezvous(tmp_path)
            "recovery_store_ops_per_rank": [2.0, 2.0],
            "failure_main_requests_per_rank": [3.0, 3.0],
            "failure_coordinator_requests": [4.0, 4.0],
-           "failure_shard_requests_per_member": [10.0, 130.0], "store_shards": 2}
+           "failure_shard_requests_per_member": [3.0, 3.0], "store_shards": 2,
+           "failure_shard_bytes_per_member": [400.0, 40000.0], "store_byte_cpu_s": 1e-9}
     path = tmp_path / "c.json"
     path.write_text(json.dumps(doc))
     spec = ScaleSpec(curve=load_curve(path))
     fits = spec.fits()
     assert spec.curve.store_shards == 2
-    assert fits["failure_shard_requests_per_member"](781) == pytest.approx(2 * 781 + 2)
+    assert fits["failure_shard_requests_per_member"](781) == pytest.approx(3.0)
+    b = (40000 - 400) / (64**2 - 4**2)
+    assert fits["failure_shard_bytes_per_member"](781) == pytest.approx(400 - 16 * b + b * 781**2)
+    member = 3.0 * 1e-5 + (400 - 16 * b + b * 781**2) * 1e-9
     # 3 x 1e5 x 10 us, and the coordinator's 4 requests per failure
     assert recovery_store_s(spec, fits, 100_000) == pytest.approx(3.0 + 4e-5)
     # 100,000 GPUs: 781 replicas of 128 positions over 98 shards: 2 groups on the busiest
     assert shards_for(100_000) == 98 and rendezvous_groups(spec, 100_000, 781) == 2
-    assert rendezvous_store_s(spec, fits, 100_000, 781) == pytest.approx(
-        2 * 781 * (2 * 781 + 2) * 1e-5)
+    assert rendezvous_store_s(spec, fits, 100_000, 781) == pytest.approx(2 * 781 * member)
     one = ScaleSpec(curve=spec.curve, control="one-store")
     assert rendezvous_groups(one, 100_000, 781) == 128
-    assert rendezvous_store_s(one, fits, 100_000, 781) == pytest.approx(
-        128 * 781 * (2 * 781 + 2) * 1e-5)
+    assert rendezvous_store_s(one, fits, 100_000, 781) == pytest.approx(128 * 781 * member)
     wall = ScaleSpec(curve=spec.curve, control="wall")
     assert rendezvous_store_s(wall, fits, 100_000, 781) == 0.0
     p = size_params(scale_base(), 131072, 0, spec)
     bare = {**doc}
     for c in ("failure_main_requests_per_rank", "failure_shard_requests_per_member",
-              "failure_coordinator_requests"):
+              "failure_coordinator_requests", "failure_shard_bytes_per_member"):
         bare.pop(c)
     path.write_text(json.dumps(bare))
     old = ScaleSpec(curve=load_curve(path))
@@ -526,7 +529,8 @@ def test_a_failure_charges_every_main_store_request_and_the_rendezvous(tmp_path)
     assert rendezvous_store_s(old, old.fits(), 100_000, 781) == 0.0
     assert p.rebuild_s == pytest.approx(size_params(scale_base(), 131072, 0, old).rebuild_s
                                         + (3.0 - 2.0) * 131072 * 1e-5 + 4e-5
-                                        + 1 * 1024 * (2 * 1024 + 2) * 1e-5)
+                                        + 1 * 1024 * (3.0 * 1e-5 + (400 - 16 * b
+                                                                      + b * 1024**2) * 1e-9))
     path.write_text(json.dumps({**doc, "store_shards": -1}))
     with pytest.raises(ConfigError):
         load_curve(path)

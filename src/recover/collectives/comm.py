@@ -35,6 +35,7 @@ from torch.distributed import PrefixStore, ProcessGroupGloo
 from recover.collectives import keys, reach, sever, shards
 from recover.collectives.listen import ListenError
 from recover.collectives.member import CoordinatorLost, Member
+from recover.collectives.meshstore import MeshStore
 from recover.collectives.netif import GlooInterface, GlooInterfaceError, is_loopback
 from recover.collectives.reaper import retire
 from recover.collectives.spare import SpareClient
@@ -155,6 +156,7 @@ class FaultTolerantComm:
         self._pg: object | None = None
         self._pg_gen = -1
         self._socks: list[socket.socket] = []  # the gloo sockets of `_pg` (see `sever`)
+        self._pg_store: MeshStore | None = None  # `_pg`'s store: gloo holds it
         # The sockets of groups let go, closed only once the next group's barrier has passed
         # (every member has left the older ops by then): closed earlier, a slower peer's send
         # on one was reset, and gloo lost it (docs/MEASUREMENTS.md, "Severing a gloo operation").
@@ -389,7 +391,9 @@ class FaultTolerantComm:
         # A new client each build (reusing an ended build's broke pipes to the store:
         # docs/MEASUREMENTS.md, "TCPStore"), connected ahead of need: its connect's name lookup can
         # take 5 s (`spare`).
-        store = PrefixStore(prefix + "/pg", self._spare.take(prepare_next=False))
+        store: Any = PrefixStore(prefix + "/pg", self._spare.take(prepare_next=False))
+        if self.backend == "gloo":  # O(1) requests per member for gloo's full mesh, not O(R)
+            store = MeshStore(store, size)
 
         # Connections to the coordinator (store, shards, liveness) are not the group's.
         spare = {self.member.port, self.member.live_port, *self.member.shard_ports}
@@ -428,7 +432,7 @@ class FaultTolerantComm:
         self.stats["barrier_s"] += t1 - t0
         self.stats["build_s"] += time.monotonic() - t1
         self.stats["build_cpu_s"] += time.process_time() - c0
-        self._pg, self._pg_gen = box["pg"], g
+        self._pg, self._pg_gen, self._pg_store = box["pg"], g, store
         self._socks = box.get("socks", [])  # type: ignore[assignment]
         self._spare.prepare()  # the next build's client, connected while this group is used
         return self._pg
@@ -579,7 +583,8 @@ class FaultTolerantComm:
         reaper destroys it once its work has ended."""
         if self._pg is pg:
             self._closing += self._socks
-            self._pg, self._pg_gen, self._socks = None, -1, []
+            works = (*works, self._pg_store)  # gloo holds it: it goes with the group
+            self._pg, self._pg_gen, self._socks, self._pg_store = None, -1, [], None
         retire(pg, works, futs)
 
     def _close_old(self) -> None:

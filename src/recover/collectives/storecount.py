@@ -39,6 +39,9 @@ class Tally:
         # breakdowns (bench/scale.py): which protocol keys a failure's requests touch.
         self.kinds: Counter[tuple[str, str]] = Counter()
         self.keys: dict[str, set[str]] = {}
+        # Bytes of the values the server sent back (get, multi_get, compare_set), per label:
+        # gloo's address exchange reads O(R) values of O(R) bytes each (meshstore.py).
+        self.served: Counter[str] = Counter()
         self.keep_keys, self.keep_alive = keep_keys, keep_alive
         self._lock = threading.Lock()
         self._alive: list[CountedStore] = []
@@ -51,6 +54,10 @@ class Tally:
             if self.keep_keys:
                 self.keys.setdefault(where, set()).update(names)
 
+    def got(self, where: str, nbytes: int) -> None:
+        with self._lock:
+            self.served[where] += nbytes
+
     def keep(self, store: CountedStore) -> None:
         if self.keep_alive:
             with self._lock:
@@ -59,6 +66,10 @@ class Tally:
     def total(self, where: str) -> int:
         with self._lock:
             return self.calls[where]
+
+    def bytes_served(self, where: str) -> int:
+        with self._lock:
+            return self.served[where]
 
     def by_kind(self, where: str) -> dict[str, int]:
         """{key kind: calls} on the server `where` so far."""
@@ -83,7 +94,9 @@ class CountedStore(dist.Store):
 
     def get(self, key: str) -> bytes:
         self._count(key)
-        return self._inner.get(key)
+        value = self._inner.get(key)
+        self._tally.got(self._where, len(value))
+        return value
 
     def add(self, key: str, value: int) -> int:
         self._count(key)
@@ -91,7 +104,9 @@ class CountedStore(dist.Store):
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
         self._count(key)
-        return self._inner.compare_set(key, expected, desired)
+        value = self._inner.compare_set(key, expected, desired)
+        self._tally.got(self._where, len(value))
+        return value
 
     def check(self, keys: list[str]) -> bool:
         self._count(*keys)
@@ -99,7 +114,9 @@ class CountedStore(dist.Store):
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         self._count(*keys)
-        return self._inner.multi_get(keys)
+        values = self._inner.multi_get(keys)
+        self._tally.got(self._where, sum(len(v) for v in values))
+        return values
 
     def multi_set(self, keys: list[str], values: list[Any]) -> None:
         self._count(*keys)

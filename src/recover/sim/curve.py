@@ -31,11 +31,15 @@ measured scale, times in seconds. `ranks` = R x P processes of the job; `group` 
   column); charged per rank (`recovery_store_s`); failure_coordinator_requests (optional): the
   coordinator's own (the generation's publication), per failure;
 - failure_shard_requests_per_member (optional): the same on the store shards, where the
-  rebuilt communicator's rendezvous goes (barrier, addresses, gloo's address exchange: O(R) per
-  member), per member of the rebuilt group (`recover.sim.scale.rendezvous_store_s`);
-- store_request_cpu_s (optional, one number): the store server's CPU time per request, measured
-  apart (`bench/_store_rate.py`): charged (`recover.sim.scale.store_serial_s`) as each store
-  server handling its ranks' failure-free requests of a step one after another.
+  rebuilt communicator's rendezvous goes (barrier, addresses, gloo's address exchange batched:
+  O(1) per member, `collectives/meshstore.py`), per member of the rebuilt group
+  (`recover.sim.scale.rendezvous_store_s`); failure_shard_bytes_per_member (optional): the value
+  bytes the shards sent each member meanwhile (gloo's R addresses carry R pair identifiers each:
+  O(R^2) per member, fitted as a + b*x^2);
+- store_request_cpu_s, store_byte_cpu_s (optional, one number each): the store server's CPU time
+  per request and per value byte it sends, measured apart (`bench/_store_rate.py`): charged
+  (`recover.sim.scale.store_serial_s`, `rendezvous_store_s`) as each store server handling its
+  ranks' requests one after another.
 
 Each column is a function of one size, `x_of(column)`: the job's ranks (one per GPU) for the
 protocol (detect, agree, control plane, store ops: every rank talks to the one coordinator), the
@@ -43,7 +47,8 @@ group's members for the communicator (rebuild, reduce: gloo connects the group's
 Fits (least squares in that size):
 - `mixed` (default): the protocol's columns as a + b*log2(x) (O(1) store round trips per rank; a
   crash is seen by one socket closing); the communicator's as a + b*x (each member's rebuild and
-  first collective touch every other member).
+  first collective touch every other member), the rendezvous' requests in log2 and its bytes as
+  a + b*x^2 (see above).
 - `log2` / `linear`: every column with that one form (bounds for a sensitivity check).
 """
 
@@ -62,16 +67,19 @@ COST_COLUMNS = ("control_plane_s", "detect_s", "agree_s", "rebuild_s", "rebuild_
 COLUMNS = ("store_ops_per_rank_step", *COST_COLUMNS)
 OPTIONAL = ("store_cpu_s", "control_plane_cpu_s", "recovery_store_ops_per_rank",
             "failure_main_requests_per_rank", "failure_coordinator_requests",
-            "failure_shard_requests_per_member")
+            "failure_shard_requests_per_member", "failure_shard_bytes_per_member")
 # Of the group's size (the rest: of the job's ranks)
 GROUP_COLUMNS = ("rebuild_s", "rebuild_cpu_s", "reduce_s", "store_cpu_s",
-                 "failure_shard_requests_per_member")
+                 "failure_shard_requests_per_member", "failure_shard_bytes_per_member")
 MIXED = {
     "store_ops_per_rank_step": "log2",
     "recovery_store_ops_per_rank": "log2",
     "failure_main_requests_per_rank": "log2",  # O(1) per rank: redo, chain, evidence
     "failure_coordinator_requests": "log2",  # O(1) per failure
-    "failure_shard_requests_per_member": "linear",  # a full mesh's rendezvous: O(R) per member
+    # gloo's full mesh, its address reads batched (collectives/meshstore.py): O(1) requests per
+    # member, each member's R addresses O(R) bytes each (gloo's pair identifiers)
+    "failure_shard_requests_per_member": "log2",
+    "failure_shard_bytes_per_member": "square",
     "control_plane_s": "log2",
     "control_plane_cpu_s": "log2",
     "detect_s": "log2",
@@ -85,24 +93,28 @@ FIT_MODES = ("mixed", "log2", "linear")
 
 @dataclass(frozen=True)
 class Fit:
-    """y = a + b * x, x = log2(ranks) (`log2`) or ranks (`linear`); never below 0."""
+    """y = a + b * x, x = log2(ranks) (`log2`), ranks (`linear`) or ranks^2 (`square`); never
+    below 0."""
 
     kind: str
     a: float
     b: float
 
     def __call__(self, ranks: float) -> float:
-        x = math.log2(ranks) if self.kind == "log2" else float(ranks)
-        return max(0.0, self.a + self.b * x)
+        return max(0.0, self.a + self.b * _x(self.kind, ranks))
 
     def describe(self) -> str:
-        x = "log2(ranks)" if self.kind == "log2" else "ranks"
+        x = {"log2": "log2(ranks)", "square": "ranks^2"}.get(self.kind, "ranks")
         return f"{self.a:.4g} + {self.b:.4g}*{x}"
 
 
+def _x(kind: str, ranks: float) -> float:
+    return math.log2(ranks) if kind == "log2" else float(ranks) ** (2 if kind == "square" else 1)
+
+
 def fit(ranks: list[int], ys: list[float], kind: str) -> Fit:
-    """Least-squares line of `ys` over log2(ranks) or ranks; slope clamped at >= 0."""
-    xs = [math.log2(r) if kind == "log2" else float(r) for r in ranks]
+    """Least-squares line of `ys` over log2(ranks), ranks or ranks^2; slope clamped at >= 0."""
+    xs = [_x(kind, r) for r in ranks]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
     b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx > 0 else 0.0
@@ -122,6 +134,7 @@ class ScaleCurve:
     group: list[int] | None = None  # None: = ranks (one rank per replica)
     request_cpu_s: float | None = None  # the store server's CPU per request (None: not measured)
     store_shards: int | None = None  # the shards the measurement ran with (None: not said)
+    byte_cpu_s: float | None = None  # its CPU per value byte sent (None: not measured)
 
     def sizes(self, column: str) -> list[int]:
         """The x of `column`'s measurements (see `x_of`)."""
@@ -177,14 +190,16 @@ def load_curve(path: str | Path | None = None) -> ScaleCurve:
         or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 1 for g in group)
     ):
         raise ConfigError(f"scale curve {p}: group must list one integer >= 1 per entry of ranks")
-    req = doc.get("store_request_cpu_s")
-    if req is not None and (not isinstance(req, (int, float)) or isinstance(req, bool)
-                            or not math.isfinite(req) or req < 0):
-        raise ConfigError(f"scale curve {p}: store_request_cpu_s must be a number >= 0")
+    req, per_byte = doc.get("store_request_cpu_s"), doc.get("store_byte_cpu_s")
+    for name, v in (("store_request_cpu_s", req), ("store_byte_cpu_s", per_byte)):
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool)
+                              or not math.isfinite(v) or v < 0):
+            raise ConfigError(f"scale curve {p}: {name} must be a number >= 0")
     shards = doc.get("store_shards")
     if shards is not None and (not isinstance(shards, int) or isinstance(shards, bool)
                                or shards < 0):
         raise ConfigError(f"scale curve {p}: store_shards must be an integer >= 0")
     source = str(doc.get("source") or "(the file names no source)")
     return ScaleCurve(str(p), source, list(ranks), values, group,
-                      None if req is None else float(req), shards)
+                      None if req is None else float(req), shards,
+                      None if per_byte is None else float(per_byte))

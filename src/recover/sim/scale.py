@@ -198,13 +198,19 @@ def rendezvous_groups(spec: ScaleSpec, gpus: int, replicas: int) -> int:
 def rendezvous_store_s(spec: ScaleSpec, fits: dict[str, Fit], gpus: int, replicas: int) -> float:
     """The busiest store server's serial work for the rebuild's rendezvous after a failure:
     `rendezvous_groups` groups of `replicas` members, each member's requests the curve's
-    failure_shard_requests_per_member at that group size (gloo's full mesh: O(R) each).
-    0 in "wall" mode, or when the curve did not measure it."""
-    column = "failure_shard_requests_per_member"
+    failure_shard_requests_per_member at that group size (O(1): gloo's address reads batched)
+    at the CPU per request, and the value bytes sent to it, failure_shard_bytes_per_member
+    (O(R^2): R addresses of R pair identifiers), at the CPU per byte. 0 in "wall" mode, or when
+    the curve did not measure it."""
+    column, nbytes = "failure_shard_requests_per_member", "failure_shard_bytes_per_member"
     if control_mode(spec) == "wall" or column not in fits:
         return 0.0
-    per = float(spec.curve.request_cpu_s or 0.0)  # type: ignore[union-attr]
-    return rendezvous_groups(spec, gpus, replicas) * replicas * fits[column](replicas) * per
+    curve = spec.curve
+    assert curve is not None
+    member = fits[column](replicas) * float(curve.request_cpu_s or 0.0)
+    if nbytes in fits:
+        member += fits[nbytes](replicas) * float(curve.byte_cpu_s or 0.0)
+    return rendezvous_groups(spec, gpus, replicas) * replicas * member
 
 
 def control_plane_s(spec: ScaleSpec, fits: dict[str, Fit], gpus: int) -> float:

@@ -231,13 +231,17 @@ def rendezvous_line(base: SimParams, spec: ScaleSpec, fits: dict) -> str:
     where = (f"{shards_for(g)} shards, position p's group on shard p mod S: {groups} group(s) "
              "on the busiest" if control_mode(spec) == "cpu" and shards_for(g) > 1
              else "one store: every position's group")
+    nbytes = "failure_shard_bytes_per_member"
+    sent = (f" + {nbytes}(R) ({fmt(fits[nbytes](r) / 1e6, 2)} MB per member) x the CPU per "
+            f"byte ({fmt((spec.curve.byte_cpu_s or 0.0) * 1e9, 2)} ns)" if nbytes in fits
+            else " (the bytes of its O(R)-sized values are not measured in this curve)")
     return (f"    per failure, + the rendezvous of the rebuilt groups (barrier, addresses, gloo's "
-            f"full-mesh exchange) on the busiest store server: {column}(R) "
-            f"({fmt(fits[column](r), 1)} per member at R = {r:,}) x R x the groups there "
-            f"({where}) x the CPU per request = {fmt(rendezvous_store_s(spec, fits, g, r), 2)} s "
-            f"at {g:,} GPUs (ASSUMPTION: gloo's rendezvous; a backend that exchanges O(1) per "
-            "member is the log2 sensitivity line; the bytes of its O(R)-sized values are not "
-            "charged)")
+            f"full-mesh exchange, its reads batched) on the busiest store server: R x the groups "
+            f"there ({where}) x ({column}(R) ({fmt(fits[column](r), 1)} per member at R = "
+            f"{r:,}) x the CPU per request{sent}) = "
+            f"{fmt(rendezvous_store_s(spec, fits, g, r), 2)} s at {g:,} GPUs (ASSUMPTION: "
+            "gloo's rendezvous; a backend that exchanges O(1) bytes per member is the log2 "
+            "sensitivity line)")
 
 
 def control_line(spec: ScaleSpec, fits: dict) -> str:

@@ -252,6 +252,7 @@ def rank_main(a: RankArgs) -> NoReturn:
             "computes": timing.computes, "members": len(res.members),
             "cpu_commit": cpu_commit, "marks": timing.marks,
             "main_reqs": tally.total("main"), "shard_reqs": tally.total("shard"),
+            "shard_bytes": tally.bytes_served("shard"),
             "probes": comm.stats["probes"],
             "main_kinds": tally.by_kind("main"),
             "correct": bool(torch.equal(grad, oracle.expected(step, a.n, base).float()))}) + "\n")

@@ -1,0 +1,99 @@
+"""gloo's full-mesh rendezvous in O(1) store requests per member.
+
+gloo connects every pair of a group's members. To do so each member publishes its address under
+`"{device}/{rank}"` and then reads every member's, one blocking `wait` and one `get` each: 2R
+requests per member of an R-member group, 2R^2 on the store server that hosts the group's
+rendezvous (a shard: docs/DESIGN.md, "Scaling the control plane"). `MeshStore` is the store gloo
+is given: the first read of such a key waits for all R members' keys of that device in one
+request and reads them in one `multi_get`; the other R - 1 reads are answered from those bytes.
+A member then asks the server 4 things (its own address, the barrier's count and wait aside): a
+set, a wait and a multi_get, whatever R (docs/MEASUREMENTS.md, "The control plane at scale").
+
+Invariant: gloo reads through a `MeshStore` exactly the bytes the inner store holds for every key,
+with the same blocking and timeout as its own reads: the keys answered from memory are written
+once per group, by their member, before anyone reads them (a group's prefix is its generation's
+and position's), and were read only after the inner store held them all. Every other call is
+forwarded unchanged.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+import threading
+from typing import Any
+
+import torch.distributed as dist
+
+_RANK_KEY = re.compile(r"(\d+)/(\d+)")  # gloo's per-device address key: "{device}/{rank}"
+
+
+class MeshStore(dist.Store):
+    """The store a `size`-member gloo group meets on: reads of its members' addresses batched.
+
+    gloo holds it through a C++ pointer: its owner keeps it referenced as long as the group (a
+    collected Python store leaves gloo a pointer without methods)."""
+
+    def __init__(self, inner: Any, size: int) -> None:
+        super().__init__()
+        self._inner, self._size = inner, size
+        self._read: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+        self.batches = 0  # devices whose addresses were read in one request (tests, benches)
+
+    def _batch(self, key: str, timeout: datetime.timedelta | None) -> bool:
+        """Whether `key` is a member's address, read now (with every member's of its device)
+        if it was not yet."""
+        m = _RANK_KEY.fullmatch(key)
+        if m is None or int(m.group(2)) >= self._size:
+            return False
+        with self._lock:
+            if key not in self._read:
+                names = [f"{m.group(1)}/{r}" for r in range(self._size)]
+                if timeout is None:
+                    self._inner.wait(names)
+                else:
+                    self._inner.wait(names, timeout)
+                self._read.update(zip(names, self._inner.multi_get(names), strict=True))
+                self.batches += 1
+        return True
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        rest = [k for k in keys if not self._batch(k, timeout)]
+        if rest:
+            if timeout is None:
+                self._inner.wait(rest)
+            else:
+                self._inner.wait(rest, timeout)
+
+    def get(self, key: str) -> bytes:
+        if self._batch(key, None):
+            return self._read[key]
+        return self._inner.get(key)
+
+    def set(self, key: str, value: Any) -> None:
+        self._inner.set(key, value)
+
+    def add(self, key: str, value: int) -> int:
+        return self._inner.add(key, value)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return self._inner.compare_set(key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._inner.check(keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._inner.multi_get(keys)
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        self._inner.multi_set(keys, values)
+
+    def delete_key(self, key: str) -> bool:
+        return self._inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._inner.num_keys()
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._inner.set_timeout(timeout)
