@@ -124,6 +124,9 @@ def failure_requests(steps: dict[Any, list[dict]], t_kill: float, g0: int, coord
             "shard_reqs": sum(r["shard_reqs"] for r in per_replica.values()) / reps,
             "shard_bytes": sum(r["shard_bytes"] for r in per_replica.values()) / reps,
             "probes": sum(r["probes"] for r in per_replica.values()) / reps,
+            # the chain's share: what every rank of a multi-rank replica asks (its speaker
+            # alone asks the rest, recovery/decide.py)
+            "chain_reqs": kinds.get("step/#/chain/#", 0.0) / reps,
             "main_kinds": {k: round(n / reps, 2) for k, n in sorted(kinds.items())
                            if abs(n / reps) >= 0.05}}
 

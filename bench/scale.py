@@ -4,7 +4,7 @@ What: per scale (R replicas x P ranks each), a real coordinator and R*P rank pro
 by the standard library's fork server after one `import torch` (`recover.testing.scale`), run the
 step protocol (`StepEngine.run`) on a --numel float tensor: each step's N = R microbatches add a
 known integer-valued gradient (checked exactly after every commit). P > 1 runs multi-position
-engines (`StepEngine(..., positions=P)`, one `FaultTolerantComm` per position). Measured, per
+engines (a `Member` of P ranks each, one `FaultTolerantComm` per position). Measured, per
 scale:
 
   store ops      store round trips per rank per failure-free step: `engine.stats["store_ops"]`
@@ -70,10 +70,10 @@ into its .err log) is a protocol failure: reported, never hidden, and the scale 
 `scale.json` (the P = 1 curve: {"source", "ranks", "group", "store_ops_per_rank_step",
 "control_plane_s", "control_plane_cpu_s", "detect_s", "agree_s", "rebuild_s", "rebuild_cpu_s",
 "reduce_s", "store_cpu_s", "recovery_store_ops_per_rank", "failure_main_requests_per_rank",
-"failure_coordinator_requests", "failure_shard_requests_per_member",
-"failure_shard_bytes_per_member", "store_shards", "store_request_cpu_s", "store_byte_cpu_s"},
-the last two the store server's CPU per request and per value byte sent, `_store_rate.py`;
-"group" is
+"failure_main_chain_requests_per_rank", "failure_coordinator_requests",
+"failure_shard_requests_per_member", "failure_shard_bytes_per_member", "store_shards",
+"store_request_cpu_s", "store_byte_cpu_s"}, the last two the store server's CPU per request and
+per value byte sent, `_store_rate.py`; "group" is
 the size of the cross-replica group rebuilt, R, here = ranks), `scale_detail.json` (every
 scale and kill, and the failures), `scale.png`, and each scale's logs; `--write-curve` also
 copies `scale.json` to `src/recover/sim/data/scale_curve.json` (the simulator's input). Last
@@ -140,7 +140,7 @@ log = logging.getLogger("bench.scale")
 CURVE = BENCH_DIR.parent / "src" / "recover" / "sim" / "data" / "scale_curve.json"
 EXTRA = (*PARTS, "total", "teardown", "agree_med", "agree_cpu", "rebuild_cpu", "store_cpu",
          "recovery_ops", "recovery_cpu", "main_reqs", "main_max", "shard_reqs", "rank_main_reqs",
-         "coord_reqs", "probes", "shard_bytes")
+         "coord_reqs", "probes", "shard_bytes", "chain_reqs")
 
 
 class FalseAlarm(RuntimeError):
@@ -322,6 +322,7 @@ def curve(res: list[dict], source: str = "", store_shards: int = 0) -> dict[str,
             "recovery_store_ops_per_rank": [round(r["recovery_ops"], 3) for r in one],
             "reduce_s": [round(r["reduce"], 5) for r in one],
             "failure_main_requests_per_rank": [round(r["rank_main_reqs"], 2) for r in one],
+            "failure_main_chain_requests_per_rank": [round(r["chain_reqs"], 2) for r in one],
             "failure_coordinator_requests": [round(r["coord_reqs"], 2) for r in one],
             "failure_shard_requests_per_member": [round(r["shard_reqs"], 2) for r in one],
             "failure_shard_bytes_per_member": [round(r["shard_bytes"]) for r in one],

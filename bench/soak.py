@@ -12,7 +12,12 @@ always has a survivor. The last line printed is `violations=<n>` (goal: 0 over 3
 Every process a run starts is ended by its PID (`recover.procs`), never by process group.
 
     python bench/soak.py --smoke                  # R=3, 8 steps: the reference + one run, 1 kill
-    python bench/soak.py --minutes 30 [--seed 0] [--out DIR]
+    python bench/soak.py --minutes 30 [--seed 0] [--out DIR] [--hsdp]
+
+`--hsdp`: every replica is 2 ranks (HSDP shards; a replica's rank 0 speaks for it to the store,
+recovery/decide.py), each fault aimed at either rank; the survivors' final parameters are
+compared rank by rank, and the last checkpoint is verified (HMAC, every file's sha256), not
+loaded.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -33,7 +38,7 @@ import torch
 from _common import fresh_dir, log_progress
 from recover.app.config import RunConfig
 from recover.app.runtoken import run_token
-from recover.app.train.checkpoint import latest_checkpoint, load_checkpoint
+from recover.app.train.checkpoint import latest_checkpoint, load_checkpoint, verify_checkpoint
 from recover.app.train.model import build_model
 from recover.app.train.optim import build_optimizer
 from recover.procs import descendants, kill_pids, start, stop
@@ -54,11 +59,12 @@ class Shape:
                               "preempt")
     coordinator_kills: bool = True  # in a third of the runs
     overlap: bool = True  # half the runs reduce in small buckets inside the backward
+    layout: tuple[str, ...] = ()  # e.g. HSDP: every replica 2 ranks (its rank 0 the speaker)
 
     def flags(self) -> list[str]:
         return ["--preset", "debug", "--steps", str(self.steps), "--eval-every", "0",
                 "--warmup-steps", "3", "--replicas", str(self.replicas), "--dump-final-params",
-                "--ckpt-every", "5"]
+                "--ckpt-every", "5", *self.layout]
 
 
 FULL = Shape()
@@ -67,6 +73,7 @@ FULL = Shape()
 SMOKE = Shape(replicas=3, steps=8, max_faults=1, kinds=("kill",), coordinator_kills=False,
               overlap=False)
 BUCKETS = ["--bucket-mb", "0.05"]  # the debug model's gradient in 10 operations a step
+HSDP = ("--layout", "hsdp", "--shards", "2")
 
 
 def train(out: Path, data: Path, faults: list[str], shape: Shape, timeout: float = 300,
@@ -105,19 +112,21 @@ def schedule(rng: random.Random, shape: Shape, phases: tuple[str, ...] = PHASES)
                       f"phase={rng.choice(phases)}")
     for r in rng.sample(range(1, shape.replicas), rng.randint(1, shape.max_faults)):
         kind, step = rng.choice(shape.kinds), rng.randrange(1, steps - 3)
+        # a multi-rank replica: aim at its speaker (rank 0) or the other rank
+        at = f",rank={rng.randrange(2)}" if shape.layout else ""
         if kind in ("kill", "deadlock", "preempt"):
-            faults.append(f"{kind}:replica={r},step={step},phase={rng.choice(phases)}")
+            faults.append(f"{kind}:replica={r},step={step},phase={rng.choice(phases)}{at}")
         elif kind == "partition":
-            faults.append(f"partition:replica={r},step={step}")
+            faults.append(f"partition:replica={r},step={step}{at}")
         if kind in ("kill", "deadlock", "partition", "preempt"):
             if rng.random() < 0.4:
                 faults.append(f"restart:replica={r},step={rng.randrange(step + 2, steps)}")
         elif kind == "hang":  # inside the step: from the forward to the reduce
             inside = [p for p in phases if p not in ("commit", "optimizer")]
             faults.append(f"hang:replica={r},step={step},seconds={rng.choice((1, 3, 5))},"
-                          f"phase={rng.choice(inside)}")
+                          f"phase={rng.choice(inside)}{at}")
         else:
-            faults.append(f"slow:replica={r},factor={rng.choice((2, 3))},step={step}")
+            faults.append(f"slow:replica={r},factor={rng.choice((2, 3))},step={step}{at}")
     return faults
 
 
@@ -134,16 +143,22 @@ def violations(out: Path, rc: int, ref_losses: list[float], steps: int) -> list[
               default=1.0)
     if rel >= 1e-5:
         bad.append(f"loss off by {rel:.2e}")
-    finals = [torch.load(p, weights_only=True) for p in sorted((out / "final").glob("*.pt"))]
-    if not finals or any(not _equal(finals[0], f) for f in finals):
+    by_rank: dict[str, list[dict[str, torch.Tensor]]] = {}
+    for p in sorted((out / "final").glob("*.pt")):  # replica{r}[.rank{k}].pt: compare per rank
+        by_rank.setdefault(p.stem.partition(".")[2], []).append(torch.load(p, weights_only=True))
+    if not by_rank or any(not _equal(fs[0], f) for fs in by_rank.values() for f in fs):
         bad.append("survivors' final parameters differ (or none)")
+    finals = by_rank.get("", [])
     try:
         cfg = RunConfig.load(out / "config.json")
         model = build_model(cfg.model, cfg.run.seed + 1)
         key = run_token(out)
         path = latest_checkpoint(out / "ckpt", key)
         assert path is not None, "no checkpoint"
-        meta = load_checkpoint(path, model, build_optimizer(model, cfg), key=key)
+        if cfg.layout.name != "plain":  # verified (HMAC, every file's sha256), not loaded
+            meta = verify_checkpoint(path, key)
+        else:
+            meta = load_checkpoint(path, model, build_optimizer(model, cfg), key=key)
         if meta["step"] != steps or (finals and not _equal(model.state_dict(), finals[0])):
             bad.append(f"last checkpoint (step {meta['step']}) is not the final state")
     except Exception as e:  # any failure to load is the violation being counted
@@ -163,10 +178,14 @@ def main() -> int:
                     "run with one kill (a few seconds; CI runs it)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="keep the runs here (default: tmp)")
+    ap.add_argument("--hsdp", action="store_true", help="every replica 2 ranks (HSDP), faults "
+                    "aimed at either (its rank 0 speaks for it to the store)")
     args = ap.parse_args()
     if (args.minutes is None) == (not args.smoke):
         ap.error("give --minutes M or --smoke")
     shape = SMOKE if args.smoke else FULL
+    if args.hsdp:
+        shape = replace(shape, layout=HSDP, overlap=False)  # buckets: the plain layout's
     root = args.out or Path(tempfile.mkdtemp(prefix="recover-soak-"))
     root.mkdir(parents=True, exist_ok=True)
     data = root / "text.txt"

@@ -70,14 +70,15 @@ def test_curve_keeps_the_simulators_schema() -> None:
            "control_cpu_s": 0.0005, "detect": 0.04, "agree": 0.01, "rebuild": 0.005,
            "rebuild_cpu": 0.001, "store_cpu": 0.01, "reduce": 0.002, "recovery_ops": 2.0,
            "main_reqs": 3.5, "shard_reqs": 12.0, "rank_main_reqs": 2.5, "coord_reqs": 4.0,
-           "store_ops_mean": 2.5, "shard_bytes": 1500.4}
+           "store_ops_mean": 2.5, "shard_bytes": 1500.4, "chain_reqs": 1.333}
     data = scale.curve([{**row, "ranks": 16, "replicas": 16}, row,
                         {**row, "positions": 8, "ranks": 64, "replicas": 8}], "here", 2)
     assert list(data) == ["source", "ranks", "group", "store_ops_per_rank_step",
                           "control_plane_s", "control_plane_cpu_s", "detect_s", "agree_s",
                           "rebuild_s", "rebuild_cpu_s", "store_cpu_s",
                           "recovery_store_ops_per_rank", "reduce_s",
-                          "failure_main_requests_per_rank", "failure_coordinator_requests",
+                          "failure_main_requests_per_rank",
+                          "failure_main_chain_requests_per_rank", "failure_coordinator_requests",
                           "failure_shard_requests_per_member",
                           "failure_shard_bytes_per_member", "store_shards"]
     assert data["failure_shard_bytes_per_member"] == [1500, 1500]
@@ -110,6 +111,7 @@ def test_failure_requests_count_the_window_less_the_new_memberships_rate() -> No
             r["main_kinds"] = {"step/#/chain/#": r["main_reqs"]}
     got = scale.failure_requests(steps, 10.5, 0, coord=4.0)
     assert got["main_kinds"] == {"step/#/chain/#": pytest.approx((5 + 1) / 2)}
+    assert got["chain_reqs"] == pytest.approx((5 + 1) / 2)  # the chain's share, per replica
     # each rank's window: steps 3..3+TAIL, its extra over 3 a step; the coordinator's 4 too
     assert got["main_reqs"] == pytest.approx((5 + 1 + 4) / 2)
     assert got["rank_main_reqs"] == pytest.approx((5 + 1) / 2) and got["coord_reqs"] == 4.0

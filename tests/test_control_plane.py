@@ -54,33 +54,42 @@ def test_at_most_four_store_round_trips_per_rank_per_step(tmp_path: Path, replic
     assert all(h.chain(t)[0]["gen"] == 0 for t in range(h.steps))
 
 
-@pytest.mark.parametrize("replicas,positions,n_shards", [(4, 1, 3), (3, 2, 2)])
+@pytest.mark.parametrize("replicas,positions,n_shards,speaker", [
+    (4, 1, 3, False), (3, 2, 2, False), (3, 2, 2, True), (5, 3, 2, True)])
 def test_store_shards_take_the_count_off_the_main_store(tmp_path: Path, replicas: int,
-                                                        positions: int, n_shards: int) -> None:
+                                                        positions: int, n_shards: int,
+                                                        speaker: bool) -> None:
     """With shards, each rank counts and waits on its shard (2 round trips), a shard's last
     counter too: it tells the coordinator (a liveness line), which decides on the main store
     and copies the decision into every shard. So no rank asks the main store anything in a
     failure-free step. (Speed-blind plans: a bare multi-rank engine would read a speed-aware
-    plan, +1; `recover.Replica` implies it.)"""
+    plan, +1; `recover.Replica` implies it.) With a speaker per replica (recovery/decide.py)
+    only position 0 asks anything: P on shard m % S, its siblings nothing."""
     h = Harness(tmp_path, replicas, positions=positions, n=12, steps=6, speed_aware=False,
-                store_shards=n_shards).run()
+                store_shards=n_shards, speaker=speaker).run()
     h.check(list(range(replicas)))
-    ranks = replicas * positions
     for t in range(1, h.steps):
-        per_rank = [rank.ops[t] for rank in h.ranks.values()]
-        assert per_rank == [2] * ranks, (t, per_rank)
+        per_rank = {rank.name: rank.ops[t] for rank in h.ranks.values()}
+        want = {f"{r}.{p}": 2 if p == 0 or not speaker else 0
+                for r in range(replicas) for p in range(positions)}
+        assert per_rank == want, (t, per_rank)
         assert h.read(keys.count_key(t, 0)) is None  # the coordinator counts the shards
         for k in range(len(h.coord.shards)):
             mine = sum(1 for r in range(replicas) for p in range(positions)
                        if shards.shard_of(r, p, positions, n_shards) == k)
+            if speaker:  # the speaker counts its P positions on shard m % S
+                mine = positions * sum(1 for r in range(replicas) if r % n_shards == k)
             assert int(h.read(keys.count_key(t, 0), shard=k) or 0) == mine
             assert h.read(keys.decision_key(t, 0), shard=k) == h.decision(t, 0)
 
 
-@pytest.mark.parametrize("n_shards", [0, 2])
-def test_store_key_count_is_flat(tmp_path: Path, n_shards: int) -> None:
+@pytest.mark.parametrize("n_shards,positions", [(0, 1), (2, 1), (2, 2)])
+def test_store_key_count_is_flat(tmp_path: Path, n_shards: int, positions: int) -> None:
+    """Old steps' keys are deleted (recovery/lifetime.py); with a speaker per replica too
+    (positions=2: only position 0 counts, on shard m % S, and deletes there)."""
     steps = 150
-    h = Harness(tmp_path, 3, n=6, steps=steps, records=True, store_shards=n_shards)
+    h = Harness(tmp_path, 3, n=6, steps=steps, records=True, store_shards=n_shards,
+                positions=positions, speaker=positions > 1, speed_aware=False)
     sink = MetricsSink(h.store(), tmp_path / "metrics.jsonl", 0, steps, 1, 0.0,
                        ProgressView(Console(quiet=True), 0, steps, quiet=True))
     counts: dict[int, int] = {}

@@ -125,11 +125,14 @@ def test_hang_is_fenced(tmp_path: Path) -> None:
     assert any("replica 1: silent for" in e["reason"] for e in h.events("generation"))
 
 
-def test_multi_position_skip_and_kill(tmp_path: Path) -> None:
+@pytest.mark.parametrize("speaker", [False, True])
+def test_multi_position_skip_and_kill(tmp_path: Path, speaker: bool) -> None:
     """positions=2 (two ranks per replica): rank 1 of replica 2 dies; rank 1 of replica 0 is late
     and moves past generation 0 without reducing in it, so it must decide `redo` there at once
-    (its sibling at position 0 may hold a verified sum of generation 0 and wait for a decision)."""
-    h = Harness(tmp_path, 3, positions=2, n=6, steps=3,
+    (its sibling at position 0 may hold a verified sum of generation 0 and wait for a decision).
+    With a speaker (recovery/decide.py), the late rank's agreement with its speaker fails, and
+    the speaker writes `redo`."""
+    h = Harness(tmp_path, 3, positions=2, n=6, steps=3, speaker=speaker,
                 faults=[Fault(2, 1, "compute", j=0, rank=1),
                         Fault(0, 1, "compute", j=1, rank=1, action="hold")]).run()
     res = h.check([0, 1])
@@ -138,19 +141,24 @@ def test_multi_position_skip_and_kill(tmp_path: Path) -> None:
     assert res[1].members == [0, 1] and res[1].generation >= 1
 
 
-def test_a_decision_on_evidence_costs_each_rank_o1_round_trips(tmp_path: Path) -> None:
+@pytest.mark.parametrize("speaker", [False, True])
+def test_a_decision_on_evidence_costs_each_rank_o1_round_trips(tmp_path: Path,
+                                                               speaker: bool) -> None:
     """Replica 2's rank 0 dies after its reduce (position 0's sum holds its part) and its sibling's
     (a plain kill there could beat the sibling's reduce on a loaded machine: a CI run), before it
     counted: the others' count cannot complete, the membership changes, and the survivors
     decide on evidence. Each counts itself once for the new generation; reading every rank's
-    outcome instead cost each O(R x P) round trips (121 at 16 x 8 in bench/scale.py)."""
-    h = Harness(tmp_path, 8, positions=2, n=16, steps=3,
+    outcome instead cost each O(R x P) round trips (121 at 16 x 8 in bench/scale.py). With a
+    speaker per replica its position 0 counts for both, its sibling asks nothing."""
+    h = Harness(tmp_path, 8, positions=2, n=16, steps=3, speaker=speaker,
                 faults=[Fault(2, 1, "commit", rank=0, action="kill-reduced")]).run()
     res = h.check([0, 1, 3, 4, 5, 6, 7])
     assert res[1].generation == 0 and h.decision(1, 0) == b"commit-plan", res[1]
     survivors = [r for r in h.ranks.values() if r.replica != 2]
     per_rank = [r.ops[1] for r in survivors]
     assert max(per_rank) <= 6, per_rank  # count, decision wait, evidence, its wait, decide
+    if speaker:
+        assert all(r.ops[1] == 0 for r in survivors if r.rank == 1), per_rank
 
 
 def test_a_rank_whose_reduce_failed_never_applies_a_commit(tmp_path: Path) -> None:
@@ -163,3 +171,23 @@ def test_a_rank_whose_reduce_failed_never_applies_a_commit(tmp_path: Path) -> No
         h.run()
     assert sorted(h.ranks[(1, 0)].results) == [0]
     assert sorted(h.ranks[(0, 0)].results) == [0, 1]
+
+
+@pytest.mark.parametrize(("phase", "rank", "action"), [
+    ("compute", 0, "kill"), ("reduce", 0, "kill"), ("commit", 0, "kill"),
+    ("outcome", 0, "kill"), ("reduce", 1, "kill"), ("commit", 1, "kill-reduced"),
+    ("reduce", 1, "raise"), ("compute", 0, "hang")])
+def test_a_speaker_or_its_sibling_lost_in_any_phase(tmp_path: Path, phase: str, rank: int,
+                                                    action: str) -> None:
+    """Speakers per replica (positions=2): replica 1's speaker (rank 0) or its sibling dies,
+    hangs or fails its reduce at each point of step 1. The survivors commit every step with
+    all N microbatches and the oracle's sum (`check`); replica 1's ranks are fenced unless
+    only its reduce failed (then it redoes the step with the others)."""
+    h = Harness(tmp_path, 3, positions=2, n=6, steps=3, speaker=True, stale_s=1.0,
+                faults=[Fault(1, 1, phase, rank=rank, action=action)]).run()
+    survivors = [0, 1, 2] if action == "raise" else [0, 2]
+    res = h.check(survivors)
+    assert all(r.microbatches == 6 for r in res.values())
+    if action != "raise":
+        live = [r for r in h.ranks.values() if r.replica == 1 and not r.dead.is_set()]
+        assert not live, [r.name for r in live]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -437,7 +438,8 @@ def test_control_plane_charges_rank_cpu_and_the_store_servers_serial_work(tmp_pa
     curve = load_curve(path)
     assert shards_for(1024) == 0 and shards_for(2048) == 2 and shards_for(100_000) == 98
     assert shards_for(10**7) == 256
-    cpu, one, wall = (ScaleSpec(curve=curve, control=m) for m in ("cpu", "one-store", "wall"))
+    cpu, one, wall = (ScaleSpec(curve=curve, control=m, speaker=False)
+                      for m in ("cpu", "one-store", "wall"))
     fits = cpu.fits()
     per_shard = math.ceil(100_000 / 98)
     assert store_serial_s(cpu, fits, 100_000) == pytest.approx((2 * per_shard + 1 + 98) * 1e-5)
@@ -446,6 +448,14 @@ def test_control_plane_charges_rank_cpu_and_the_store_servers_serial_work(tmp_pa
     assert control_plane_s(wall, fits, 100_000) == pytest.approx(0.5)
     p = size_params(scale_base(), 131072, 0, cpu)
     assert p.control_plane_s == pytest.approx(0.001 + (2 * 1024 + 1 + 128) * 1e-5)
+    # A speaker per replica (the default): a shard serves its replicas' speakers (128 GPUs
+    # each: 781 replicas at 100,000 GPUs, 8 per shard), not its 1,021 ranks.
+    speaker = ScaleSpec(curve=curve)
+    assert speaker.speaker
+    assert store_serial_s(speaker, fits, 100_000) == pytest.approx(
+        (2 * math.ceil(781 / 98) + 1 + 98) * 1e-5)
+    assert store_serial_s(replace(speaker, control="one-store"), fits, 100_000) == \
+        pytest.approx(2 * 781 * 1e-5)
     path.write_text(json.dumps({**doc, "store_request_cpu_s": -1}))
     with pytest.raises(ConfigError):
         load_curve(path)
@@ -510,6 +520,15 @@ def test_a_failure_charges_every_main_store_request_and_the_rendezvous(tmp_path)
     member = 3.0 * 1e-5 + (400 - 16 * b + b * 781**2) * 1e-9
     # 3 x 1e5 x 10 us, and the coordinator's 4 requests per failure
     assert recovery_store_s(spec, fits, 100_000) == pytest.approx(3.0 + 4e-5)
+    # With the chain's share measured apart (1 of the 3): each rank asks it, each of the 781
+    # replicas' speakers the other 2; without a speaker every rank asks all 3.
+    path.write_text(json.dumps({**doc, "failure_main_chain_requests_per_rank": [1.0, 1.0]}))
+    split = ScaleSpec(curve=load_curve(path))
+    assert recovery_store_s(split, split.fits(), 100_000) == pytest.approx(
+        (1e5 + 2 * 781 + 4) * 1e-5)
+    every = ScaleSpec(curve=split.curve, speaker=False)
+    assert recovery_store_s(every, every.fits(), 100_000) == pytest.approx(3.0 + 4e-5)
+    path.write_text(json.dumps(doc))
     # 100,000 GPUs: 781 replicas of 128 positions over 98 shards: 2 groups on the busiest
     assert shards_for(100_000) == 98 and rendezvous_groups(spec, 100_000, 781) == 2
     assert rendezvous_store_s(spec, fits, 100_000, 781) == pytest.approx(2 * 781 * member)

@@ -7,7 +7,8 @@ costs the server 2 G of them: 3.5 s a step at 100,000 ranks, however few each ra
 run on S cores), and a failure-free step's count and decision go through a two-level tree:
 
 - rank (replica m, position p) counts on shard `(m * P + p) % S` (its *shard*) and then waits
-  there for the decision (a blocking get): two round trips, whoever it is;
+  there for the decision (a blocking get): two round trips, whoever it is; a multi-rank replica
+  with a speaker (recovery/decide.py) counts as one rank of weight P on shard `m % S`;
 - the rank whose add completes its shard's set is that shard's *leader* for the attempt: it tells
   the coordinator so on its liveness socket (`counted`, a line, no store request); the
   coordinator (`TreeTop`), once every shard that has ranks of the generation has told it,
@@ -29,7 +30,7 @@ The cross-replica communicators meet on the shards too: every group of position 
 its gloo addresses, gloo's own address exchange) on shard `p % S`, a function of the position
 alone, so every member of a group picks the same shard (a joiner, and a rank that skipped
 generations, too), and knows it before any generation exists. The main store then serves none of
-a rebuild's O(R) lookups per member.
+a rebuild's lookups (O(1) per member: collectives/meshstore.py).
 """
 
 from __future__ import annotations
@@ -75,11 +76,12 @@ def ports(store: Any) -> list[int]:
 
 
 class ShardTotals:
-    """Per generation: how many ranks count on each shard, and how many shards count at all
-    (cached: O(R P) once a generation, not once a step)."""
+    """Per generation: the count each shard completes at (its counting ranks x `weight`, what
+    each adds: P for a replica's speaker), and which shards count at all (cached: O(R P) once a
+    generation, not once a step)."""
 
-    def __init__(self, positions: int, shards: int) -> None:
-        self.positions, self.shards = positions, shards
+    def __init__(self, positions: int, shards: int, weight: int = 1) -> None:
+        self.positions, self.shards, self.weight = positions, shards, weight
         self._by_gen: dict[int, dict[int, int]] = {}
 
     def of(self, g: int, members: list[int]) -> dict[int, int]:
@@ -87,7 +89,8 @@ class ShardTotals:
         if t is None:
             if len(self._by_gen) > 8:
                 self._by_gen.clear()
-            t = self._by_gen[g] = totals(members, self.positions, self.shards)
+            t = self._by_gen[g] = {s: n * self.weight for s, n in
+                                   totals(members, self.positions, self.shards).items()}
         return t
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from recover.collectives import FaultTolerantComm, FenceHandlers, Identity, Member, connect
-from recover.recovery import GradAccess, StepEngine, StepStrategy
+from recover.recovery import GradAccess, ReplicaLink, StepEngine, StepStrategy
 from recover.settings import Hooks, ReplicaConfig
 
 
@@ -53,7 +53,8 @@ def connect_rank(member: Member, grads: GradAccess | torch.Tensor, microbatches:
                  strategy: StepStrategy | None = None,
                  on_joined: Callable[[Member], None] | None = None,
                  comm_class: type[FaultTolerantComm] = FaultTolerantComm,
-                 shared_speeds: bool | None = None) -> RankStack:
+                 shared_speeds: bool | None = None,
+                 link: ReplicaLink | None = None) -> RankStack:
     """Join `member`, run `on_joined(member)` (a joiner receives its state there, before any of
     its traffic), then build the rank's communicator (at position = its rank) and step engine.
 
@@ -61,12 +62,14 @@ def connect_rank(member: Member, grads: GradAccess | torch.Tensor, microbatches:
     `comm_class`: a `FaultTolerantComm` subclass (harnesses that instrument the reduce).
     `shared_speeds`: every rank of the replica holds the same speeds (default: one rank per
     replica), so the engine may imply a speed-aware plan instead of reading it.
+    `link`: a multi-rank replica's own agreement (its rank 0 then speaks for it to the store).
     """
     hooks = hooks or Hooks()
     ft, num = config.ft, config.numerics
     # Layer 1's wiring: join (shut down on failure), on_joined, the communicator.
     comm = connect(member, ft, num, device=grads.device, hooks=hooks, on_joined=on_joined,
                    comm_class=comm_class)
-    engine = StepEngine(member, comm, grads, microbatches, positions=member.nranks, ft=ft,
-                        numerics=num, hooks=hooks, strategy=strategy, shared_speeds=shared_speeds)
+    engine = StepEngine(member, comm, grads, microbatches, ft=ft,
+                        numerics=num, hooks=hooks, strategy=strategy, shared_speeds=shared_speeds,
+                        link=link)
     return RankStack(member, comm, engine)

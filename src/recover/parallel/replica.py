@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from recover.collectives import CoordinatorGone, CoordinatorLost, Member
 from recover.parallel import rejoin
 from recover.parallel.grads import ShardedGrads, is_dtensor, local_tensor
+from recover.parallel.link import IntraReplicaLink
 from recover.parallel.plain import FlatGrads
 from recover.parallel.rank import connect_rank, new_member
 from recover.recovery import ExactGrads, GradAccess, StepResult, StepStrategy
@@ -139,8 +140,14 @@ class Replica:
                             last_generation=last_generation)
         # With its ranks' microbatch times agreed (`_agree`), every rank sees the same speeds,
         # so the engine may imply a plan instead of reading it from the store.
+        # A multi-rank replica's rank 0 speaks for it to the store; its ranks agree through
+        # their own group first (recovery/decide.py). The bound: a speaker's decision takes at
+        # most 2 x 3 reduce timeouts (its wait, then the evidence's).
+        link = (IntraReplicaLink(member, self.grads.device, 6 * cfg.ft.reduce_timeout_s + 10,
+                                 self.guard) if self.nranks > 1 else None)
         stack = connect_rank(member, self.grads, self.n, cfg, hooks=self.hooks,
-                             strategy=self.strategy, on_joined=receive, shared_speeds=True)
+                             strategy=self.strategy, on_joined=receive, shared_speeds=True,
+                             link=link)
         engine = stack.engine
         old = getattr(self, "engine", None)
         if old is not None:  # what this replica learned of speeds survives a reconnection

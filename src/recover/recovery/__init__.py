@@ -2,7 +2,8 @@
 
 Public API: `StepEngine` (one replica's side of a step), `StepResult`, `GradAccess`,
 `TensorGrad`, `ExactGrads` (exact mode), `BelowMinReplicas`, `RecoveryError`, `CommitRefused`,
-`REDUCE_DTYPES`
+`REDUCE_DTYPES`, `ReplicaLink` (a multi-rank replica's agreement, for its speaker) with the
+codes a speaker shares when it raised (`SPEAKER_FAILED`, `SPEAKER_LOST`)
 (the names of `Numerics.reduce_dtype`), and the strategy interface `StepStrategy` with recover's
 own `InStepRecovery` and the helper `chain_owners` (for other strategies). Modules: `step` (the
 step loop), `chain` (the ownership chain), `decide` (the commit decision), `lifetime` (deleting
@@ -10,12 +11,14 @@ the keys of old steps), `trailer` (the reduce's verification), `buckets` (the re
 with the last backward), `grads`, `exact`, `strategy`, `shrink`.
 """
 
+from recover.recovery.decide import SPEAKER_FAILED, SPEAKER_LOST, ReplicaLink
 from recover.recovery.exact import ExactGrads
 from recover.recovery.failures import BelowMinReplicas, CommitRefused, RecoveryError
 from recover.recovery.grads import GradAccess, TensorGrad
 from recover.recovery.step import MAX_ATTEMPTS, REDUCE_DTYPES, StepEngine, StepResult
 from recover.recovery.strategy import Chain, InStepRecovery, StepStrategy, chain_owners
 
-__all__ = ["MAX_ATTEMPTS", "REDUCE_DTYPES", "BelowMinReplicas", "Chain", "CommitRefused",
-           "ExactGrads", "GradAccess", "InStepRecovery", "RecoveryError", "StepEngine",
-           "StepResult", "StepStrategy", "TensorGrad", "chain_owners"]
+__all__ = ["MAX_ATTEMPTS", "REDUCE_DTYPES", "SPEAKER_FAILED", "SPEAKER_LOST", "BelowMinReplicas",
+           "Chain", "CommitRefused", "ExactGrads", "GradAccess", "InStepRecovery",
+           "RecoveryError", "ReplicaLink", "StepEngine", "StepResult", "StepStrategy",
+           "TensorGrad", "chain_owners"]

@@ -3,19 +3,28 @@
 Invariant: an attempt's decision (`step/{t}/g{g}/decision`) is written once, on the main store,
 by compare-and-set; `commit` only when every position of every surviving member of g holds a
 verified result. A store shard's decision key (collectives/shards.py) only ever holds a copy of
-it. Failure-free this costs each rank two round trips (with store shards too: the coordinator
-tops the count tree); after a membership change the survivors decide on evidence (their written
-outcomes) instead.
+it. Failure-free this costs each counting rank two round trips (with store shards too: the
+coordinator tops the count tree); after a membership change the survivors decide on evidence
+(their written outcomes) instead.
+
+A multi-rank replica given a `ReplicaLink` has one speaker (position 0): its positions first
+agree inside the replica (one intra-replica collective) that every one of them verified its
+reduce of g; then the speaker alone counts all of them (`add` of P), waits, decides on evidence
+or writes `redo`, and hands the decision to its siblings (one more). Counting P for P verified
+positions keeps every total the same, so a replica with a speaker and one without decide
+alike; a position that fails or skips g makes the agreement fail, and then nobody of the replica
+counts g (so g cannot commit with it) and the speaker writes `redo`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-from recover.collectives import Member, keys, shards
+from recover.collectives import CoordinatorLost, Member, keys, shards
 from recover.collectives.waiter import KeyWaiter
 from recover.recovery.counting import CountingStore
 from recover.recovery.failures import RecoveryError
@@ -24,32 +33,63 @@ from recover.recovery.strategy import Chain
 log = logging.getLogger(__name__)
 
 
+class ReplicaLink(Protocol):
+    """A multi-rank replica's own agreement, through its intra-replica group (every position
+    calls each method at the same points, in the same order)."""
+
+    def agree(self, g: int, ok: bool) -> bool:
+        """Whether every position of this replica is at generation g with `ok` true."""
+        ...
+
+    def share(self, decision: bytes | None) -> bytes:
+        """Position 0's `decision` (None elsewhere), on every position; raises on every position
+        if position 0 passes SPEAKER_FAILED or SPEAKER_LOST."""
+        ...
+
+
+# What a speaker shares instead of a decision when it raised (its siblings then raise too):
+SPEAKER_FAILED = b"failed"  # RecoveryError
+SPEAKER_LOST = b"lost"  # CoordinatorLost: the coordinator is gone (a restarted one is rejoined)
+
+
+def counting(position: int, positions: int, speaker: bool) -> tuple[int, int, int]:
+    """(the position this rank counts as, ranks counting per replica, weight of its count):
+    with a speaker, position 0 counts all P positions at once; else each counts itself."""
+    if speaker:
+        return 0, 1, positions
+    return position, positions, 1
+
+
 class CommitDecision:
     """One rank's side of every attempt's decision.
 
     `store` (counted) and `waiter` are the rank's main-store client and its blocking reads;
-    with store shards this builds its own client of the rank's shard and a waiter on it.
+    with store shards a counting rank builds its own client of its shard and a waiter on it.
     `commit_value(step, g)` is what a commit writes (`commit`, or `commit-plan` when the next
-    plan must go through the store: recovery/chain.py).
+    plan must go through the store: recovery/chain.py). `link`: this replica's `ReplicaLink`
+    (a multi-rank replica with a speaker; see the module's docstring).
     """
 
     def __init__(self, member: Member, store: Any, waiter: KeyWaiter, position: int,
                  positions: int, timeout_s: float, commit_value: Callable[[int, int], bytes],
-                 stats: dict[str, float]) -> None:
+                 stats: dict[str, float], link: ReplicaLink | None = None) -> None:
         self.member, self.store, self.waiter = member, store, waiter
         self.me, self.position, self.positions = member.replica, position, positions
         self.timeout_s, self.commit_value = timeout_s, commit_value
+        self.link = link if positions > 1 else None
+        at, counters, self.weight = counting(position, positions, self.link is not None)
+        self.counts = self.link is None or position == 0  # this rank talks to the store
         # With store shards the failure-free count and decision go through this rank's shard;
         # the main store keeps the decision of record.
         n_shards = len(member.shard_ports)
         self.shard: Any = None
         self.shard_waiter: KeyWaiter | None = None
-        if n_shards:
-            self.shard_index = shards.shard_of(self.me, position, positions, n_shards)
+        if n_shards and self.counts:
+            self.shard_index = shards.shard_of(self.me, at, counters, n_shards)
             client = member.connect_shard(self.shard_index)
             self.shard = CountingStore(client, stats)
             self.shard_waiter = KeyWaiter(member, client)
-            self.shard_totals = shards.ShardTotals(positions, n_shards)
+            self.shard_totals = shards.ShardTotals(counters, n_shards, self.weight)
 
     def close(self) -> None:
         """End the shard waiter's helper threads (the main store's waiter is the engine's)."""
@@ -67,16 +107,27 @@ class CommitDecision:
         Another position of the same generation may have completed its reduce; without this its
         ranks would wait for our outcome, while we wait for them inside an intra-replica
         collective of the next chain entry's microbatches. (Our position's reduce in that
-        generation cannot have completed without us, so no commit can be lost.)
+        generation cannot have completed without us, so no commit can be lost.) With a speaker
+        only it writes; every position agrees once per generation of the chain, here or in
+        `decide` (in chain order on all of them: they read the same chain), so the replica's
+        agreements pair up.
         """
         for e in chain[:-1]:
             g = int(e["gen"])
             if g < int(chain[-1]["gen"]) and g not in settled:
                 settled.add(g)
-                dkey = keys.decision_key(tag, g)
-                decided = self.store.compare_set(dkey, "", keys.REDO)
-                if self.shard is not None:
-                    self.shard.set(dkey, decided)
+                if self.link is not None:  # where a sibling reduced in g, it agrees with us now
+                    self.link.agree(g, False)  # (first: a failed write must not strand it)
+                if self.counts:
+                    self._redo(keys.decision_key(tag, g))
+
+    def _redo(self, dkey: str) -> bytes:
+        """Decide `redo` (whatever was decided first is returned) and copy it to our shard,
+        where its ranks may be waiting."""
+        decided = self.store.compare_set(dkey, "", keys.REDO)
+        if self.shard is not None:
+            self.shard.set(dkey, decided)
+        return decided
 
     def decide(self, step: int, tag: int | str, g: int, ok: bool,
                meanwhile: Callable[[], None] | None = None) -> bytes:
@@ -94,15 +145,42 @@ class CommitDecision:
         while a verified rank's wait for the decision is out (work that applies nothing).
         """
         dkey = keys.decision_key(tag, g)
+        if self.link is not None:
+            return self._decide_as_replica(step, tag, g, ok, dkey, meanwhile)
         if not ok:
-            decided = self.store.compare_set(dkey, "", keys.REDO)
-            if self.shard is not None:
-                self.shard.set(dkey, decided)  # our shard's ranks may be waiting there
-            return decided
+            return self._redo(dkey)
+        return self._decide_counted(step, tag, g, dkey, meanwhile)
+
+    def _decide_as_replica(self, step: int, tag: int | str, g: int, ok: bool, dkey: str,
+                           meanwhile: Callable[[], None] | None) -> bytes:
+        """`decide` with a speaker: agree inside the replica, then position 0 decides for all
+        and shares the decision. A failed agreement is `redo` on every position (none of ours
+        counted: g cannot commit with us; if it committed without us, we were evicted)."""
+        assert self.link is not None
+        if not self.link.agree(g, ok):
+            if self.counts:
+                self._redo(dkey)
+            return keys.REDO
+        if not self.counts:
+            if meanwhile is not None:
+                meanwhile()
+            return self.link.share(None)
+        try:
+            decided = self._decide_counted(step, tag, g, dkey, meanwhile)
+        except Exception as e:  # the siblings raise alike, not wait for us to their bound
+            with contextlib.suppress(Exception):
+                self.link.share(SPEAKER_LOST if isinstance(e, CoordinatorLost)
+                                else SPEAKER_FAILED)
+            raise
+        return self.link.share(decided)
+
+    def _decide_counted(self, step: int, tag: int | str, g: int, dkey: str,
+                        meanwhile: Callable[[], None] | None) -> bytes:
+        """Count our verified result(s), then commit if ours completes the count, else wait."""
         if self.shard is not None:
             return self._decide_sharded(step, tag, g, dkey, meanwhile)
         total = len(self.member.members(g)) * self.positions
-        if self.store.add(keys.count_key(tag, g), 1) == total:
+        if self.store.add(keys.count_key(tag, g), self.weight) == total:
             return self.store.compare_set(dkey, "", self.commit_value(step, g))
         return self._await_decision(self.waiter, tag, g, dkey, meanwhile=meanwhile)
 
@@ -115,7 +193,7 @@ class CommitDecision:
         we are."""
         assert self.shard_waiter is not None
         per_shard = self.shard_totals.of(g, self.member.members(g))
-        if self.shard.add(keys.count_key(tag, g), 1) == per_shard[self.shard_index]:
+        if self.shard.add(keys.count_key(tag, g), self.weight) == per_shard[self.shard_index]:
             self.member.tell(shards.counted_line(tag, g, self.shard_index, sorted(per_shard),
                                                  self.shard_totals.shards,
                                                  self.commit_value(step, g)))
@@ -159,7 +237,7 @@ class CommitDecision:
             if seen > counted:
                 counted = seen
                 live = set(self.member.members(seen)) & set(self.member.members(g))
-                if self.store.add(keys.evidence_key(tag, g, seen), 1) == \
+                if self.store.add(keys.evidence_key(tag, g, seen), self.weight) == \
                         len(live) * self.positions:
                     # After a fault the members may differ by the next step: plan it in the store.
                     return self.store.compare_set(dkey, "", keys.COMMIT_PLAN)

@@ -27,8 +27,9 @@ and the wire protocol"):
 
 Who deletes: on the main store, position 0 of the lowest replica that is a member both of
 commit i's generation and of commit i + 2's (it committed both, so it holds commit i's chain);
-on store shard k, the lowest such (replica, position) counting on shard k, so each shard's
-deletions come from one of its own ranks, never one rank for all shards. The deletions run on a
+on store shard k, the lowest such (replica, position) counting on shard k (with a speaker,
+a replica's position 0 counts for it), so each shard's deletions come from one of its own
+ranks, never one rank for all shards. The deletions run on a
 background thread with its own client, off the step's critical path: the engine's 2 round trips
 per rank per step failure-free (`stats["store_ops"]`) are unchanged. Failure-free they cost the
 deleting rank 2 or 3 requests a step on the main store (count, decision, and entry 0 when it was
@@ -55,6 +56,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from recover.collectives import Member, keys, shards
+from recover.recovery.decide import counting
 from recover.recovery.strategy import Chain
 
 log = logging.getLogger(__name__)
@@ -119,12 +121,16 @@ class KeyLifetime:
     """
 
     def __init__(self, member: Member, position: int, positions: int,
-                 stats: dict[str, float]) -> None:
-        self.member, self.position, self.positions = member, position, positions
+                 stats: dict[str, float], speaker: bool = False) -> None:
+        self.member, self.position = member, position
         self.me = member.replica
         self.stats = stats
         self.n_shards = len(member.shard_ports)
-        self.shard = (shards.shard_of(self.me, position, positions, self.n_shards)
+        # The ranks that count on the shards: with a speaker, position 0 of each replica alone
+        # (recovery/decide.py); the others delete nothing there.
+        self.at, self.positions, _ = counting(position, positions, speaker)
+        self.shard_deleter = not speaker or position == 0
+        self.shard = (shards.shard_of(self.me, self.at, self.positions, self.n_shards)
                       if self.n_shards else -1)
         self._history: deque[Committed] = deque(maxlen=KEEP)
         self._jobs: queue.Queue[tuple[str, list[str]] | None] = queue.Queue(QUEUE_MAX)
@@ -152,8 +158,8 @@ class KeyLifetime:
             # decision is left behind (a key per event, not per step: see above).
             newest = c.generation if old.newest < 0 else min(old.newest, c.generation)
             self._queue("main", protocol_keys(old, newest, counts=not self.n_shards))
-        if self.n_shards and first_on_shard(both, self.positions, self.n_shards,
-                                            self.shard) == (self.me, self.position):
+        if self.n_shards and self.shard_deleter and first_on_shard(
+                both, self.positions, self.n_shards, self.shard) == (self.me, self.at):
             self._queue("shard", shard_keys(old))
 
     def close(self) -> None:

@@ -39,7 +39,7 @@ from recover.collectives.waiter import KeyWaiter
 from recover.recovery.buckets import BucketPlan, Overlap, StreamedGrad
 from recover.recovery.chain import OwnershipChain
 from recover.recovery.counting import CountingStore
-from recover.recovery.decide import CommitDecision
+from recover.recovery.decide import CommitDecision, ReplicaLink
 from recover.recovery.failures import BelowMinReplicas, CommitRefused, RecoveryError
 from recover.recovery.grads import GradAccess, TensorGrad
 from recover.recovery.lifetime import Committed, KeyLifetime
@@ -111,7 +111,8 @@ class StepEngine:
     """Runs one rank's side of each step of its replica.
 
     `grad` is the rank's local gradient: a `GradAccess` (the layout's) or a flat tensor.
-    `positions` is the number of ranks per replica; this rank reduces at `comm.position`.
+    The replica's ranks (`member.nranks`) are its positions; this rank reduces at
+    `comm.position`.
     `shared_speeds`: every rank of a replica holds the same speeds (default: one rank per
     replica; `recover.Replica` makes its ranks agree), so a speed-aware plan may be implied.
     `stats` holds cumulative counters for profilers ("steps", "attempts", "compute_s",
@@ -121,13 +122,15 @@ class StepEngine:
     step boundary (`recover.Replica` serves the joiner its state when this replica is the donor).
     `prefetch(step + 1, ids)`, if set, is called while this rank's verified result waits for
     the commit decision, with the ids it most likely computes next (their data may load then).
+    `link`: with positions > 1, the replica's own agreement (`ReplicaLink`): its position 0 then
+    speaks for it to the store (recovery/decide.py).
     """
 
     def __init__(self, member: Member, comm: FaultTolerantComm, grad: torch.Tensor | GradAccess,
-                 n: int, *, positions: int = 1, ft: FaultTolerance | None = None,
+                 n: int, *, ft: FaultTolerance | None = None,
                  numerics: Numerics | None = None, hooks: Hooks | None = None,
                  strategy: StepStrategy | None = None,
-                 shared_speeds: bool | None = None) -> None:
+                 shared_speeds: bool | None = None, link: ReplicaLink | None = None) -> None:
         if not 1 <= n <= MAX_MICROBATCHES:
             raise ValueError(f"N={n} microbatches is outside [1, {MAX_MICROBATCHES}], the range "
                              "in which the reduce's verification is exact")
@@ -138,6 +141,7 @@ class StepEngine:
             raise ValueError(f"replica id {member.replica} is not in [0, {member.replicas})")
         self.member, self.comm, self.n = member, comm, n
         self.grads: GradAccess = TensorGrad(grad) if isinstance(grad, torch.Tensor) else grad
+        positions = member.nranks  # the replica's ranks: one per position
         self.positions, self.position = positions, comm.position
         if not 0 <= self.position < positions:
             raise ValueError(f"position {self.position} is not in [0, {positions})")
@@ -156,8 +160,9 @@ class StepEngine:
             self.chains.shared_speeds = shared_speeds
         self.decision = CommitDecision(member, store, self.waiter, self.position, positions,
                                        self.ft.reduce_timeout_s, self.chains.commit_value,
-                                       self.stats)
-        self.lifetime = KeyLifetime(member, self.position, positions, self.stats)
+                                       self.stats, link)
+        self.lifetime = KeyLifetime(member, self.position, positions, self.stats,
+                                    speaker=self.decision.link is not None)
         self.mb_time: float | None = None  # EMA of this replica's seconds per microbatch
         self.on_join: Callable[[int, dict], None] | None = None
         # (next step, ids): called while a verified rank waits for the commit decision.

@@ -28,8 +28,10 @@ measured scale, times in seconds. `ranks` = R x P processes of the job; `group` 
 - failure_main_requests_per_rank (optional): every request the main store served because of
   a failure from the ranks' every client, per surviving rank (replicas of one rank), measured
   with `store_shards` shards (an optional number: 0, one store, puts the rendezvous in this
-  column); charged per rank (`recovery_store_s`); failure_coordinator_requests (optional): the
-  coordinator's own (the generation's publication), per failure;
+  column); charged per rank (`recovery_store_s`); failure_main_chain_requests_per_rank
+  (optional): the chain's share of it (what each rank of a multi-rank replica asks; its speaker
+  asks the rest); failure_coordinator_requests (optional): the coordinator's own (the
+  generation's publication), per failure;
 - failure_shard_requests_per_member (optional): the same on the store shards, where the
   rebuilt communicator's rendezvous goes (barrier, addresses, gloo's address exchange batched:
   O(1) per member, `collectives/meshstore.py`), per member of the rebuilt group
@@ -66,7 +68,8 @@ COST_COLUMNS = ("control_plane_s", "detect_s", "agree_s", "rebuild_s", "rebuild_
                 "reduce_s")
 COLUMNS = ("store_ops_per_rank_step", *COST_COLUMNS)
 OPTIONAL = ("store_cpu_s", "control_plane_cpu_s", "recovery_store_ops_per_rank",
-            "failure_main_requests_per_rank", "failure_coordinator_requests",
+            "failure_main_requests_per_rank", "failure_main_chain_requests_per_rank",
+            "failure_coordinator_requests",
             "failure_shard_requests_per_member", "failure_shard_bytes_per_member")
 # Of the group's size (the rest: of the job's ranks)
 GROUP_COLUMNS = ("rebuild_s", "rebuild_cpu_s", "reduce_s", "store_cpu_s",
@@ -75,6 +78,7 @@ MIXED = {
     "store_ops_per_rank_step": "log2",
     "recovery_store_ops_per_rank": "log2",
     "failure_main_requests_per_rank": "log2",  # O(1) per rank: redo, chain, evidence
+    "failure_main_chain_requests_per_rank": "log2",  # the chain's share of it
     "failure_coordinator_requests": "log2",  # O(1) per failure
     # gloo's full mesh, its address reads batched (collectives/meshstore.py): O(1) requests per
     # member, each member's R addresses O(R) bytes each (gloo's pair identifiers)

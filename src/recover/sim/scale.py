@@ -116,6 +116,10 @@ class ScaleSpec:
     # same with every request on one server; "wall" = the wall clock measured on 2 cores.
     # A curve without control_plane_cpu_s or store_request_cpu_s can only give "wall".
     control: str = "cpu"
+    # A multi-rank replica's position 0 alone counts and reads a step's decision for it
+    # (recovery/decide.py): the store servers serve replicas a step, not ranks. False: every
+    # rank asks (a sensitivity line).
+    speaker: bool = True
 
     def fits(self) -> dict[str, Fit]:
         if self.curve is None:
@@ -153,38 +157,51 @@ def control_mode(spec: ScaleSpec) -> str:
 
 def store_serial_s(spec: ScaleSpec, fits: dict[str, Fit], gpus: int) -> float:
     """The store servers' serial work in one failure-free step at `gpus` ranks: each request
-    costs the curve's store_request_cpu_s of its server's one thread. One store: every rank's
-    requests in series. S shards (collectives/shards.py), each on its own core: a shard's
-    ranks' requests, then the coordinator's decision on the main store (1) and its copy into
-    every shard (S, in series from its one client). 0 in "wall" mode."""
+    costs the curve's store_request_cpu_s of its server's one thread, and each asker (a
+    replica's speaker, `ScaleSpec.speaker`, else every rank) makes the curve's
+    store_ops_per_rank_step (measured at one rank per replica: the speaker's own). One store:
+    every asker's requests in series. S shards (collectives/shards.py), each on its own core: a
+    shard's askers' requests, then the coordinator's decision on the main store (1) and its copy
+    into every shard (S, in series from its one client). 0 in "wall" mode."""
     mode = control_mode(spec)
     if mode == "wall":
         return 0.0
     per = float(spec.curve.request_cpu_s or 0.0)  # type: ignore[union-attr]
     ops = fits["store_ops_per_rank_step"](gpus)
+    askers = max(1, gpus // GPUS_PER_REPLICA) if spec.speaker else gpus
     shards = shards_for(gpus) if mode == "cpu" else 0
     if shards <= 1:
-        return ops * gpus * per
-    return (ops * math.ceil(gpus / shards) + 1 + shards) * per
+        return ops * askers * per
+    return (ops * math.ceil(askers / shards) + 1 + shards) * per
 
 
 MAIN_FAILURE_COLUMNS = ("failure_main_requests_per_rank", "recovery_store_ops_per_rank")
+CHAIN_COLUMN = "failure_main_chain_requests_per_rank"
 
 
 def recovery_store_s(spec: ScaleSpec, fits: dict[str, Fit], gpus: int) -> float:
-    """The main store's serial work for one failure at `gpus` ranks: every rank's requests
-    because of it (the failed attempt's decision, the chain's extension, evidence counts,
-    generation reads, deletions), one after another: the curve's failure_main_requests_per_rank
-    (one rank per replica there; here each of a replica's ranks asks as much: no speaker per
-    replica), plus the coordinator's failure_coordinator_requests, else (an older curve) the
-    engine's own recovery_store_ops_per_rank. 0 in "wall" mode, or when the curve measured
-    neither."""
+    """The main store's serial work for one failure at `gpus` ranks: every request because of
+    it (the failed attempt's decision, the chain's extension, evidence counts, deletions), one
+    after another: the curve's failure_main_requests_per_rank (one rank per replica there). With
+    a speaker per replica (`ScaleSpec.speaker`) and the curve's
+    failure_main_chain_requests_per_rank, each rank asks the chain's share and each replica the
+    rest (its speaker: redo, evidence, the decision); else each of a replica's ranks asks it
+    all. Plus the coordinator's failure_coordinator_requests; else (an older curve) the
+    engine's own recovery_store_ops_per_rank per rank. 0 in "wall" mode, or when the curve
+    measured neither."""
     column = next((c for c in MAIN_FAILURE_COLUMNS if c in fits), None)
     if control_mode(spec) == "wall" or column is None:
         return 0.0
     per = float(spec.curve.request_cpu_s or 0.0)  # type: ignore[union-attr]
     coord = fits.get("failure_coordinator_requests")
-    return (fits[column](gpus) * gpus + (coord(gpus) if coord else 0.0)) * per
+    every = fits[column](gpus)
+    chain = fits.get(CHAIN_COLUMN)
+    if spec.speaker and chain is not None and column == MAIN_FAILURE_COLUMNS[0]:
+        mine = min(every, chain(gpus))
+        asked = mine * gpus + (every - mine) * max(1, gpus // GPUS_PER_REPLICA)
+    else:
+        asked = every * gpus
+    return (asked + (coord(gpus) if coord else 0.0)) * per
 
 
 def rendezvous_groups(spec: ScaleSpec, gpus: int, replicas: int) -> int:

@@ -19,6 +19,7 @@ from recover.sim.curve import COLUMNS, load_curve, x_of
 from recover.sim.params import SimParams, young_daly_steps
 from recover.sim.report import fmt, save_figure
 from recover.sim.scale import (
+    CHAIN_COLUMN,
     FTHSDP_AT_100K,
     MAIN_FAILURE_COLUMNS,
     QUICK_HORIZON_H,
@@ -205,15 +206,18 @@ def recovery_store_line(spec: ScaleSpec, fits: dict) -> str:
                 "(the curve measures neither failure_main_requests_per_rank nor "
                 "recovery_store_ops_per_rank, or the control plane is charged as the wall clock)")
     shards = spec.curve.store_shards if spec.curve else None
+    split = spec.speaker and CHAIN_COLUMN in fits and column == MAIN_FAILURE_COLUMNS[0]
+    who = (f"each rank the chain's share ({CHAIN_COLUMN}(G) {fmt(fits[CHAIN_COLUMN](g), 2)}), "
+           "each replica's speaker the rest" if split
+           else "each of a replica's ranks all of it")
     what = ("every request the failure makes of it (measured with "
-            f"{'?' if shards is None else shards} store shards; one rank per replica there, "
-            "and here each of a replica's ranks asks as much: no speaker per replica; plus the "
-            "coordinator's per failure)"
+            f"{'?' if shards is None else shards} store shards; one rank per replica there; "
+            f"here {who}; plus the coordinator's per failure)"
             if column == MAIN_FAILURE_COLUMNS[0] else "the round trips the failure adds to the "
             "engine's step (an older curve: generation reads, deletions and the coordinator's "
             "not in it)")
     return (f"    per failure, + the main store's serial work for {what}: {column}(G) "
-            f"({fmt(fits[column](g), 2)} at {g:,}) x G x the measured CPU per request = "
+            f"({fmt(fits[column](g), 2)} at {g:,}) x the measured CPU per request = "
             f"{fmt(recovery_store_s(spec, fits, g), 2)} s at {g:,} GPUs (in series on its one "
             "thread)")
 
@@ -253,11 +257,13 @@ def control_line(spec: ScaleSpec, fits: dict) -> str:
                 + ("" if spec.control == "wall" else "; the curve has no control_plane_cpu_s "
                    "or store_request_cpu_s for the contention-free model"))
     per = float(spec.curve.request_cpu_s or 0.0)  # type: ignore[union-attr]
+    who = "replicas' speakers'" if spec.speaker else "ranks'"
     how = (f"{shards_for(g)} store shards at {g:,} ranks (`--store-shards` = G / 1,024, "
            "collectives/shards.py; ASSUMPTION: the coordinator's host gives each shard "
-           "server its own core): a shard's ranks' requests in series, then the "
+           f"server its own core): a shard's {who} requests in series (a multi-rank "
+           "replica's rank 0 speaks for it, recovery/decide.py), then the "
            "coordinator's decision on the main store and its copy into every shard"
-           if mode == "cpu" else "one store server: every rank's requests in "
+           if mode == "cpu" else f"one store server: every one of the {who} requests in "
            "series")
     return (f"    control plane per step: control_plane_cpu_s(G), a rank's own CPU in it "
             "(ASSUMPTION: contention-free, as the rebuild; network round trips not in it), + "
@@ -335,8 +341,11 @@ def summary_lines(base: SimParams, spec: ScaleSpec, rows: list[SizeRow]) -> list
         for mode, what in (
             ("one-store", "with every rank's requests on one store server (no --store-shards)"),
             ("wall", "with the control plane's wall clock measured on 2 shared cores"),
+            ("no-speaker", "with every rank asking the store each step (no speaker per "
+                           "replica)"),
         ):
-            alt = replace(spec, control=mode, sizes=near)
+            alt = (replace(spec, speaker=False, sizes=near) if mode == "no-speaker"
+                   else replace(spec, control=mode, sizes=near))
             alt_rows = [run_size(base, s, alt) for s in alt.sizes]
             lines.append(
                 f"sensitivity: {what} ({fmt(control_plane_s(alt, fits, g), 3)} s a step at "

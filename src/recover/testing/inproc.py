@@ -43,11 +43,18 @@ from typing import Any
 
 import torch
 
-from recover.collectives import Coordinator, CoordinatorConfig, FaultTolerantComm, Member, keys
+from recover.collectives import (
+    Coordinator,
+    CoordinatorConfig,
+    CoordinatorLost,
+    FaultTolerantComm,
+    Member,
+    keys,
+)
 from recover.collectives.comm import Flight, ReplicaFault
 from recover.collectives.keys import try_get
 from recover.parallel.rank import connect_rank, new_member
-from recover.recovery import StepResult
+from recover.recovery import SPEAKER_FAILED, SPEAKER_LOST, RecoveryError, StepResult
 from recover.settings import FaultTolerance, Hooks, LaunchEnv, ReplicaConfig
 from recover.testing import oracle
 
@@ -174,6 +181,60 @@ class _Comm(FaultTolerantComm):
                                       "neighbour")
 
 
+class _ThreadLink:
+    """A replica's `ReplicaLink` for its positions' threads (what `parallel.link` does over a
+    process group): each call is a barrier round. When one of the replica's ranks dies or is
+    fenced the barrier is broken, and a rank waiting in it does what `Replica.guard` does: it
+    reports the replica lost and waits to be fenced (its thread then parks, as a process exits)."""
+
+    def __init__(self, positions: int, timeout_s: float) -> None:
+        self.barrier = threading.Barrier(positions, timeout=timeout_s)
+        self.slots: list[Any] = [None] * positions
+        self.value: bytes | None = None
+
+    def agree(self, rank: Rank, g: int, ok: bool) -> bool:
+        self.slots[rank.rank] = (g, ok)
+        self._wait(rank)
+        together = all(s == (g, True) for s in self.slots)
+        self._wait(rank)  # nobody overwrites a slot before all have read them
+        return together
+
+    def share(self, rank: Rank, decision: bytes | None) -> bytes:
+        if rank.rank == 0:
+            self.value = decision
+        self._wait(rank)
+        got = self.value
+        self._wait(rank)
+        assert got is not None
+        if got == SPEAKER_LOST:
+            raise CoordinatorLost("the replica's speaker lost the coordinator")
+        if got == SPEAKER_FAILED:
+            raise RecoveryError("the replica's speaker could not learn the decision")
+        return got
+
+    def _wait(self, rank: Rank) -> None:
+        try:
+            self.barrier.wait()
+        except threading.BrokenBarrierError:
+            assert rank.member is not None
+            rank.member.report_lost(f"rank {rank.rank}: a sibling died")
+            rank.dead.wait(rank.h.timeout_s)  # until fenced
+            rank.dead.block()
+
+
+class _PositionLink:
+    """One position's view of its replica's `_ThreadLink`."""
+
+    def __init__(self, link: _ThreadLink, rank: Rank) -> None:
+        self.link, self.rank = link, rank
+
+    def agree(self, g: int, ok: bool) -> bool:
+        return self.link.agree(self.rank, g, ok)
+
+    def share(self, decision: bytes | None) -> bytes:
+        return self.link.share(self.rank, decision)
+
+
 class Rank:
     """One rank of one replica, run by a thread."""
 
@@ -238,10 +299,14 @@ class Rank:
         return self._due(True, "reduce", 0) is not None
 
     def kill(self) -> None:
-        """What a SIGKILL does to the outside world: the liveness socket closes, silence."""
+        """What a SIGKILL does to the outside world: the liveness socket closes, silence (and
+        its siblings' intra-replica waits fail)."""
         self.dead.set()
         if self.member is not None:
             self.member.crash()
+        link = self.h.links.get(self.replica)
+        if link is not None:
+            link.barrier.abort()
 
     def _on_fenced(self, why: str) -> None:
         self.fenced = why
@@ -273,8 +338,10 @@ class Rank:
             member.connect_shard = connect_shard  # type: ignore[method-assign]
             self.grad = grad = torch.zeros(h.numel, dtype=h.dtype)
             self.base = oracle.pattern(h.numel, self.rank, h.dtype)
+            link = h.links.get(self.replica)
             stack = connect_rank(member, grad, h.n, h.config(self.replica),
-                                 hooks=Hooks(at_phase=self._hook), comm_class=_Comm)
+                                 hooks=Hooks(at_phase=self._hook), comm_class=_Comm,
+                                 link=None if link is None else _PositionLink(link, self))
             comm, engine = stack.comm, stack.engine
             comm.rank_state = self  # type: ignore[attr-defined]
             self.comm = comm
@@ -342,6 +409,7 @@ class Setup:
     records: bool = False  # rank 0 writes step records, as the trainer does
     dtype: torch.dtype = torch.float32
     store_shards: int | None = None
+    speaker: bool = False  # a multi-rank replica's position 0 speaks for it (recovery/decide.py)
 
 
 class Harness:
@@ -375,6 +443,8 @@ class Harness:
         self._stop = threading.Event()
         self._serve = threading.Thread(target=self.coord.serve, args=(self._stop.is_set,),
                                        name="inproc-coordinator", daemon=True)
+        self.links = ({r: _ThreadLink(positions, timeout_s) for r in range(replicas)}
+                      if setup.speaker and positions > 1 else {})
         self.ranks = {(r, k): Rank(self, r, k) for r in range(replicas) for k in range(positions)}
         # Every rank waits here after its reduce, so all of them write outcomes and propose a
         # decision at the same moment (failure-free runs only: a dead rank would break it).

@@ -1,0 +1,75 @@
+"""A multi-rank replica's agreement inside itself, for its speaker (recovery/decide.py).
+
+Invariant: `agree` and `share` are collectives of the replica's own process group (its default
+group: one per torchrun), called by every rank at the same points of the step protocol; each
+returns the same value on every rank, or raises on every rank within its bound. While one
+waits, the rank's main thread reports progress (a protocol wait, like a store wait), so a
+sibling blocked on its speaker is not taken for a deadlocked one; an error of the group (a
+sibling died) goes through the replica's `guard` (report the replica lost, wait to be fenced).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from recover.collectives import CoordinatorLost, Member, keys
+from recover.recovery import SPEAKER_FAILED, SPEAKER_LOST, RecoveryError
+
+# What a speaker shares, by code: a decision, or that it raised (then so do its siblings).
+_CODES = (keys.REDO, keys.COMMIT, keys.COMMIT_PLAN, SPEAKER_FAILED, SPEAKER_LOST)
+
+
+class IntraReplicaLink:
+    """`recovery.ReplicaLink` over the default process group of a replica's ranks.
+
+    `device`: where the group's tensors live (the replica's gradients' device: CPU for gloo, the
+    rank's GPU for NCCL); `bound_s`: the longest one call may wait (a speaker's decision takes
+    at most 3 reduce timeouts, `CommitDecision`); `guard`: the replica's guard of an
+    intra-replica collective."""
+
+    def __init__(self, member: Member, device: torch.device, bound_s: float,
+                 guard: Callable[[], AbstractContextManager[Any]]) -> None:
+        self.member, self.device, self.bound_s, self.guard = member, device, bound_s, guard
+
+    def agree(self, g: int, ok: bool) -> bool:
+        t = torch.tensor([int(ok), g, -g], dtype=torch.int64, device=self.device)
+        self._run(lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN, async_op=True))
+        every_ok, low, minus_high = t.tolist()
+        return every_ok == 1 and low == -minus_high == g
+
+    def share(self, decision: bytes | None) -> bytes:
+        code = -1 if decision is None else _code(decision)
+        t = torch.tensor([code], dtype=torch.int64, device=self.device)
+        self._run(lambda: dist.broadcast(t, src=0, async_op=True))
+        got = _CODES[int(t.item())]
+        if got == SPEAKER_LOST:
+            raise CoordinatorLost("the coordinator is unreachable (this replica's rank 0 lost it "
+                                  "while it waited for the step's decision)")
+        if got == SPEAKER_FAILED:
+            raise RecoveryError("this replica's rank 0 could not learn the step's decision")
+        return got
+
+    def _run(self, issue: Callable[[], Any]) -> None:
+        """Issue one collective and wait for it, reporting progress, within `bound_s`."""
+        with self.guard():
+            work = issue()
+            done = threading.Event()
+            work.get_future().add_done_callback(lambda _f: done.set())
+            deadline = time.monotonic() + self.bound_s
+            while not done.wait(0.05):
+                self.member.watch.progress()  # a protocol wait, not a stuck thread
+                if time.monotonic() > deadline:
+                    raise RecoveryError(f"no agreement inside the replica within "
+                                        f"{self.bound_s:.0f}s")
+            work.wait()  # raises what the collective raised (a sibling died)
+
+
+def _code(decision: bytes) -> int:
+    return _CODES.index(decision)
