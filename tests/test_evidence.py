@@ -190,6 +190,10 @@ def test_cut_off_keeps_every_pair_of_the_rest_connected() -> None:
     # Two that only name each other: exactly one goes, the later reporter (or the silent one).
     assert cut_off({0: {1}, 1: {0}}, [0, 1], [0, 1]) == [1]
     assert cut_off({0: {1}, 1: {0}}, [1, 0], [0, 1]) == [0]
+    # ... unless one was admitted later (a replacement): it goes, whoever reported first.
+    assert cut_off({0: {1}, 1: {0}}, [1, 0], [0, 1], since={0: 0, 1: 5}) == [1]
+    assert cut_off({0: {1}, 1: {0}}, [0, 1], [0, 1], since={0: 5, 1: 0}) == [0]
+    assert cut_off({0: {1}, 1: {0}}, [1, 0], [0, 1], since={0: 5, 1: 5}) == [0]
     assert cut_off({2: {3}}, [2], [0, 1, 2, 3]) == [3]
     assert cut_off({3: {2}}, [3], [0, 1, 2, 3]) == [2]
     # The side fewer others reach goes first, whoever reported first.

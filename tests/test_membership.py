@@ -201,6 +201,28 @@ def test_two_replicas_that_name_each_other_keep_the_first_reporter(first: int) -
     assert m.exits[first] == "running"
 
 
+@pytest.mark.parametrize("first", [0, 1])
+def test_a_replacement_that_cannot_reach_the_incumbent_goes_whoever_reported_first(
+        first: int) -> None:
+    """Replica 1 is lost, its replacement admitted (generation 2), then it and replica 0 name each
+    other (a soak run: the replacement was still cut off): the one admitted later goes, even
+    when it reported first; the incumbent stays."""
+    m, store, _ = started(2, stale_s=1.0)
+    m.closed(1)
+    m.publish_next()  # generation 1: [0]
+    assert m.hello(11, Hello(1, 0, 1, 201, join_at=3))
+    m.ready(11, m.joins[1].epoch)
+    assert m.generation == 2 and members(store, 2) == [0, 1]
+    for reporter in (first, 1 - first):
+        m.cut(11 if reporter == 1 else 0, 2, [1 - reporter])
+    assert m.cut_since is not None
+    m.check_timeouts(m.cut_since + m.stale_s / 2)
+    m.publish_next()
+    assert members(store, 3) == [0]
+    assert m.exits[1] == ("fenced: unreachable from replica 0 over the data path (a cut; it was "
+                          "admitted later)")
+
+
 def test_a_cut_is_decided_once_its_window_passed_and_never_undone() -> None:
     m, _, _ = started(2, stale_s=1.0)
     m.cut(1, 0, [0])

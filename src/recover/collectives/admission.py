@@ -106,16 +106,22 @@ def convicted(accusations: dict[int, set[int]], members: list[int] | set[int],
 
 
 def cut_off(cuts: dict[int, set[int]], reported: list[int], members: list[int] | set[int],
-            gone: set[int] | frozenset[int] = frozenset()) -> list[int]:
+            gone: set[int] | frozenset[int] = frozenset(),
+            since: dict[int, int] | None = None) -> list[int]:
     """The members to evict so the rest reach each other. `cuts`: reporter -> the members its
     data path cannot reach; `reported`: reporters in the order their first report came; `gone`:
-    members already being evicted (their cuts need nothing more, so a decision only ever grows).
+    members already being evicted (their cuts need nothing more, so a decision only ever grows);
+    `since`: the generation each member was admitted in (absent: 0).
 
     A cut is symmetric (a handshake crosses both ways), so a naming counts from either end. The
     side that more others reach stays: it keeps more of the data path whole; between two
-    that only name each other the first reporter stays, the one whose evidence came first
-    (deterministic, and known when the first report comes: no waiting for the other side).
+    that only name each other the one admitted earlier stays (a replacement that cannot reach
+    the member it joined, on a path that member used until then, is the likelier broken end: a
+    soak run's restarted, still-partitioned replica otherwise evicted the healthy incumbent),
+    then the first reporter, the one whose evidence came first (deterministic, and known when
+    the first report comes: no waiting for the other side).
     """
+    admitted = since or {}
     edges = {frozenset((a, b)) for a, named in cuts.items() for b in named
              if a != b and {a, b} <= set(members) and not {a, b} & gone}
     order = {r: i for i, r in enumerate(reported)}
@@ -125,7 +131,8 @@ def cut_off(cuts: dict[int, set[int]], reported: list[int], members: list[int] |
         for e in edges:
             for v in e:
                 degree[v] = degree.get(v, 0) + 1
-        victim = max(degree, key=lambda v: (degree[v], order.get(v, len(order)), v))
+        victim = max(degree, key=lambda v: (degree[v], admitted.get(v, 0),
+                                            order.get(v, len(order)), v))
         evicted.append(victim)
         edges = {e for e in edges if victim not in e}
     return sorted(evicted)

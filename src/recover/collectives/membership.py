@@ -105,6 +105,7 @@ class Membership:
         self.peers: dict[int, Peer] = {}  # conn -> its accepted hello
         self.generation = -1
         self.members: list[int] = []
+        self.member_since: dict[int, int] = {}  # member -> the generation that admitted it
         self.replicas: dict[int, Registration] = {}
         self.joins: dict[int, Join] = {}  # replica -> its admission in progress
         self.epochs = 0
@@ -212,15 +213,17 @@ class Membership:
         self.check_timeouts(time.monotonic())
 
     def _decide_cuts(self) -> None:
-        for r in cut_off(self.cuts, self.cut_reporters, self.members, set(self.lost)):
+        for r in cut_off(self.cuts, self.cut_reporters, self.members, set(self.lost),
+                         self.member_since):
             self._mark_lost(r, self._cut_reason(r))
 
     def _cut_reason(self, r: int) -> str:
         """Why `cut_off` evicted r, for the generation's reason and r's exit record."""
         by = sorted({a for a, n in self.cuts.items() if r in n} | self.cuts.get(r, set()))
         # One accuser only when the two tied (`cut_off`): the first reporter stayed.
-        why = (f"replica {by[0]} reported first" if len(by) == 1
-               else "the others reach each other without it")
+        newer = len(by) == 1 and self.member_since.get(r, 0) > self.member_since.get(by[0], 0)
+        why = ("it was admitted later" if newer else f"replica {by[0]} reported first"
+               if len(by) == 1 else "the others reach each other without it")
         return (f"unreachable from replica{'s' if len(by) > 1 else ''} "
                 f"{', '.join(map(str, by))} over the data path (a cut; {why})")
 
@@ -516,6 +519,7 @@ class Membership:
         # read for them), then write what nobody waits for (the reason; the fallback's count).
         base = self.generation if self.published == self.generation else None
         push = keys.gen_push(g, base, self.members, members)
+        self.member_since = {r: self.member_since.get(r, g) for r in members}
         self.generation, self.members, self.published = g, sorted(members), g
         self.lost, self.pending_since, self.accusations, self.accused_since = {}, None, {}, None
         self.waiters = {}
