@@ -114,3 +114,16 @@ def test_it_goes_with_its_group() -> None:
     while reaper.held() > before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert reaper.held() == before
+
+
+def test_an_address_is_the_same_size_whatever_the_group() -> None:
+    """With GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER (set by `recover.collectives.comm` at import)
+    gloo publishes no pair identifier per peer: each member reads R addresses of one size, so
+    the store sends it O(R) bytes, not O(R^2)."""
+    import recover.collectives.comm  # noqa: F401  (what sets it)
+
+    sizes = {}
+    for size in (3, 12):
+        _, tally, _ = build(size, batched=True)
+        sizes[size] = tally.bytes_served("rank0") / size
+    assert sizes[3] == sizes[12], sizes

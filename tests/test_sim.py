@@ -488,8 +488,8 @@ def test_a_failure_charges_every_main_store_request_and_the_rendezvous(tmp_path)
     """With the curve's failure_main_requests_per_rank (every request a failure makes of the
     main store, per one-rank replica) the main store's charge is that x G ranks (no speaker per
     replica); the rebuild's rendezvous (failure_shard_requests_per_member per member, log2 in
-    the group, at the CPU per request, plus failure_shard_bytes_per_member, a + b*R^2, at the
-    CPU per byte) is charged on the busiest store server: with S = G / 1,024 shards, position
+    the group, at the CPU per request, plus failure_shard_bytes_per_member, linear, at the CPU
+    per byte) is charged on the busiest store server: with S = G / 1,024 shards, position
     p's group meets on shard p mod S, so ceil(P / S) groups; with one store, all P."""
     from recover.sim.curve import COLUMNS, load_curve
     from recover.sim.scale import (
@@ -508,16 +508,16 @@ def test_a_failure_charges_every_main_store_request_and_the_rendezvous(tmp_path)
            "failure_main_requests_per_rank": [3.0, 3.0],
            "failure_coordinator_requests": [4.0, 4.0],
            "failure_shard_requests_per_member": [3.0, 3.0], "store_shards": 2,
-           "failure_shard_bytes_per_member": [400.0, 40000.0], "store_byte_cpu_s": 1e-9}
+           "failure_shard_bytes_per_member": [400.0, 10000.0], "store_byte_cpu_s": 1e-9}
     path = tmp_path / "c.json"
     path.write_text(json.dumps(doc))
     spec = ScaleSpec(curve=load_curve(path))
     fits = spec.fits()
     assert spec.curve.store_shards == 2
     assert fits["failure_shard_requests_per_member"](781) == pytest.approx(3.0)
-    b = (40000 - 400) / (64**2 - 4**2)
-    assert fits["failure_shard_bytes_per_member"](781) == pytest.approx(400 - 16 * b + b * 781**2)
-    member = 3.0 * 1e-5 + (400 - 16 * b + b * 781**2) * 1e-9
+    b = (10000 - 400) / (64 - 4)
+    assert fits["failure_shard_bytes_per_member"](781) == pytest.approx(400 - 4 * b + b * 781)
+    member = 3.0 * 1e-5 + (400 - 4 * b + b * 781) * 1e-9
     # 3 x 1e5 x 10 us, and the coordinator's 4 requests per failure
     assert recovery_store_s(spec, fits, 100_000) == pytest.approx(3.0 + 4e-5)
     # With the chain's share measured apart (1 of the 3): each rank asks it, each of the 781
@@ -548,8 +548,8 @@ def test_a_failure_charges_every_main_store_request_and_the_rendezvous(tmp_path)
     assert rendezvous_store_s(old, old.fits(), 100_000, 781) == 0.0
     assert p.rebuild_s == pytest.approx(size_params(scale_base(), 131072, 0, old).rebuild_s
                                         + (3.0 - 2.0) * 131072 * 1e-5 + 4e-5
-                                        + 1 * 1024 * (3.0 * 1e-5 + (400 - 16 * b
-                                                                      + b * 1024**2) * 1e-9))
+                                        + 1 * 1024 * (3.0 * 1e-5 + (400 - 4 * b
+                                                                      + b * 1024) * 1e-9))
     path.write_text(json.dumps({**doc, "store_shards": -1}))
     with pytest.raises(ConfigError):
         load_curve(path)

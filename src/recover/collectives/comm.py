@@ -52,6 +52,14 @@ log = logging.getLogger(__name__)
 # (docs/MEASUREMENTS.md, "The control plane at scale"). A cut's report comes this much later.
 CRASH_SEEN_S = 0.25
 
+# gloo identifies a pair by the peer's rank, not by a sequence number each member publishes for
+# every other: a member's address in the rendezvous is then O(1) bytes, not O(R), so the store
+# sends each member O(R) bytes, not O(R^2) (docs/MEASUREMENTS.md, "The control plane at scale").
+# Read by gloo at every build, by both ends of a pair: every process of a run imports this before
+# it builds a cross-replica group. Set at import (not around each build: a setenv while other
+# threads read the environment is not safe); a value the user set is kept.
+os.environ.setdefault("GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER", "1")
+
 
 def _new_group(backend: str, store: PrefixStore, rank: int, size: int, timeout_s: float,
                ifname: str | None = None, addr: str | None = None) -> object:

@@ -36,8 +36,8 @@ measured scale, times in seconds. `ranks` = R x P processes of the job; `group` 
   rebuilt communicator's rendezvous goes (barrier, addresses, gloo's address exchange batched:
   O(1) per member, `collectives/meshstore.py`), per member of the rebuilt group
   (`recover.sim.scale.rendezvous_store_s`); failure_shard_bytes_per_member (optional): the value
-  bytes the shards sent each member meanwhile (gloo's R addresses carry R pair identifiers each:
-  O(R^2) per member, fitted as a + b*x^2);
+  bytes the shards sent each member meanwhile (gloo's R addresses, O(1) bytes each with pairs
+  named by rank: O(R) per member);
 - store_request_cpu_s, store_byte_cpu_s (optional, one number each): the store server's CPU time
   per request and per value byte it sends, measured apart (`bench/_store_rate.py`): charged
   (`recover.sim.scale.store_serial_s`, `rendezvous_store_s`) as each store server handling its
@@ -49,8 +49,7 @@ group's members for the communicator (rebuild, reduce: gloo connects the group's
 Fits (least squares in that size):
 - `mixed` (default): the protocol's columns as a + b*log2(x) (O(1) store round trips per rank; a
   crash is seen by one socket closing); the communicator's as a + b*x (each member's rebuild and
-  first collective touch every other member), the rendezvous' requests in log2 and its bytes as
-  a + b*x^2 (see above).
+  first collective touch every other member), the rendezvous' requests in log2 (see above).
 - `log2` / `linear`: every column with that one form (bounds for a sensitivity check).
 """
 
@@ -81,9 +80,9 @@ MIXED = {
     "failure_main_chain_requests_per_rank": "log2",  # the chain's share of it
     "failure_coordinator_requests": "log2",  # O(1) per failure
     # gloo's full mesh, its address reads batched (collectives/meshstore.py): O(1) requests per
-    # member, each member's R addresses O(R) bytes each (gloo's pair identifiers)
+    # member; R addresses of O(1) bytes each (pairs named by rank: collectives/comm.py)
     "failure_shard_requests_per_member": "log2",
-    "failure_shard_bytes_per_member": "square",
+    "failure_shard_bytes_per_member": "linear",
     "control_plane_s": "log2",
     "control_plane_cpu_s": "log2",
     "detect_s": "log2",
@@ -97,8 +96,7 @@ FIT_MODES = ("mixed", "log2", "linear")
 
 @dataclass(frozen=True)
 class Fit:
-    """y = a + b * x, x = log2(ranks) (`log2`), ranks (`linear`) or ranks^2 (`square`); never
-    below 0."""
+    """y = a + b * x, x = log2(ranks) (`log2`) or ranks (`linear`); never below 0."""
 
     kind: str
     a: float
@@ -108,16 +106,16 @@ class Fit:
         return max(0.0, self.a + self.b * _x(self.kind, ranks))
 
     def describe(self) -> str:
-        x = {"log2": "log2(ranks)", "square": "ranks^2"}.get(self.kind, "ranks")
+        x = "log2(ranks)" if self.kind == "log2" else "ranks"
         return f"{self.a:.4g} + {self.b:.4g}*{x}"
 
 
 def _x(kind: str, ranks: float) -> float:
-    return math.log2(ranks) if kind == "log2" else float(ranks) ** (2 if kind == "square" else 1)
+    return math.log2(ranks) if kind == "log2" else float(ranks)
 
 
 def fit(ranks: list[int], ys: list[float], kind: str) -> Fit:
-    """Least-squares line of `ys` over log2(ranks), ranks or ranks^2; slope clamped at >= 0."""
+    """Least-squares line of `ys` over log2(ranks) or ranks; slope clamped at >= 0."""
     xs = [_x(kind, r) for r in ranks]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     sxx = sum((x - mx) ** 2 for x in xs)

@@ -217,8 +217,8 @@ def rendezvous_store_s(spec: ScaleSpec, fits: dict[str, Fit], gpus: int, replica
     `rendezvous_groups` groups of `replicas` members, each member's requests the curve's
     failure_shard_requests_per_member at that group size (O(1): gloo's address reads batched)
     at the CPU per request, and the value bytes sent to it, failure_shard_bytes_per_member
-    (O(R^2): R addresses of R pair identifiers), at the CPU per byte. 0 in "wall" mode, or when
-    the curve did not measure it."""
+    (O(R): R addresses), at the CPU per byte. 0 in "wall" mode, or when the curve did not
+    measure it."""
     column, nbytes = "failure_shard_requests_per_member", "failure_shard_bytes_per_member"
     if control_mode(spec) == "wall" or column not in fits:
         return 0.0

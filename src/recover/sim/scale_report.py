@@ -244,8 +244,8 @@ def rendezvous_line(base: SimParams, spec: ScaleSpec, fits: dict) -> str:
             f"there ({where}) x ({column}(R) ({fmt(fits[column](r), 1)} per member at R = "
             f"{r:,}) x the CPU per request{sent}) = "
             f"{fmt(rendezvous_store_s(spec, fits, g, r), 2)} s at {g:,} GPUs (ASSUMPTION: "
-            "gloo's rendezvous; a backend that exchanges O(1) bytes per member is the log2 "
-            "sensitivity line)")
+            "gloo's rendezvous, pairs named by rank; a backend that exchanges O(1) per member "
+            "is the log2 sensitivity line)")
 
 
 def control_line(spec: ScaleSpec, fits: dict) -> str:
