@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from torch.distributed import DistError
+
 from recover.collectives import CoordinatorLost, Member, keys, shards
 from recover.collectives.waiter import KeyWaiter
 from recover.recovery.counting import CountingStore
@@ -49,7 +51,7 @@ class ReplicaLink(Protocol):
 
 # What a speaker shares instead of a decision when it raised (its siblings then raise too):
 SPEAKER_FAILED = b"failed"  # RecoveryError
-SPEAKER_LOST = b"lost"  # CoordinatorLost: the coordinator is gone (a restarted one is rejoined)
+SPEAKER_LOST = b"lost"  # CoordinatorLost: the coordinator (or its store) is gone: rejoin one
 
 
 def counting(position: int, positions: int, speaker: bool) -> tuple[int, int, int]:
@@ -168,9 +170,11 @@ class CommitDecision:
         try:
             decided = self._decide_counted(step, tag, g, dkey, meanwhile)
         except Exception as e:  # the siblings raise alike, not wait for us to their bound
+            # The store's own errors are the coordinator's loss too (its process serves the
+            # store): the whole replica then waits for a restarted one, not just this rank.
+            lost = isinstance(e, (CoordinatorLost, DistError))
             with contextlib.suppress(Exception):
-                self.link.share(SPEAKER_LOST if isinstance(e, CoordinatorLost)
-                                else SPEAKER_FAILED)
+                self.link.share(SPEAKER_LOST if lost else SPEAKER_FAILED)
             raise
         return self.link.share(decided)
 
