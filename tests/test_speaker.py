@@ -1,4 +1,5 @@
-"""A multi-rank replica's speaker (recovery/decide.py): what it shares when it cannot decide.
+"""A multi-rank replica's speaker (recovery/decide.py): what it shares when it cannot decide;
+and what a rank of a replica that lost a rank raises (`Replica.guard`).
 
 The decision's store is a stub that raises; the link records what the speaker hands its
 siblings. (The protocol with real ranks: tests/test_protocol.py, tests/test_control_plane.py with
@@ -7,12 +8,15 @@ siblings. (The protocol with real ranks: tests/test_protocol.py, tests/test_cont
 
 from __future__ import annotations
 
+import os
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from torch.distributed import DistNetworkError
 
-from recover.collectives import keys
+from recover.collectives import CoordinatorLost, keys
+from recover.parallel.replica import Replica
 from recover.recovery import SPEAKER_FAILED, SPEAKER_LOST, RecoveryError
 from recover.recovery.decide import CommitDecision
 
@@ -84,3 +88,26 @@ def test_a_failed_agreement_is_redo_everywhere_written_by_the_speaker() -> None:
         assert store.calls == ([("cas", keys.decision_key(3, 0), keys.REDO)] if position == 0
                                else [])
         assert link.shared == []  # nothing to share: every position knows it already
+
+
+class _LostMember:
+    replica, reported = 2, []
+
+    def report_lost(self, why: str) -> None:
+        self.reported.append(why)
+
+    def generation(self) -> int:
+        return 1
+
+    def wait_newer(self, g: int, timeout_s: float) -> int:
+        raise CoordinatorLost("the coordinator is unreachable")
+
+
+def test_a_rank_whose_sibling_died_leaves_with_that_error_even_if_the_coordinator_is_gone() -> None:
+    """The sibling's death is what leaves `guard`, not the coordinator's loss met while waiting
+    to be fenced: the app would otherwise wait to rejoin a restarted coordinator (60 s in an HSDP
+    soak run) with a replica that is lost anyway."""
+    me = SimpleNamespace(member=_LostMember(), rank=0)
+    with pytest.raises(RuntimeError, match="Connection reset by peer"), Replica.guard(me):
+        raise RuntimeError("[pair.cc:537] Read error: Connection reset by peer")
+    assert me.member.reported == [f"rank 0 (pid {os.getpid()}) failed"]

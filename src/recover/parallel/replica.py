@@ -361,7 +361,10 @@ class Replica:
     @contextmanager
     def guard(self, wait_s: float = 30.0) -> Iterator[None]:
         """Any error inside (an intra-replica collective whose peer died) loses this replica:
-        report it and wait to be fenced, so the survivors can go on without us."""
+        report it and wait to be fenced, so the survivors can go on without us. The error is
+        what leaves, even when the coordinator is gone meanwhile: a rank of a lost replica must
+        not wait to rejoin a restarted coordinator (a soak run held one 60 s, and its
+        replacement as long)."""
         try:
             yield
         except Exception:
@@ -373,7 +376,7 @@ class Replica:
             while time.monotonic() < deadline:  # the Member's thread exits us once fenced
                 try:
                     g = self.member.wait_newer(g, max(0.01, deadline - time.monotonic()))
-                except TimeoutError:
+                except (TimeoutError, CoordinatorLost):
                     break
             raise
 
