@@ -117,11 +117,9 @@ def test_it_goes_with_its_group() -> None:
 
 
 def test_an_address_is_the_same_size_whatever_the_group() -> None:
-    """With GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER (set by `recover.collectives.comm` at import)
-    gloo publishes no pair identifier per peer: each member reads R addresses of one size, so
-    the store sends it O(R) bytes, not O(R^2)."""
-    import recover.collectives.comm  # noqa: F401  (what sets it)
-
+    """With GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER (set when `meshstore` is imported) gloo
+    publishes no pair identifier per peer: each member reads R addresses of one size, so the
+    store sends it O(R) bytes, not O(R^2)."""
     sizes = {}
     for size in (3, 12):
         _, tally, _ = build(size, batched=True)

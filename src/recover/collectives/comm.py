@@ -19,9 +19,7 @@ gloo address), never a member that only answered late.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
-import os
 import socket
 import threading
 import time
@@ -30,12 +28,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed import PrefixStore, ProcessGroupGloo
+from torch.distributed import PrefixStore
 
 from recover.collectives import keys, reach, sever, shards
 from recover.collectives.listen import ListenError
 from recover.collectives.member import CoordinatorLost, Member
-from recover.collectives.meshstore import MeshStore
+from recover.collectives.meshstore import MeshStore, new_group
 from recover.collectives.netif import GlooInterface, GlooInterfaceError, is_loopback
 from recover.collectives.reaper import retire
 from recover.collectives.spare import SpareClient
@@ -51,41 +49,6 @@ log = logging.getLogger(__name__)
 # published took 27-54 ms at 4 to 64 ranks on 2 cores, 185 ms in the shipped curve's loaded run
 # (docs/MEASUREMENTS.md, "The control plane at scale"). A cut's report comes this much later.
 CRASH_SEEN_S = 0.25
-
-# gloo identifies a pair by the peer's rank, not by a sequence number each member publishes for
-# every other: a member's address in the rendezvous is then O(1) bytes, not O(R), so the store
-# sends each member O(R) bytes, not O(R^2) (docs/MEASUREMENTS.md, "The control plane at scale").
-# Read by gloo at every build, by both ends of a pair: every process of a run imports this before
-# it builds a cross-replica group. Set at import (not around each build: a setenv while other
-# threads read the environment is not safe); a value the user set is kept.
-os.environ.setdefault("GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER", "1")
-
-
-def _new_group(backend: str, store: PrefixStore, rank: int, size: int, timeout_s: float,
-               ifname: str | None = None, addr: str | None = None) -> object:
-    """A communicator built directly on the store: no default group, one per generation.
-
-    gloo binds the named interface(s) (comma-separated), else `addr`, else gloo's default (the
-    hostname's address).
-    """
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if backend == "gloo":
-        if not ifname and not addr:
-            return ProcessGroupGloo(store, rank, size, timeout)
-        opts = ProcessGroupGloo._Options()
-        opts._timeout = timeout
-        opts._devices = ([ProcessGroupGloo.create_device(interface=i) for i in ifname.split(",")]
-                         if ifname else [ProcessGroupGloo.create_device(hostname=addr)])
-        return ProcessGroupGloo(store, rank, size, opts)
-    # NCCL (untested on the CPU machines this project runs CI on): its watchdog must not kill
-    # the process when a peer dies; recover detects, abandons and rebuilds instead.
-    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
-    from torch.distributed import ProcessGroupNCCL
-
-    opts = ProcessGroupNCCL.Options()
-    opts._timeout = timeout
-    return ProcessGroupNCCL(store, rank, size, opts)
-
 
 ABANDON_SETTLE_S = 0.25  # after a newer generation, how long an op may still end by itself
 SEVERED_SETTLE_S = 2.0  # how long a severed op may take to fail before its buffers are held
@@ -409,7 +372,7 @@ class FaultTolerantComm:
         def build() -> None:
             try:
                 before = sever.sockets() if self.backend == "gloo" else {}
-                pg = _new_group(self.backend, store, rank, size, self.timeout_s,
+                pg = new_group(self.backend, store, rank, size, self.timeout_s,
                                 self.iface.ifname, addr)
                 if self.backend == "gloo":
                     box["socks"] = sever.opened_since(before, spare)

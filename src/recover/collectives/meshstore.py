@@ -1,4 +1,5 @@
-"""gloo's full-mesh rendezvous in O(1) store requests per member.
+"""A generation's communicator built on the store (`new_group`), and gloo's full-mesh rendezvous
+in O(1) store requests and O(R) bytes per member.
 
 gloo connects every pair of a group's members. To do so each member publishes its address under
 `"{device}/{rank}"` and then reads every member's, one blocking `wait` and one `get` each: 2R
@@ -8,6 +9,8 @@ is given: the first read of such a key waits for all R members' keys of that dev
 request and reads them in one `multi_get`; the other R - 1 reads are answered from those bytes.
 A member then asks the server 4 things (its own address, the barrier's count and wait aside): a
 set, a wait and a multi_get, whatever R (docs/MEASUREMENTS.md, "The control plane at scale").
+With pairs named by rank (`GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER`, below) an address carries no
+identifier per peer, so those reads are O(R) bytes, not O(R^2).
 
 Invariant: gloo reads through a `MeshStore` exactly the bytes the inner store holds for every key,
 with the same blocking and timeout as its own reads: the keys answered from memory are written
@@ -19,11 +22,48 @@ forwarded unchanged.
 from __future__ import annotations
 
 import datetime
+import os
 import re
 import threading
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed import ProcessGroupGloo
+
+# gloo identifies a pair by the peer's rank, not by a sequence number each member publishes for
+# every other: a member's address in the rendezvous is then O(1) bytes, not O(R), so the store
+# sends each member O(R) bytes, not O(R^2) (docs/MEASUREMENTS.md, "The control plane at scale").
+# Read by gloo at every build, by both ends of a pair: every process of a run imports this (with
+# collectives/comm.py) before it builds a cross-replica group. Set at import (not around each
+# build: a setenv while other threads read the environment is not safe); a user's value is kept.
+os.environ.setdefault("GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER", "1")
+
+
+def new_group(backend: str, store: Any, rank: int, size: int, timeout_s: float,
+              ifname: str | None = None, addr: str | None = None) -> object:
+    """A communicator built directly on the store: no default group, one per generation.
+
+    gloo binds the named interface(s) (comma-separated), else `addr`, else gloo's default (the
+    hostname's address).
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        if not ifname and not addr:
+            return ProcessGroupGloo(store, rank, size, timeout)
+        opts = ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = ([ProcessGroupGloo.create_device(interface=i) for i in ifname.split(",")]
+                         if ifname else [ProcessGroupGloo.create_device(hostname=addr)])
+        return ProcessGroupGloo(store, rank, size, opts)
+    # NCCL (untested on the CPU machines this project runs CI on): its watchdog must not kill
+    # the process when a peer dies; recover detects, abandons and rebuilds instead.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+    from torch.distributed import ProcessGroupNCCL
+
+    opts = ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return ProcessGroupNCCL(store, rank, size, opts)
+
 
 _RANK_KEY = re.compile(r"(\d+)/(\d+)")  # gloo's per-device address key: "{device}/{rank}"
 
