@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recover.collectives import CoordinatorLost, Member, keys
-from recover.recovery import SPEAKER_FAILED, SPEAKER_LOST, RecoveryError
+from recover.collectives import Member, keys
+from recover.recovery import SPEAKER_FAILED, SPEAKER_LOST, RecoveryError, from_speaker
 
 # What a speaker shares, by code: a decision, or that it raised (then so do its siblings).
 _CODES = (keys.REDO, keys.COMMIT, keys.COMMIT_PLAN, SPEAKER_FAILED, SPEAKER_LOST)
@@ -30,9 +30,9 @@ class IntraReplicaLink:
     """`recovery.ReplicaLink` over the default process group of a replica's ranks.
 
     `device`: where the group's tensors live (the replica's gradients' device: CPU for gloo, the
-    rank's GPU for NCCL); `bound_s`: the longest one call may wait (a speaker's decision takes
-    at most 3 reduce timeouts, `CommitDecision`); `guard`: the replica's guard of an
-    intra-replica collective."""
+    rank's GPU for NCCL); `bound_s`: the longest one call may wait (what a speaker's decision
+    may take: `Replica` gives 2 x 3 reduce timeouts, its wait then the evidence's); `guard`: the
+    replica's guard of an intra-replica collective."""
 
     def __init__(self, member: Member, device: torch.device, bound_s: float,
                  guard: Callable[[], AbstractContextManager[Any]]) -> None:
@@ -45,16 +45,10 @@ class IntraReplicaLink:
         return every_ok == 1 and low == -minus_high == g
 
     def share(self, decision: bytes | None) -> bytes:
-        code = -1 if decision is None else _code(decision)
+        code = -1 if decision is None else _CODES.index(decision)
         t = torch.tensor([code], dtype=torch.int64, device=self.device)
         self._run(lambda: dist.broadcast(t, src=0, async_op=True))
-        got = _CODES[int(t.item())]
-        if got == SPEAKER_LOST:
-            raise CoordinatorLost("the coordinator is unreachable (this replica's rank 0 lost it "
-                                  "while it waited for the step's decision)")
-        if got == SPEAKER_FAILED:
-            raise RecoveryError("this replica's rank 0 could not learn the step's decision")
-        return got
+        return from_speaker(_CODES[int(t.item())])
 
     def _run(self, issue: Callable[[], Any]) -> None:
         """Issue one collective and wait for it, reporting progress, within `bound_s`."""
@@ -70,6 +64,3 @@ class IntraReplicaLink:
                                         f"{self.bound_s:.0f}s")
             work.wait()  # raises what the collective raised (a sibling died)
 
-
-def _code(decision: bytes) -> int:
-    return _CODES.index(decision)

@@ -3,7 +3,8 @@
 Public API: `StepEngine` (one replica's side of a step), `StepResult`, `GradAccess`,
 `TensorGrad`, `ExactGrads` (exact mode), `BelowMinReplicas`, `RecoveryError`, `CommitRefused`,
 `REDUCE_DTYPES`, `ReplicaLink` (a multi-rank replica's agreement, for its speaker) with the
-codes a speaker shares when it raised (`SPEAKER_FAILED`, `SPEAKER_LOST`)
+codes a speaker shares when it raised (`SPEAKER_FAILED`, `SPEAKER_LOST`; read by
+`from_speaker`)
 (the names of `Numerics.reduce_dtype`), and the strategy interface `StepStrategy` with recover's
 own `InStepRecovery` and the helper `chain_owners` (for other strategies). Modules: `step` (the
 step loop), `chain` (the ownership chain), `decide` (the commit decision), `lifetime` (deleting
@@ -11,7 +12,7 @@ the keys of old steps), `trailer` (the reduce's verification), `buckets` (the re
 with the last backward), `grads`, `exact`, `strategy`, `shrink`.
 """
 
-from recover.recovery.decide import SPEAKER_FAILED, SPEAKER_LOST, ReplicaLink
+from recover.recovery.decide import SPEAKER_FAILED, SPEAKER_LOST, ReplicaLink, from_speaker
 from recover.recovery.exact import ExactGrads
 from recover.recovery.failures import BelowMinReplicas, CommitRefused, RecoveryError
 from recover.recovery.grads import GradAccess, TensorGrad
@@ -21,4 +22,4 @@ from recover.recovery.strategy import Chain, InStepRecovery, StepStrategy, chain
 __all__ = ["MAX_ATTEMPTS", "REDUCE_DTYPES", "SPEAKER_FAILED", "SPEAKER_LOST", "BelowMinReplicas",
            "Chain", "CommitRefused", "ExactGrads", "GradAccess", "InStepRecovery",
            "RecoveryError", "ReplicaLink", "StepEngine", "StepResult", "StepStrategy",
-           "TensorGrad", "chain_owners"]
+           "TensorGrad", "chain_owners", "from_speaker"]

@@ -44,14 +44,25 @@ class ReplicaLink(Protocol):
         ...
 
     def share(self, decision: bytes | None) -> bytes:
-        """Position 0's `decision` (None elsewhere), on every position; raises on every position
-        if position 0 passes SPEAKER_FAILED or SPEAKER_LOST."""
+        """Position 0's `decision` (None elsewhere), on every position, read by `from_speaker`
+        (which raises on every position if position 0 passes SPEAKER_FAILED or SPEAKER_LOST)."""
         ...
 
 
 # What a speaker shares instead of a decision when it raised (its siblings then raise too):
 SPEAKER_FAILED = b"failed"  # RecoveryError
 SPEAKER_LOST = b"lost"  # CoordinatorLost: the coordinator (or its store) is gone: rejoin one
+
+
+def from_speaker(value: bytes) -> bytes:
+    """What a sibling does with what its speaker shared: the decision, or the speaker's error
+    raised here too (a lost coordinator: the whole replica rejoins a restarted one)."""
+    if value == SPEAKER_LOST:
+        raise CoordinatorLost("the coordinator is unreachable (this replica's rank 0 lost it while "
+                              "it waited for the step's decision)")
+    if value == SPEAKER_FAILED:
+        raise RecoveryError("this replica's rank 0 could not learn the step's decision")
+    return value
 
 
 def counting(position: int, positions: int, speaker: bool) -> tuple[int, int, int]:

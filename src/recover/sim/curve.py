@@ -80,7 +80,7 @@ MIXED = {
     "failure_main_chain_requests_per_rank": "log2",  # the chain's share of it
     "failure_coordinator_requests": "log2",  # O(1) per failure
     # gloo's full mesh, its address reads batched (collectives/meshstore.py): O(1) requests per
-    # member; R addresses of O(1) bytes each (pairs named by rank: collectives/comm.py)
+    # member; R addresses of O(1) bytes each (pairs named by rank: collectives/meshstore.py)
     "failure_shard_requests_per_member": "log2",
     "failure_shard_bytes_per_member": "linear",
     "control_plane_s": "log2",

@@ -155,6 +155,11 @@ def control_mode(spec: ScaleSpec) -> str:
     return spec.control
 
 
+def _replicas(gpus: int) -> int:
+    """The replicas of a job of `gpus` GPUs (one speaker each)."""
+    return max(1, gpus // GPUS_PER_REPLICA)
+
+
 def store_serial_s(spec: ScaleSpec, fits: dict[str, Fit], gpus: int) -> float:
     """The store servers' serial work in one failure-free step at `gpus` ranks: each request
     costs the curve's store_request_cpu_s of its server's one thread, and each asker (a
@@ -168,7 +173,7 @@ def store_serial_s(spec: ScaleSpec, fits: dict[str, Fit], gpus: int) -> float:
         return 0.0
     per = float(spec.curve.request_cpu_s or 0.0)  # type: ignore[union-attr]
     ops = fits["store_ops_per_rank_step"](gpus)
-    askers = max(1, gpus // GPUS_PER_REPLICA) if spec.speaker else gpus
+    askers = _replicas(gpus) if spec.speaker else gpus
     shards = shards_for(gpus) if mode == "cpu" else 0
     if shards <= 1:
         return ops * askers * per
@@ -198,7 +203,7 @@ def recovery_store_s(spec: ScaleSpec, fits: dict[str, Fit], gpus: int) -> float:
     chain = fits.get(CHAIN_COLUMN)
     if spec.speaker and chain is not None and column == MAIN_FAILURE_COLUMNS[0]:
         mine = min(every, chain(gpus))
-        asked = mine * gpus + (every - mine) * max(1, gpus // GPUS_PER_REPLICA)
+        asked = mine * gpus + (every - mine) * _replicas(gpus)
     else:
         asked = every * gpus
     return (asked + (coord(gpus) if coord else 0.0)) * per

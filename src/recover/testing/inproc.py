@@ -46,7 +46,6 @@ import torch
 from recover.collectives import (
     Coordinator,
     CoordinatorConfig,
-    CoordinatorLost,
     FaultTolerantComm,
     Member,
     keys,
@@ -54,7 +53,7 @@ from recover.collectives import (
 from recover.collectives.comm import Flight, ReplicaFault
 from recover.collectives.keys import try_get
 from recover.parallel.rank import connect_rank, new_member
-from recover.recovery import SPEAKER_FAILED, SPEAKER_LOST, RecoveryError, StepResult
+from recover.recovery import StepResult, from_speaker
 from recover.settings import FaultTolerance, Hooks, LaunchEnv, ReplicaConfig
 from recover.testing import oracle
 
@@ -206,11 +205,7 @@ class _ThreadLink:
         got = self.value
         self._wait(rank)
         assert got is not None
-        if got == SPEAKER_LOST:
-            raise CoordinatorLost("the replica's speaker lost the coordinator")
-        if got == SPEAKER_FAILED:
-            raise RecoveryError("the replica's speaker could not learn the decision")
-        return got
+        return from_speaker(got)
 
     def _wait(self, rank: Rank) -> None:
         try:
