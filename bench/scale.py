@@ -36,6 +36,11 @@ scale:
      store_cpu   the coordinator's CPU time (it runs the store server) from the kill to the
                  survivors' --settle commits, less what as many failure-free steps cost it:
                  the server's work for detection, agreement and the group's rendezvous;
+     rec_out     the same, less the CPU inside the survivor's reduce calls over the span (`open`
+                 to the end of `complete`: gloo's connect of the new group and its rings, and
+                 the failed op's abandon): the protocol's own work (detection, agreement,
+                 decision, chain, recompute), the most any survivor spent; beside it, a
+                 failure-free step's reduce call's CPU (gloo's ring alone) at each size;
      rec_ops     the store round trips of a survivor's step that reduced in the new
                  generation (the most any survivor made), less a failure-free step's: what a
                  failure adds per rank (the engine's own calls);
@@ -80,7 +85,9 @@ copies `scale.json` to `src/recover/sim/data/scale_curve.json` (the simulator's 
 lines:
 `store_ops_per_rank_step=<max over scales>`, `recovery_cpu_ratio=<rec_cpu at the largest P = 1
 scale / at the smallest>` and `main_store_requests_per_failure_per_replica=<max over scales of
-main_req>` (goals: <= 2, <= 1.5, <= 4).
+main_req>` (goals: <= 2, <= 1.5, <= 4), after `recovery_cpu_outside_collective_ratio=` (rec_out's
+ratio) and `failure_free_reduce_cpu_ratio=` (a failure-free reduce call's CPU, the same sizes:
+what gloo's ring alone grows by, measured in the same run).
 
     python bench/scale.py --smoke          # 2 and 4 ranks, 3 steps, a small store-rate run (CI)
     python bench/scale.py --quick          # 4, 16, 64 ranks; < 3 min
@@ -122,6 +129,7 @@ from _scale_analysis import (
     failure_free,
     failure_requests,
     recovery_cpu,
+    recovery_cpu_outside,
 )
 from _store_rate import byte_cpu_s, request_cpu_s
 from recover.testing.scale import (
@@ -139,8 +147,8 @@ from recover.testing.scale import (
 log = logging.getLogger("bench.scale")
 CURVE = BENCH_DIR.parent / "src" / "recover" / "sim" / "data" / "scale_curve.json"
 EXTRA = (*PARTS, "total", "teardown", "agree_med", "agree_cpu", "rebuild_cpu", "store_cpu",
-         "recovery_ops", "recovery_cpu", "main_reqs", "main_max", "shard_reqs", "rank_main_reqs",
-         "coord_reqs", "probes", "shard_bytes", "chain_reqs")
+         "recovery_ops", "recovery_cpu", "recovery_cpu_outside", "main_reqs", "main_max",
+         "shard_reqs", "rank_main_reqs", "coord_reqs", "probes", "shard_bytes", "chain_reqs")
 
 
 class FalseAlarm(RuntimeError):
@@ -276,6 +284,7 @@ def run_scale(reps: int, pos: int, a: argparse.Namespace, rng: random.Random, d:
                           "store_cpu": max(0.0, k1 - k0 - (m1 - m0) * step_cpu),
                           "recovery_ops": max(0.0, bd["step_ops"] - ff["store_ops"]),
                           "recovery_cpu": recovery_cpu(everything, t_kill, g0),
+                          "recovery_cpu_outside": recovery_cpu_outside(everything, t_kill, g0),
                           "coord_estimate": estimate,
                           **failure_requests(everything, t_kill, g0, coord)})
         bad = [(k, s["step"]) for k in ranks for s in tails[k].steps() if not s["correct"]]
@@ -448,7 +457,7 @@ def main() -> int:
 def report(res: list[dict], failures: list[dict], a: argparse.Namespace, root: Path) -> int:
     """The table, the curve and detail files, then the figure lines (last)."""
     cols = ("detect", "agree", "teardown", "agree_med", "agree_cpu", "recomp", "rebuild",
-            "rebuild_cpu", "reduce", "rest", "store_cpu", "recovery_cpu")
+            "rebuild_cpu", "reduce", "rest", "store_cpu", "recovery_cpu", "recovery_cpu_outside")
     rows = [(f"{r['replicas']}x{r['positions']}", r["ranks"],
              f"{r['engine_ops']:.2f}/{r['store_ops']:.2f}", f"{r['control_s'] * 1e3:.1f}",
              f"{r['control_cpu_s'] * 1e3:.2f}", f"{r['period_s'] * 1e3:.0f}",
@@ -458,7 +467,8 @@ def report(res: list[dict], failures: list[dict], a: argparse.Namespace, root: P
              f"{r['shard_bytes'] / 1e3:.1f}", f"{r['pss_mib']:.0f}") for r in res]
     say("")
     table(rows, ("RxP", "ranks", "ops", "ctl", "ctl_cpu", "step", "kill->ok",
-                 *(c.replace("recovery_cpu", "rec_cpu") for c in cols), "rec_ops", "main_req",
+                 *(c.replace("recovery_cpu", "rec_cpu").replace("rec_cpu_outside", "rec_out")
+                   for c in cols), "rec_ops", "main_req",
                  "main_max", "shard_req", "shard_kB", "PSS MiB"))
     say("  ops: store round trips per rank per failure-free step, engine.stats['store_ops'] / "
         "that plus the engine's blocking key waits; ctl: failure-free control plane (ctl_cpu: "
@@ -468,7 +478,8 @@ def report(res: list[dict], failures: list[dict], a: argparse.Namespace, root: P
         "most CPU a survivor spent from its failed reduce to its next; rebuild_cpu: "
         "that survivor's CPU time (all its threads) over its rebuild; store_cpu: the coordinator's "
         "(store server's) CPU for the recovery, less as many failure-free steps' worth; rec_cpu: "
-        "the most CPU a survivor spent from the kill to its commit; rec_ops: the store round "
+        "the most CPU a survivor spent from the kill to its commit (rec_out: outside its "
+        "communicator's reduce calls); rec_ops: the store round "
         "trips a failure adds to a survivor's step; main_req / shard_req: the requests a failure "
         "added to the main store / the shards, per surviving replica (main_max: the most one "
         "replica added); shard_kB: the value bytes the shards sent it (gloo's addresses)")
@@ -531,16 +542,26 @@ def figures(res: list[dict]) -> list[str]:
     small, big = (one[0], one[-1]) if one else (res[0], res[-1])
     ratio = big["recovery_cpu"] / small["recovery_cpu"]
     wall = (big["detect"] + big["agree"]) / (small["detect"] + small["agree"])
+    outside = big["recovery_cpu_outside"] / small["recovery_cpu_outside"]
+    ring = big["reduce_cpu_s"] / small["reduce_cpu_s"]
     say(f"recovery_cpu_ratio: {big['recovery_cpu'] * 1e3:.1f} ms at {big['ranks']} ranks / "
         f"{small['recovery_cpu'] * 1e3:.1f} ms at {small['ranks']}; of it the rebuild "
         f"{big['rebuild_cpu'] * 1e3:.1f} / {small['rebuild_cpu'] * 1e3:.1f} ms (gloo connects "
         f"a full mesh: O(R) per member); the wall clock's detect + agree ratio {wall:.2f} "
         f"(processor sharing among {big['ranks']} processes on {cores()} cores); goals: "
         "store ops <= 2, CPU ratio <= 1.5, main-store requests <= 4")
-    return [f"store_ops_per_rank_step={max(r['store_ops'] for r in res):.2f}",
+    say(f"  outside the communicator's reduce calls (gloo's connect and rings, the failed op's "
+        f"abandon): {big['recovery_cpu_outside'] * 1e3:.1f} / "
+        f"{small['recovery_cpu_outside'] * 1e3:.1f} ms, ratio {outside:.2f}; one failure-free "
+        f"reduce call (gloo's ring of 2(R-1) sends, no failure) {big['reduce_cpu_s'] * 1e3:.1f}"
+        f" / {small['reduce_cpu_s'] * 1e3:.1f} ms, ratio {ring:.2f}")
+    return [f"recovery_cpu_outside_collective_ratio={outside:.2f}",
+            f"failure_free_reduce_cpu_ratio={ring:.2f}",
+            f"store_ops_per_rank_step={max(r['store_ops'] for r in res):.2f}",
             f"recovery_cpu_ratio={ratio:.2f}",
             "main_store_requests_per_failure_per_replica="
             f"{max(r['main_reqs'] for r in res):.2f}"]
+
 
 if __name__ == "__main__":
     sys.exit(main())

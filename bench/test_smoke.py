@@ -36,7 +36,8 @@ FIGURES = {
     "memory": ("extra_grad_buffers",),
     "overhead": ("overhead_ratio", "cpu_overhead_ratio"),
     "scale": ("main_store_requests_per_failure_per_replica", "store_ops_per_rank_step",
-              "recovery_cpu_ratio"),
+              "recovery_cpu_ratio", "recovery_cpu_outside_collective_ratio",
+              "failure_free_reduce_cpu_ratio"),
     "recovery": ("recovery_median_s",),
 }  # longest first: the pool's lanes then end about together
 SCRIPT_S = 180.0  # one script's limit (5-30 s each on an idle 2-core machine)

@@ -69,7 +69,7 @@ class TimedComm(FaultTolerantComm):
     """Records each reduce (from `open`, which may build the group, to the end of `complete`):
     [generation, start, end, True or why it failed, barrier s, build s, collective s, build CPU s
     (this process's CPU clock over barrier + build, every thread), this process's CPU clock
-    (every thread) at the start]."""
+    (every thread) at the start, and at the end]."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -105,7 +105,7 @@ class TimedComm(FaultTolerantComm):
         s1 = self.stats
         self.calls.append([g, t0, time.time(), ok, s1["barrier_s"] - s0["barrier_s"],
                            s1["build_s"] - s0["build_s"], s1["reduce_s"] - s0["reduce_s"],
-                           s1["build_cpu_s"] - s0["build_cpu_s"], c0])
+                           s1["build_cpu_s"] - s0["build_cpu_s"], c0, time.process_time()])
 
 
 class TracedStore:
