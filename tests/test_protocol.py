@@ -161,6 +161,27 @@ def test_a_decision_on_evidence_costs_each_rank_o1_round_trips(tmp_path: Path,
         assert all(r.ops[1] == 0 for r in survivors if r.rank == 1), per_rank
 
 
+@pytest.mark.parametrize("speaker", [False, True])
+def test_a_failures_chain_entry_costs_a_replica_one_request_with_a_speaker(tmp_path: Path,
+                                                                          speaker: bool) -> None:
+    """Replica 2's rank 0 dies in step 1's compute: the survivors extend step 1's chain (entry 1
+    hands replica 2's ids over). Without a speaker every rank writes or reads that entry; with
+    one only position 0 does and hands it to its sibling through the replica's link
+    (recovery/chain.py), so the sibling asks the store nothing in step 1, as in a failure-free
+    step."""
+    h = Harness(tmp_path, 3, positions=2, n=6, steps=3, speaker=speaker,
+                faults=[Fault(2, 1, "compute", j=0, rank=0)]).run()
+    res = h.check([0, 1])
+    assert len(h.chain(1)) >= 2 and res[1].members == [0, 1], h.chain(1)
+    siblings = [r.ops[1] for r in h.ranks.values() if r.replica != 2 and r.rank == 1]
+    speakers = [r.ops[1] for r in h.ranks.values() if r.replica != 2 and r.rank == 0]
+    assert all(n >= 1 for n in speakers), speakers  # the chain's extension at least
+    if speaker:
+        assert siblings == [0, 0], siblings
+    else:
+        assert all(n >= 1 for n in siblings), siblings
+
+
 def test_a_rank_whose_reduce_failed_never_applies_a_commit(tmp_path: Path) -> None:
     """Replica 1's reduce raises; then `commit` is forged into the step's decision key before it
     decides. The protocol never decides so; the rank refuses loudly (CommitRefused) instead of

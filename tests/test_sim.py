@@ -486,8 +486,9 @@ def test_a_failure_charges_the_main_store_its_ranks_recovery_requests(tmp_path) 
 
 def test_a_failure_charges_every_main_store_request_and_the_rendezvous(tmp_path) -> None:
     """With the curve's failure_main_requests_per_rank (every request a failure makes of the
-    main store, per one-rank replica) the main store's charge is that x G ranks (no speaker per
-    replica); the rebuild's rendezvous (failure_shard_requests_per_member per member, log2 in
+    main store, per one-rank replica) the main store's charge is that x G / 128 replicas (each
+    replica's speaker asks it), x G ranks without a speaker; the rebuild's rendezvous
+    (failure_shard_requests_per_member per member, log2 in
     the group, at the CPU per request, plus failure_shard_bytes_per_member, linear, at the CPU
     per byte) is charged on the busiest store server: with S = G / 1,024 shards, position
     p's group meets on shard p mod S, so ceil(P / S) groups; with one store, all P."""
@@ -518,15 +519,10 @@ def test_a_failure_charges_every_main_store_request_and_the_rendezvous(tmp_path)
     b = (10000 - 400) / (64 - 4)
     assert fits["failure_shard_bytes_per_member"](781) == pytest.approx(400 - 4 * b + b * 781)
     member = 3.0 * 1e-5 + (400 - 4 * b + b * 781) * 1e-9
-    # 3 x 1e5 x 10 us, and the coordinator's 4 requests per failure
-    assert recovery_store_s(spec, fits, 100_000) == pytest.approx(3.0 + 4e-5)
-    # With the chain's share measured apart (1 of the 3): each rank asks it, each of the 781
-    # replicas' speakers the other 2; without a speaker every rank asks all 3.
-    path.write_text(json.dumps({**doc, "failure_main_chain_requests_per_rank": [1.0, 1.0]}))
-    split = ScaleSpec(curve=load_curve(path))
-    assert recovery_store_s(split, split.fits(), 100_000) == pytest.approx(
-        (1e5 + 2 * 781 + 4) * 1e-5)
-    every = ScaleSpec(curve=split.curve, speaker=False)
+    # Each of the 781 replicas' speakers asks the 3, and the coordinator 4 per failure; without
+    # a speaker every rank asks all 3 (3 x 1e5 x 10 us).
+    assert recovery_store_s(spec, fits, 100_000) == pytest.approx((3 * 781 + 4) * 1e-5)
+    every = ScaleSpec(curve=spec.curve, speaker=False)
     assert recovery_store_s(every, every.fits(), 100_000) == pytest.approx(3.0 + 4e-5)
     path.write_text(json.dumps(doc))
     # 100,000 GPUs: 781 replicas of 128 positions over 98 shards: 2 groups on the busiest
@@ -547,7 +543,8 @@ def test_a_failure_charges_every_main_store_request_and_the_rendezvous(tmp_path)
     assert recovery_store_s(old, old.fits(), 100_000) == pytest.approx(2.0)  # the older column
     assert rendezvous_store_s(old, old.fits(), 100_000, 781) == 0.0
     assert p.rebuild_s == pytest.approx(size_params(scale_base(), 131072, 0, old).rebuild_s
-                                        + (3.0 - 2.0) * 131072 * 1e-5 + 4e-5
+                                        # per replica's speaker now, per rank before
+                                        + (3.0 * 1024 - 2.0 * 131072) * 1e-5 + 4e-5
                                         + 1 * 1024 * (3.0 * 1e-5 + (400 - 4 * b
                                                                       + b * 1024) * 1e-9))
     path.write_text(json.dumps({**doc, "store_shards": -1}))

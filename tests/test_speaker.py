@@ -1,5 +1,6 @@
-"""A multi-rank replica's speaker (recovery/decide.py): what it shares when it cannot decide;
-and what a rank of a replica that lost a rank raises (`Replica.guard`).
+"""A multi-rank replica's speaker (recovery/speaker.py, recovery/decide.py): what it shares when
+it cannot decide; its link over a real gloo group of two processes (`parallel.link`); and what
+a rank of a replica that lost a rank raises (`Replica.guard`).
 
 The decision's store is a stub that raises; the link records what the speaker hands its
 siblings. (The protocol with real ranks: tests/test_protocol.py, tests/test_control_plane.py with
@@ -8,17 +9,24 @@ siblings. (The protocol with real ranks: tests/test_protocol.py, tests/test_cont
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from torch.distributed import DistNetworkError
 
+from _link_ranks import ENTRY
 from recover.collectives import CoordinatorLost, keys
 from recover.parallel.replica import Replica
 from recover.recovery import SPEAKER_FAILED, SPEAKER_LOST, RecoveryError
+from recover.recovery.chain import OwnershipChain
 from recover.recovery.decide import CommitDecision
+from recover.settings import FaultTolerance, Hooks
+from recover.testing.processes import session
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -90,6 +98,51 @@ def test_a_failed_agreement_is_redo_everywhere_written_by_the_speaker() -> None:
         assert link.shared == []  # nothing to share: every position knows it already
 
 
+class _EntryLink:
+    """A sibling's view: its speaker shares entry 1 (generation 1, every id to replica 0)."""
+
+    def __init__(self) -> None:
+        self.shared: list[bytes | None] = []
+
+    def share(self, value: bytes | None) -> bytes:
+        self.shared.append(value)
+        return value or json.dumps({"gen": 1, "assign": {"0": [0, 1]}}).encode()
+
+
+def chain_of(position: int, link: _EntryLink, store: _Store) -> OwnershipChain:
+    return OwnershipChain(_Member(), store, None, None, 2, position, 2,  # type: ignore[arg-type]
+                          FaultTolerance(), Hooks(), link)  # type: ignore[arg-type]
+
+
+def test_a_sibling_reads_the_chain_from_its_speaker_after_agreeing_on_what_it_moves_past() -> None:
+    """Position 1 moving from generation 0 to 1: it agrees on 0 first (`moved_past`), then takes
+    entry 1 from its speaker; it asks the store nothing."""
+    store, link, past = _Store(None), _EntryLink(), []
+    entry0 = {"gen": 0, "assign": {"0": [0], "1": [1]}}
+    got = chain_of(1, link, store).sync(3, 3, [entry0], 1, [0], past.append)
+    assert got == [entry0, {"gen": 1, "assign": {"0": [0, 1]}}]
+    assert past == [0] and link.shared == [None] and store.calls == []
+
+
+@pytest.mark.parametrize(("error", "shared"), [
+    (DistNetworkError("Connection reset by peer"), SPEAKER_LOST),  # its redo's store died
+    (RecoveryError("no plan"), SPEAKER_FAILED)])
+def test_a_speaker_that_cannot_move_past_a_generation_tells_its_siblings(
+        error: Exception, shared: bytes) -> None:
+    """The speaker's `redo` of the generation it moves past fails: its sibling, already past its
+    own agreement and waiting for entry 1, is told how (and raises alike), not left to its
+    bound."""
+    link = _EntryLink()
+
+    def moved_past(g: int) -> None:
+        raise error
+
+    with pytest.raises(type(error)):
+        chain_of(0, link, _Store(None)).sync(3, 3, [{"gen": 0, "assign": {}}], 1, [0],
+                                            moved_past)
+    assert link.shared == [shared]
+
+
 class _LostMember:
     replica, reported = 2, []
 
@@ -111,3 +164,28 @@ def test_a_rank_whose_sibling_died_leaves_with_that_error_even_if_the_coordinato
     with pytest.raises(RuntimeError, match="Connection reset by peer"), Replica.guard(me):
         raise RuntimeError("[pair.cc:537] Read error: Connection reset by peer")
     assert me.member.reported == [f"rank 0 (pid {os.getpid()}) failed"]
+
+
+def test_the_link_hands_a_decision_a_chain_entry_and_a_lost_coordinator_to_the_sibling(
+        tmp_path: Path) -> None:
+    """`IntraReplicaLink` between two real processes (tests/_link_ranks.py): both read the MIN
+    agreement, the speaker's decision (a code, one broadcast), its chain entry byte for byte
+    (~11 kB: its length, then the bytes), and its lost coordinator raises on both."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    ranks = [session().start("_link_ranks:main", [str(tmp_path), str(port), str(r)],
+                             tmp_path / f"rank{r}.log", env=env) for r in range(2)]
+    try:
+        for r, p in enumerate(ranks):
+            assert p.wait(25) == 0, (tmp_path / f"rank{r}.log").read_text()[-3000:]
+    finally:
+        for p in ranks:  # by PID (a no-op for those that exited)
+            if p.poll() is None:
+                p.kill()
+    for r in range(2):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert got["agree"] is True and got["disagree"] is False, got
+        assert got["decision"] == keys.COMMIT.decode() and got["entry"] == ENTRY, got
+        assert "rank 0 lost it" in got["lost"], got

@@ -1,7 +1,8 @@
-"""A multi-rank replica's agreement inside itself, for its speaker (recovery/decide.py).
+"""A multi-rank replica's agreement inside itself, for its speaker (recovery/speaker.py).
 
 Invariant: `agree` and `share` are collectives of the replica's own process group (its default
-group: one per torchrun), called by every rank at the same points of the step protocol; each
+group: one per torchrun), called by every rank at the same points of the step protocol (the
+order: recovery/speaker.py); each
 returns the same value on every rank, or raises on every rank within its bound. While one
 waits, the rank's main thread reports progress (a protocol wait, like a store wait), so a
 sibling blocked on its speaker is not taken for a deadlocked one; an error of the group (a
@@ -44,11 +45,21 @@ class IntraReplicaLink:
         every_ok, low, minus_high = t.tolist()
         return every_ok == 1 and low == -minus_high == g
 
-    def share(self, decision: bytes | None) -> bytes:
-        code = -1 if decision is None else _CODES.index(decision)
-        t = torch.tensor([code], dtype=torch.int64, device=self.device)
-        self._run(lambda: dist.broadcast(t, src=0, async_op=True))
-        return from_speaker(_CODES[int(t.item())])
+    def share(self, value: bytes | None) -> bytes:
+        # One broadcast for a decision or a speaker's failure (a code); a chain entry (any
+        # other bytes) follows its length in a second one.
+        code = -1 if value is None else _CODES.index(value) if value in _CODES else len(_CODES)
+        head = torch.tensor([code, len(value or b"")], dtype=torch.int64, device=self.device)
+        self._run(lambda: dist.broadcast(head, src=0, async_op=True))
+        code, size = head.tolist()
+        if code < len(_CODES):
+            return from_speaker(_CODES[code])
+        if size == 0:
+            return b""
+        body = (torch.frombuffer(bytearray(value), dtype=torch.uint8) if value is not None
+                else torch.empty(size, dtype=torch.uint8)).to(self.device)
+        self._run(lambda: dist.broadcast(body, src=0, async_op=True))
+        return bytes(body.cpu().tolist())
 
     def _run(self, issue: Callable[[], Any]) -> None:
         """Issue one collective and wait for it, reporting progress, within `bound_s`."""

@@ -7,15 +7,16 @@ codes a speaker shares when it raised (`SPEAKER_FAILED`, `SPEAKER_LOST`; read by
 `from_speaker`)
 (the names of `Numerics.reduce_dtype`), and the strategy interface `StepStrategy` with recover's
 own `InStepRecovery` and the helper `chain_owners` (for other strategies). Modules: `step` (the
-step loop), `chain` (the ownership chain), `decide` (the commit decision), `lifetime` (deleting
+step loop), `chain` (the ownership chain), `decide` (the commit decision), `speaker` (a
+multi-rank replica's one voice to the store, `ReplicaLink`), `lifetime` (deleting
 the keys of old steps), `trailer` (the reduce's verification), `buckets` (the reduce overlapped
 with the last backward), `grads`, `exact`, `strategy`, `shrink`.
 """
 
-from recover.recovery.decide import SPEAKER_FAILED, SPEAKER_LOST, ReplicaLink, from_speaker
 from recover.recovery.exact import ExactGrads
 from recover.recovery.failures import BelowMinReplicas, CommitRefused, RecoveryError
 from recover.recovery.grads import GradAccess, TensorGrad
+from recover.recovery.speaker import SPEAKER_FAILED, SPEAKER_LOST, ReplicaLink, from_speaker
 from recover.recovery.step import MAX_ATTEMPTS, REDUCE_DTYPES, StepEngine, StepResult
 from recover.recovery.strategy import Chain, InStepRecovery, StepStrategy, chain_owners
 

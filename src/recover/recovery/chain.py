@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from recover.collectives import Member, keys
 from recover.collectives.waiter import KeyWaiter
 from recover.recovery.failures import RecoveryError
+from recover.recovery.speaker import ReplicaLink, speak
 from recover.recovery.strategy import Chain, StepStrategy
 from recover.settings import FaultTolerance, Hooks
 
@@ -33,12 +35,15 @@ class OwnershipChain:
     `speeds` (every replica's seconds per microbatch, from the last reduced trailer) feed the
     plans; `shared_speeds` says whether every rank of a replica holds the same ones (one rank per
     replica, or a caller that makes them agree): only then may a speed-aware plan be implied.
+    `link`: a multi-rank replica's `ReplicaLink`; its position 0 then reads the chain for all
+    its positions (`sync`).
     """
 
     def __init__(self, member: Member, store: Any, waiter: KeyWaiter, strategy: StepStrategy,
                  n: int, position: int, positions: int, ft: FaultTolerance,
-                 hooks: Hooks) -> None:
+                 hooks: Hooks, link: ReplicaLink | None = None) -> None:
         self.member, self.store, self.waiter = member, store, waiter
+        self.link = link if positions > 1 else None  # a speaker reads the chain for its replica
         self.strategy, self.n = strategy, n
         self.me, self.position, self.positions = member.replica, position, positions
         self.timeout_s, self.speed_aware = ft.reduce_timeout_s, ft.speed_aware
@@ -62,11 +67,18 @@ class OwnershipChain:
         (a `redo`, `commit-plan` or fault makes another)."""
         return list(self._assign(step, [], self.member.members(g), speeds).get(self.me, []))
 
-    def sync(self, step: int, tag: int | str, chain: Chain, g: int, members: list[int]) -> Chain:
+    def sync(self, step: int, tag: int | str, chain: Chain, g: int, members: list[int],
+             moved_past: Callable[[int], None] | None = None) -> Chain:
         """Read the agreed chain up to an entry of generation >= g, extending it if nobody has
         yet. Entry 0, the step's plan, is proposed by one rank (position 0 of the lowest member);
         the others block on it. Later entries (after a fault) are proposed by whoever needs them
-        first. Entry 0 is implied instead when the last commit says so."""
+        first. Entry 0 is implied instead when the last commit says so.
+
+        With a speaker (`link`), position 0 alone reads or writes each entry in the store and
+        shares it with its siblings; before each entry after the first every position calls
+        `moved_past` with the generation of the entry before (its agreement there, unless it
+        reduced and decided in it: recovery/decide.py), so the replica's link calls pair up in
+        chain order: an entry's share, then its generation's agreement."""
         chain = list(chain)
         implied, self._implied = self._implied, None
         if not chain:
@@ -74,24 +86,51 @@ class OwnershipChain:
         if not chain and implied is not None and implied[0] == tag:
             chain.append(self._plan_entry(step, implied[1], self.member.members(implied[1])))
         deadline = time.monotonic() + 3 * self.timeout_s
+
+        def learn() -> bytes:  # the next entry from the store (the membership may change)
+            nonlocal g, members
+            raw, g, members = self._read(step, tag, chain, g, members, deadline)
+            return raw
+
+        def past() -> None:  # agree on the generation we move past (recovery/decide.py)
+            if chain and moved_past is not None:
+                moved_past(int(chain[-1]["gen"]))
+
+        def past_and_learn() -> bytes:  # a speaker's: its store errors reach its siblings too
+            past()
+            return learn()
+
         while not chain or chain[-1]["gen"] < g:
-            key = keys.chain_key(tag, len(chain))
+            if self.link is None:
+                raw = learn()
+            elif self.position == 0:
+                raw = speak(self.link, past_and_learn)
+            else:
+                past()
+                raw = self.link.share(None)  # its speaker's entry: it asks the store nothing
+            chain.append(json.loads(raw))
+        return chain
+
+    def _read(self, step: int, tag: int | str, chain: Chain, g: int, members: list[int],
+              deadline: float) -> tuple[bytes, int, list[int]]:
+        """Entry len(chain) of the chain as stored, writing our proposal if we propose it, else
+        waiting for it; with the generation and members it was read at (the membership may
+        change meanwhile: then we may propose it)."""
+        key = keys.chain_key(tag, len(chain))
+        while True:
             proposer = bool(chain) or (self.position == 0 and self.me == min(members))
             if proposer:
                 raw = self.store.compare_set(key, "", json.dumps(self._propose(step, chain, g,
                                                                                members)))
-            else:
-                raw = self.waiter.get(key, g, max(0.0, deadline - time.monotonic()))
-                if raw is None:  # the membership changed meanwhile: maybe we propose now
-                    self.member.check()
-                    if time.monotonic() > deadline:
-                        raise RecoveryError(f"no plan for step {step} within "
-                                            f"{3 * self.timeout_s:.0f}s")
-                    g = self.member.generation()
-                    members = self.member.members(g)
-                    continue
-            chain.append(json.loads(raw))
-        return chain
+                return raw, g, members
+            raw = self.waiter.get(key, g, max(0.0, deadline - time.monotonic()))
+            if raw is not None:
+                return raw, g, members
+            self.member.check()  # the membership changed meanwhile: maybe we propose now
+            if time.monotonic() > deadline:
+                raise RecoveryError(f"no plan for step {step} within {3 * self.timeout_s:.0f}s")
+            g = self.member.generation()
+            members = self.member.members(g)
 
     def commit_value(self, step: int, g: int) -> bytes:
         """`commit` lets every rank imply step + 1's plan; `commit-plan` sends it through the

@@ -18,51 +18,19 @@ counts g (so g cannot commit with it) and the speaker writes `redo`.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
-from torch.distributed import DistError
-
-from recover.collectives import CoordinatorLost, Member, keys, shards
+from recover.collectives import Member, keys, shards
 from recover.collectives.waiter import KeyWaiter
 from recover.recovery.counting import CountingStore
 from recover.recovery.failures import RecoveryError
+from recover.recovery.speaker import ReplicaLink, speak
 from recover.recovery.strategy import Chain
 
 log = logging.getLogger(__name__)
-
-
-class ReplicaLink(Protocol):
-    """A multi-rank replica's own agreement, through its intra-replica group (every position
-    calls each method at the same points, in the same order)."""
-
-    def agree(self, g: int, ok: bool) -> bool:
-        """Whether every position of this replica is at generation g with `ok` true."""
-        ...
-
-    def share(self, decision: bytes | None) -> bytes:
-        """Position 0's `decision` (None elsewhere), on every position, read by `from_speaker`
-        (which raises on every position if position 0 passes SPEAKER_FAILED or SPEAKER_LOST)."""
-        ...
-
-
-# What a speaker shares instead of a decision when it raised (its siblings then raise too):
-SPEAKER_FAILED = b"failed"  # RecoveryError
-SPEAKER_LOST = b"lost"  # CoordinatorLost: the coordinator (or its store) is gone: rejoin one
-
-
-def from_speaker(value: bytes) -> bytes:
-    """What a sibling does with what its speaker shared: the decision, or the speaker's error
-    raised here too (a lost coordinator: the whole replica rejoins a restarted one)."""
-    if value == SPEAKER_LOST:
-        raise CoordinatorLost("the coordinator is unreachable (this replica's rank 0 lost it while "
-                              "it waited for the step's decision)")
-    if value == SPEAKER_FAILED:
-        raise RecoveryError("this replica's rank 0 could not learn the step's decision")
-    return value
 
 
 def counting(position: int, positions: int, speaker: bool) -> tuple[int, int, int]:
@@ -115,24 +83,32 @@ class CommitDecision:
         return self.waiter.gets + (self.shard_waiter.gets if self.shard_waiter else 0)
 
     def mark_skipped(self, tag: int | str, chain: Chain, settled: set[int]) -> None:
-        """Decide 'redo' for every generation of the chain this rank moved past without reducing.
+        """Decide 'redo' for every generation of the chain this rank moved past without reducing
+        (`skip`)."""
+        for e in chain[:-1]:
+            g = int(e["gen"])
+            if g < int(chain[-1]["gen"]):
+                self.skip(tag, g, settled)
+
+    def skip(self, tag: int | str, g: int, settled: set[int]) -> None:
+        """Decide 'redo' for generation g, which this rank moves past without reducing in it,
+        unless it settled g already (reduced and decided, or skipped it before).
 
         Another position of the same generation may have completed its reduce; without this its
         ranks would wait for our outcome, while we wait for them inside an intra-replica
         collective of the next chain entry's microbatches. (Our position's reduce in that
         generation cannot have completed without us, so no commit can be lost.) With a speaker
         only it writes; every position agrees once per generation of the chain, here or in
-        `decide` (in chain order on all of them: they read the same chain), so the replica's
+        `decide`, before it reads the next chain entry (recovery/chain.py), so the replica's
         agreements pair up.
         """
-        for e in chain[:-1]:
-            g = int(e["gen"])
-            if g < int(chain[-1]["gen"]) and g not in settled:
-                settled.add(g)
-                if self.link is not None:  # where a sibling reduced in g, it agrees with us now
-                    self.link.agree(g, False)  # (first: a failed write must not strand it)
-                if self.counts:
-                    self._redo(keys.decision_key(tag, g))
+        if g in settled:
+            return
+        settled.add(g)
+        if self.link is not None:  # where a sibling reduced in g, it agrees with us now
+            self.link.agree(g, False)  # (first: a failed write must not strand it)
+        if self.counts:
+            self._redo(keys.decision_key(tag, g))
 
     def _redo(self, dkey: str) -> bytes:
         """Decide `redo` (whatever was decided first is returned) and copy it to our shard,
@@ -178,16 +154,7 @@ class CommitDecision:
             if meanwhile is not None:
                 meanwhile()
             return self.link.share(None)
-        try:
-            decided = self._decide_counted(step, tag, g, dkey, meanwhile)
-        except Exception as e:  # the siblings raise alike, not wait for us to their bound
-            # The store's own errors are the coordinator's loss too (its process serves the
-            # store): the whole replica then waits for a restarted one, not just this rank.
-            lost = isinstance(e, (CoordinatorLost, DistError))
-            with contextlib.suppress(Exception):
-                self.link.share(SPEAKER_LOST if lost else SPEAKER_FAILED)
-            raise
-        return self.link.share(decided)
+        return speak(self.link, lambda: self._decide_counted(step, tag, g, dkey, meanwhile))
 
     def _decide_counted(self, step: int, tag: int | str, g: int, dkey: str,
                         meanwhile: Callable[[], None] | None) -> bytes:

@@ -155,7 +155,7 @@ class StepEngine:
         store = CountingStore(member.store, self.stats)
         self.waiter = KeyWaiter(member)
         self.chains = OwnershipChain(member, store, self.waiter, self.strategy, n,
-                                     self.position, positions, self.ft, self.hooks)
+                                     self.position, positions, self.ft, self.hooks, link)
         if shared_speeds is not None:
             self.chains.shared_speeds = shared_speeds
         self.decision = CommitDecision(member, store, self.waiter, self.position, positions,
@@ -302,7 +302,8 @@ class StepEngine:
             raise BelowMinReplicas(f"{len(members)} live replica(s) {members} < "
                                    f"--min-replicas {self.ft.min_replicas}")
         before = len(p.chain)
-        p.chain = self.chains.sync(step, p.tag, p.chain, g, members)
+        p.chain = self.chains.sync(step, p.tag, p.chain, g, members,
+                                   lambda gen: self.decision.skip(p.tag, gen, p.settled))
         if not before:
             p.implied = self.chains.first_implied
         if self.positions > 1:

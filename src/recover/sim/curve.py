@@ -28,10 +28,10 @@ measured scale, times in seconds. `ranks` = R x P processes of the job; `group` 
 - failure_main_requests_per_rank (optional): every request the main store served because of
   a failure from the ranks' every client, per surviving rank (replicas of one rank), measured
   with `store_shards` shards (an optional number: 0, one store, puts the rendezvous in this
-  column); charged per rank (`recovery_store_s`); failure_main_chain_requests_per_rank
-  (optional): the chain's share of it (what each rank of a multi-rank replica asks; its speaker
-  asks the rest); failure_coordinator_requests (optional): the coordinator's own (the
-  generation's publication), per failure;
+  column); charged per replica's speaker, or per rank without one (`recovery_store_s`);
+  failure_main_chain_requests_per_rank (optional, informational): the chain's share of it;
+  failure_coordinator_requests (optional): the coordinator's own (the generation's
+  publication), per failure;
 - failure_shard_requests_per_member (optional): the same on the store shards, where the
   rebuilt communicator's rendezvous goes (barrier, addresses, gloo's address exchange batched:
   O(1) per member, `collectives/meshstore.py`), per member of the rebuilt group

@@ -181,17 +181,15 @@ def store_serial_s(spec: ScaleSpec, fits: dict[str, Fit], gpus: int) -> float:
 
 
 MAIN_FAILURE_COLUMNS = ("failure_main_requests_per_rank", "recovery_store_ops_per_rank")
-CHAIN_COLUMN = "failure_main_chain_requests_per_rank"
 
 
 def recovery_store_s(spec: ScaleSpec, fits: dict[str, Fit], gpus: int) -> float:
     """The main store's serial work for one failure at `gpus` ranks: every request because of
     it (the failed attempt's decision, the chain's extension, evidence counts, deletions), one
     after another: the curve's failure_main_requests_per_rank (one rank per replica there). With
-    a speaker per replica (`ScaleSpec.speaker`) and the curve's
-    failure_main_chain_requests_per_rank, each rank asks the chain's share and each replica the
-    rest (its speaker: redo, evidence, the decision); else each of a replica's ranks asks it
-    all. Plus the coordinator's failure_coordinator_requests; else (an older curve) the
+    a speaker per replica (`ScaleSpec.speaker`) each replica asks it (its speaker: the chain's
+    entry, redo, evidence, the decision; recovery/speaker.py); else each of a replica's ranks
+    asks it all. Plus the coordinator's failure_coordinator_requests; else (an older curve) the
     engine's own recovery_store_ops_per_rank per rank. 0 in "wall" mode, or when the curve
     measured neither."""
     column = next((c for c in MAIN_FAILURE_COLUMNS if c in fits), None)
@@ -200,12 +198,8 @@ def recovery_store_s(spec: ScaleSpec, fits: dict[str, Fit], gpus: int) -> float:
     per = float(spec.curve.request_cpu_s or 0.0)  # type: ignore[union-attr]
     coord = fits.get("failure_coordinator_requests")
     every = fits[column](gpus)
-    chain = fits.get(CHAIN_COLUMN)
-    if spec.speaker and chain is not None and column == MAIN_FAILURE_COLUMNS[0]:
-        mine = min(every, chain(gpus))
-        asked = mine * gpus + (every - mine) * _replicas(gpus)
-    else:
-        asked = every * gpus
+    speakers = spec.speaker and column == MAIN_FAILURE_COLUMNS[0]
+    asked = every * (_replicas(gpus) if speakers else gpus)
     return (asked + (coord(gpus) if coord else 0.0)) * per
 
 

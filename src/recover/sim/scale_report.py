@@ -19,7 +19,6 @@ from recover.sim.curve import COLUMNS, load_curve, x_of
 from recover.sim.params import SimParams, young_daly_steps
 from recover.sim.report import fmt, save_figure
 from recover.sim.scale import (
-    CHAIN_COLUMN,
     FTHSDP_AT_100K,
     MAIN_FAILURE_COLUMNS,
     QUICK_HORIZON_H,
@@ -206,10 +205,9 @@ def recovery_store_line(spec: ScaleSpec, fits: dict) -> str:
                 "(the curve measures neither failure_main_requests_per_rank nor "
                 "recovery_store_ops_per_rank, or the control plane is charged as the wall clock)")
     shards = spec.curve.store_shards if spec.curve else None
-    split = spec.speaker and CHAIN_COLUMN in fits and column == MAIN_FAILURE_COLUMNS[0]
-    who = (f"each rank the chain's share ({CHAIN_COLUMN}(G) {fmt(fits[CHAIN_COLUMN](g), 2)}), "
-           "each replica's speaker the rest" if split
-           else "each of a replica's ranks all of it")
+    split = spec.speaker and column == MAIN_FAILURE_COLUMNS[0]
+    who = ("each replica's speaker all of it (a multi-rank replica's other ranks nothing)"
+           if split else "each of a replica's ranks all of it")
     what = ("every request the failure makes of it (measured with "
             f"{'?' if shards is None else shards} store shards; one rank per replica there; "
             f"here {who}; plus the coordinator's per failure)"
