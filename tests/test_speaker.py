@@ -22,7 +22,7 @@ from torch.distributed import DistNetworkError
 from _link_ranks import ENTRY
 from recover.collectives import CoordinatorLost, keys
 from recover.parallel.replica import Replica
-from recover.recovery import SPEAKER_FAILED, SPEAKER_LOST, RecoveryError
+from recover.recovery import SPEAKER_FAILED, SPEAKER_LOST, InStepRecovery, RecoveryError
 from recover.recovery.chain import OwnershipChain
 from recover.recovery.decide import CommitDecision
 from recover.settings import FaultTolerance, Hooks
@@ -110,8 +110,8 @@ class _EntryLink:
 
 
 def chain_of(position: int, link: _EntryLink, store: _Store) -> OwnershipChain:
-    return OwnershipChain(_Member(), store, None, None, 2, position, 2,  # type: ignore[arg-type]
-                          FaultTolerance(), Hooks(), link)  # type: ignore[arg-type]
+    return OwnershipChain(_Member(), store, None, InStepRecovery(), 2,  # type: ignore[arg-type]
+                          position, 2, FaultTolerance(), Hooks(), link)  # type: ignore[arg-type]
 
 
 def test_a_sibling_reads_the_chain_from_its_speaker_after_agreeing_on_what_it_moves_past() -> None:
@@ -122,6 +122,25 @@ def test_a_sibling_reads_the_chain_from_its_speaker_after_agreeing_on_what_it_mo
     got = chain_of(1, link, store).sync(3, 3, [entry0], 1, [0], past.append)
     assert got == [entry0, {"gen": 1, "assign": {"0": [0, 1]}}]
     assert past == [0] and link.shared == [None] and store.calls == []
+
+
+@pytest.mark.parametrize("position", [0, 1])
+def test_with_a_speaker_a_call_adds_one_entry_whatever_generation_it_sees(position: int) -> None:
+    """A position that sees generation 3 while the chain's next entry is of generation 1 (or
+    whose entry 0 is implied) stops there: its sibling may see an older generation and compute
+    that entry's microbatches, whose intra-replica collectives need this position too; it
+    extends again at its next attempt (recovery/chain.py)."""
+    store, link, past = _Store(None), _EntryLink(), []
+    entry0 = {"gen": 0, "assign": {"0": [0], "1": [1]}}
+    if position == 0:  # the speaker's store holds entry 1 of generation 1 already
+        store.compare_set = (  # type: ignore[method-assign]
+            lambda key, old, new: json.dumps({"gen": 1, "assign": {"0": [0, 1]}}).encode())
+    got = chain_of(position, link, store).sync(3, 3, [entry0], 3, [0], past.append)
+    assert [e["gen"] for e in got] == [0, 1] and past == [0] and len(link.shared) == 1
+    implied = chain_of(position, link, store)
+    implied.committed(2, 0, keys.COMMIT)  # step 2 committed: step 3's entry 0 is implied
+    first = implied.sync(3, 3, [], 3, [0, 1], past.append)
+    assert [e["gen"] for e in first] == [0] and len(link.shared) == 1 and past == [0]
 
 
 @pytest.mark.parametrize(("error", "shared"), [

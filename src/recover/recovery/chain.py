@@ -75,16 +75,23 @@ class OwnershipChain:
         first. Entry 0 is implied instead when the last commit says so.
 
         With a speaker (`link`), position 0 alone reads or writes each entry in the store and
-        shares it with its siblings; before each entry after the first every position calls
-        `moved_past` with the generation of the entry before (its agreement there, unless it
-        reduced and decided in it: recovery/decide.py), so the replica's link calls pair up in
-        chain order: an entry's share, then its generation's agreement."""
+        shares it with its siblings, and a call adds at most one entry (a stored one, or the
+        implied entry 0): its positions compute that entry's new microbatches together (their
+        intra-replica collectives pair up) before any of them enters the link again, so none
+        waits in the link while a sibling waits in a collective of a microbatch. A position
+        whose view of the generation runs ahead extends again at its next attempt. Before an
+        entry after the first, every position calls `moved_past` with the generation of the
+        entry before (its agreement there, unless it reduced and decided in it:
+        recovery/decide.py): each position's link calls pair up in chain order, an entry's share,
+        then its generation's agreement."""
         chain = list(chain)
         implied, self._implied = self._implied, None
         if not chain:
             self.first_implied = implied is not None and implied[0] == tag
         if not chain and implied is not None and implied[0] == tag:
             chain.append(self._plan_entry(step, implied[1], self.member.members(implied[1])))
+            if self.link is not None:
+                return chain  # one entry a call (see above)
         deadline = time.monotonic() + 3 * self.timeout_s
 
         def learn() -> bytes:  # the next entry from the store (the membership may change)
@@ -100,15 +107,17 @@ class OwnershipChain:
             past()
             return learn()
 
-        while not chain or chain[-1]["gen"] < g:
-            if self.link is None:
-                raw = learn()
-            elif self.position == 0:
+        if self.link is not None:
+            if chain and chain[-1]["gen"] >= g:
+                return chain
+            if self.position == 0:
                 raw = speak(self.link, past_and_learn)
             else:
                 past()
                 raw = self.link.share(None)  # its speaker's entry: it asks the store nothing
-            chain.append(json.loads(raw))
+            return [*chain, json.loads(raw)]
+        while not chain or chain[-1]["gen"] < g:
+            chain.append(json.loads(learn()))
         return chain
 
     def _read(self, step: int, tag: int | str, chain: Chain, g: int, members: list[int],
