@@ -13,7 +13,8 @@ reduce of g; then the speaker alone counts all of them (`add` of P), waits, deci
 or writes `redo`, and hands the decision to its siblings (one more). Counting P for P verified
 positions keeps every total the same, so a replica with a speaker and one without decide
 alike; a position that fails or skips g makes the agreement fail, and then nobody of the replica
-counts g (so g cannot commit with it) and the speaker writes `redo`.
+counts g (so g cannot commit with it) and the speaker writes `redo` (the link and the order of
+its calls: recovery/speaker.py).
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ class CommitDecision:
 
     def mark_skipped(self, tag: int | str, chain: Chain, settled: set[int]) -> None:
         """Decide 'redo' for every generation of the chain this rank moved past without reducing
-        (`skip`)."""
+        (`skip`). With a speaker the chain's `sync` skips each before reading the next entry, so
+        this finds them settled."""
         for e in chain[:-1]:
             g = int(e["gen"])
             if g < int(chain[-1]["gen"]):
