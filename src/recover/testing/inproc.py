@@ -198,6 +198,15 @@ class _ThreadLink:
         self._wait(rank)  # nobody overwrites a slot before all have read them
         return together
 
+    def together(self, rank: Rank, value: Any) -> bool:
+        """One intra-replica collective of a microbatch (FSDP's all-gathers pair up so): every
+        position passes it with the same `value`, or this returns False."""
+        self.slots[rank.rank] = value
+        self._wait(rank)
+        alike = all(s == value for s in self.slots)
+        self._wait(rank)
+        return alike
+
     def share(self, rank: Rank, decision: bytes | None) -> bytes:
         if rank.rank == 0:
             self.value = decision
@@ -299,9 +308,10 @@ class Rank:
         self.dead.set()
         if self.member is not None:
             self.member.crash()
-        link = self.h.links.get(self.replica)
-        if link is not None:
-            link.barrier.abort()
+        for links in (self.h.links, self.h.lockstep):  # its siblings' waits there fail
+            link = links.get(self.replica)
+            if link is not None:
+                link.barrier.abort()
 
     def _on_fenced(self, why: str) -> None:
         self.fenced = why
@@ -373,6 +383,9 @@ class Rank:
 
     def _compute(self, i: int, j: int) -> float:
         self.fire("compute", j)
+        lockstep = self.h.lockstep.get(self.replica)
+        if lockstep is not None and not lockstep.together(self, (self.step, i)):
+            self.h.out_of_step.append(f"{self.name}: step {self.step} id {i}: {lockstep.slots}")
         self.computed.setdefault(self.step, []).append(i)
         oracle.add(self.grad, i, self.base)
         return oracle.loss(i)
@@ -405,6 +418,9 @@ class Setup:
     dtype: torch.dtype = torch.float32
     store_shards: int | None = None
     speaker: bool = False  # a multi-rank replica's position 0 speaks for it (recovery/decide.py)
+    # A multi-rank replica's positions meet once per microbatch, as FSDP's collectives make them
+    # (a separate group from the speaker's link): a position computing another id is an error.
+    lockstep: bool = True
 
 
 class Harness:
@@ -440,6 +456,9 @@ class Harness:
                                        name="inproc-coordinator", daemon=True)
         self.links = ({r: _ThreadLink(positions, timeout_s) for r in range(replicas)}
                       if setup.speaker and positions > 1 else {})
+        self.lockstep = ({r: _ThreadLink(positions, timeout_s) for r in range(replicas)}
+                         if setup.lockstep and positions > 1 else {})
+        self.out_of_step: list[str] = []  # positions of one replica that computed different ids
         self.ranks = {(r, k): Rank(self, r, k) for r in range(replicas) for k in range(positions)}
         # Every rank waits here after its reduce, so all of them write outcomes and propose a
         # decision at the same moment (failure-free runs only: a dead rank would break it).
@@ -547,6 +566,7 @@ class Harness:
         """Every result any rank returned is exact; the survivors finished every step; each step
         committed in exactly one generation, the one every rank that returned it reports."""
         assert self.survivors() == survivors, (self.survivors(), self.diagnostics())
+        assert not self.out_of_step, self.out_of_step  # a replica's positions computed apart
         assert not self.archive.conflicts, self.archive.conflicts  # no key re-created
         gens = sorted(self.generations())
         first: dict[int, StepResult] = {}
