@@ -4,8 +4,9 @@ What: per scale (R replicas x P ranks each), a real coordinator and R*P rank pro
 by the standard library's fork server after one `import torch` (`recover.testing.scale`), run the
 step protocol (`StepEngine.run`) on a --numel float tensor: each step's N = R microbatches add a
 known integer-valued gradient (checked exactly after every commit). P > 1 runs multi-position
-engines (a `Member` of P ranks each, one `FaultTolerantComm` per position). Measured, per
-scale:
+engines (a `Member` of P ranks each, one `FaultTolerantComm` per position), a replica's ranks in
+their own gloo group whose rank 0 speaks for them to the store (`IntraReplicaLink`;
+`--no-speaker`: every rank asks). Measured, per scale:
 
   store ops      store round trips per rank per failure-free step: `engine.stats["store_ops"]`
                  deltas plus the engine's blocking key waits (`engine.store_waits`, one round
@@ -89,7 +90,8 @@ main_req>` (goals: <= 2, <= 1.5, <= 4), after `recovery_cpu_outside_collective_r
 ratio) and `failure_free_reduce_cpu_ratio=` (a failure-free reduce call's CPU, the same sizes:
 what gloo's ring alone grows by, measured in the same run).
 
-    python bench/scale.py --smoke          # 2 and 4 ranks, 3 steps, a small store-rate run (CI)
+    python bench/scale.py --smoke          # 2, 4 ranks and 3 x 2 (a speaker), 3 steps, a small
+                                           # store-rate run (CI)
     python bench/scale.py --quick          # 4, 16, 64 ranks; < 3 min
     python bench/scale.py --write-curve    # 4, 16, 64, 128 ranks, and 8 x 8, 16 x 8
 """
@@ -206,7 +208,8 @@ def run_scale(reps: int, pos: int, a: argparse.Namespace, rng: random.Random, d:
             log = d / f"rank{r}.{p}.jsonl"
             kids.call((r, p), rank_main, RankArgs(
                 port, r, p, pos, reps, a.numel, a.compute_s, a.timeout_s, 10**6, log,
-                stop_file, os.getpid(), a.trace), d / f"rank{r}.{p}.err")
+                stop_file, os.getpid(), a.trace, speaker=not a.no_speaker),
+                d / f"rank{r}.{p}.err")
             tails[(r, p)] = Tail(log)
         fork_s = time.monotonic() - t0
         live = set(range(reps))
@@ -394,6 +397,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--retries", type=int, default=1, help="reruns of a scale after a false alarm")
     ap.add_argument("--write-curve", action="store_true", help=f"also write {CURVE}")
+    ap.add_argument("--no-speaker", action="store_true",
+                    help="P > 1: every rank asks the store (no speaker per replica)")
     ap.add_argument("--trace", action="store_true",
                     help="log every engine store call and key wait with its result to each "
                          "rank's .err log (diagnosis of a protocol failure; slows the ranks)")
@@ -404,7 +409,7 @@ def parse_args() -> argparse.Namespace:
                 "kills": {"smoke": 1, "quick": 1, "full": 2},
                 "warm": {"smoke": 1, "quick": 2, "full": 2},
                 "settle": {"smoke": 1, "quick": 2, "full": 2},
-                "scales": {"smoke": "2x1,4x1", "quick": "4x1,16x1,64x1",
+                "scales": {"smoke": "2x1,4x1,3x2", "quick": "4x1,16x1,64x1",
                            "full": "4x1,16x1,64x1,128x1,8x8,16x8"}}
     defaults(a, {key: by_mode[mode] for key, by_mode in by_key.items()})
     # the store server's CPU per request: (clients, request pairs each)
@@ -485,9 +490,9 @@ def report(res: list[dict], failures: list[dict], a: argparse.Namespace, root: P
         "replica added); shard_kB: the value bytes the shards sent it (gloo's addresses)")
     say(f"store shards: {a.store_shards} (" + ("as a large job runs, about one per 1,000 ranks: "
         "the main store serves a failure's agreement, the shards the counts and every "
-        "rendezvous" if a.store_shards else "one store serves everything") + "); a replica "
-        "here is one rank (P = 1): with P positions each of its ranks asks the main store as "
-        "much (no speaker per replica)")
+        "rendezvous" if a.store_shards else "one store serves everything") + "); with P > 1 "
+        + ("every rank asks the store (--no-speaker)" if a.no_speaker else "a replica's rank 0 "
+           "speaks for it (its ranks' own gloo group: recovery/speaker.py)"))
     loads = [r["load"] for r in res]
     data = curve(res, f"bench/scale.py on {cores()} CPU cores shared by all ranks (load "
                       f"{min(loads):.0f}-{max(loads):.0f}), {time.strftime('%Y-%m-%d')}, "

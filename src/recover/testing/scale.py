@@ -22,6 +22,8 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import faulthandler
 import json
 import logging
@@ -36,10 +38,12 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
+import torch.distributed as dist
 
 from recover.collectives import FaultTolerantComm, ReplicaFault, coordinator, keys
 from recover.collectives.comm import Flight
 from recover.collectives.storecount import CountedStore, Tally, counting_connect
+from recover.parallel.link import IntraReplicaLink
 from recover.parallel.rank import RankStack, connect_rank, new_member
 from recover.procs import Process, Spawner, alive, stop_all
 from recover.recovery import StepEngine
@@ -63,6 +67,7 @@ class RankArgs:
     stop_file: Path  # holds the step at which every rank stops (written once by the parent)
     parent: int  # the bench's PID: a rank whose bench is gone stops instead of stepping on
     trace: bool = False  # every engine store call and key wait, with its result, to stderr
+    speaker: bool = False  # P > 1: the replica's rank 0 speaks for it (its ranks' own group)
 
 
 class TimedComm(FaultTolerantComm):
@@ -203,11 +208,24 @@ def _connect(a: RankArgs, timing: _Timing, grad: torch.Tensor, tally: Tally) -> 
     member.connect_shard = connect_shard  # type: ignore[method-assign]
     if a.trace:  # the engine's store calls go through the member's client
         member.store = TracedStore(member.store)
+    link = _replica_link(a, member) if a.speaker and a.nranks > 1 else None
     stack = connect_rank(member, grad, a.n, config, hooks=Hooks(at_phase=timing.hook),
-                         comm_class=TimedComm)
+                         comm_class=TimedComm, link=link)
     if a.trace:
         trace_waits(stack.engine)
     return stack
+
+
+def _replica_link(a: RankArgs, member: Any) -> IntraReplicaLink:
+    """A multi-rank replica's own gloo group (its P ranks meet in a file beside their logs, as
+    a torchrun's would on its store) and the link its speaker decides and reads the chain over
+    (recovery/speaker.py). A sibling's death fails the link's calls here with gloo's error: the
+    rank then exits with it, as its replica is lost anyway (`Replica.guard` also reports it)."""
+    store = dist.FileStore(str(a.log.parent / f"replica{a.replica}.group"), a.nranks)
+    dist.init_process_group("gloo", store=store, rank=a.rank, world_size=a.nranks,
+                            timeout=datetime.timedelta(seconds=a.timeout_s))
+    return IntraReplicaLink(member, torch.device("cpu"), 6 * a.timeout_s + 10,
+                            contextlib.nullcontext)
 
 
 def rank_main(a: RankArgs) -> NoReturn:
