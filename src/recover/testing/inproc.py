@@ -53,9 +53,10 @@ from recover.collectives import (
 from recover.collectives.comm import Flight, ReplicaFault
 from recover.collectives.keys import try_get
 from recover.parallel.rank import connect_rank, new_member
-from recover.recovery import StepResult, from_speaker
+from recover.recovery import StepResult
 from recover.settings import FaultTolerance, Hooks, LaunchEnv, ReplicaConfig
 from recover.testing import oracle
+from recover.testing.threadlink import PositionLink, ThreadLink
 
 _GRAVE: list[object] = []  # everything a harness created; never freed (see the docstring)
 # Kept harnesses hold their sockets (~80 per harness: stores, liveness, gloo pairs): lift the
@@ -180,65 +181,6 @@ class _Comm(FaultTolerantComm):
                                       "neighbour")
 
 
-class _ThreadLink:
-    """A replica's `ReplicaLink` for its positions' threads (what `parallel.link` does over a
-    process group): each call is a barrier round. When one of the replica's ranks dies or is
-    fenced the barrier is broken, and a rank waiting in it does what `Replica.guard` does: it
-    reports the replica lost and waits to be fenced (its thread then parks, as a process exits)."""
-
-    def __init__(self, positions: int, timeout_s: float) -> None:
-        self.barrier = threading.Barrier(positions, timeout=timeout_s)
-        self.slots: list[Any] = [None] * positions
-        self.value: bytes | None = None
-
-    def agree(self, rank: Rank, g: int, ok: bool) -> bool:
-        self.slots[rank.rank] = (g, ok)
-        self._wait(rank)
-        together = all(s == (g, True) for s in self.slots)
-        self._wait(rank)  # nobody overwrites a slot before all have read them
-        return together
-
-    def together(self, rank: Rank, value: Any) -> bool:
-        """One intra-replica collective of a microbatch (FSDP's all-gathers pair up so): every
-        position passes it with the same `value`, or this returns False."""
-        self.slots[rank.rank] = value
-        self._wait(rank)
-        alike = all(s == value for s in self.slots)
-        self._wait(rank)
-        return alike
-
-    def share(self, rank: Rank, decision: bytes | None) -> bytes:
-        if rank.rank == 0:
-            self.value = decision
-        self._wait(rank)
-        got = self.value
-        self._wait(rank)
-        assert got is not None
-        return from_speaker(got)
-
-    def _wait(self, rank: Rank) -> None:
-        try:
-            self.barrier.wait()
-        except threading.BrokenBarrierError:
-            assert rank.member is not None
-            rank.member.report_lost(f"rank {rank.rank}: a sibling died")
-            rank.dead.wait(rank.h.timeout_s)  # until fenced
-            rank.dead.block()
-
-
-class _PositionLink:
-    """One position's view of its replica's `_ThreadLink`."""
-
-    def __init__(self, link: _ThreadLink, rank: Rank) -> None:
-        self.link, self.rank = link, rank
-
-    def agree(self, g: int, ok: bool) -> bool:
-        return self.link.agree(self.rank, g, ok)
-
-    def share(self, decision: bytes | None) -> bytes:
-        return self.link.share(self.rank, decision)
-
-
 class Rank:
     """One rank of one replica, run by a thread."""
 
@@ -346,7 +288,7 @@ class Rank:
             link = h.links.get(self.replica)
             stack = connect_rank(member, grad, h.n, h.config(self.replica),
                                  hooks=Hooks(at_phase=self._hook), comm_class=_Comm,
-                                 link=None if link is None else _PositionLink(link, self))
+                                 link=None if link is None else PositionLink(link, self))
             comm, engine = stack.comm, stack.engine
             comm.rank_state = self  # type: ignore[attr-defined]
             self.comm = comm
@@ -454,9 +396,9 @@ class Harness:
         self._stop = threading.Event()
         self._serve = threading.Thread(target=self.coord.serve, args=(self._stop.is_set,),
                                        name="inproc-coordinator", daemon=True)
-        self.links = ({r: _ThreadLink(positions, timeout_s) for r in range(replicas)}
+        self.links = ({r: ThreadLink(positions, timeout_s) for r in range(replicas)}
                       if setup.speaker and positions > 1 else {})
-        self.lockstep = ({r: _ThreadLink(positions, timeout_s) for r in range(replicas)}
+        self.lockstep = ({r: ThreadLink(positions, timeout_s) for r in range(replicas)}
                          if setup.lockstep and positions > 1 else {})
         self.out_of_step: list[str] = []  # positions of one replica that computed different ids
         self.ranks = {(r, k): Rank(self, r, k) for r in range(replicas) for k in range(positions)}
