@@ -15,7 +15,7 @@ Every process a run starts is ended by its PID (`recover.procs`), never by proce
     python bench/soak.py --minutes 30 [--seed 0] [--out DIR] [--hsdp]
 
 `--hsdp`: every replica is 2 ranks (HSDP shards; a replica's rank 0 speaks for it to the store,
-recovery/decide.py), each fault aimed at either rank; the survivors' final parameters are
+recovery/speaker.py), each fault aimed at either rank; the survivors' final parameters are
 compared rank by rank, and the last checkpoint is verified (HMAC, every file's sha256), not
 loaded.
 """

@@ -7,8 +7,8 @@ requests per member of an R-member group, 2R^2 on the store server that hosts th
 rendezvous (a shard: docs/DESIGN.md, "Scaling the control plane"). `MeshStore` is the store gloo
 is given: the first read of such a key waits for all R members' keys of that device in one
 request and reads them in one `multi_get`; the other R - 1 reads are answered from those bytes.
-A member then asks the server 4 things (its own address, the barrier's count and wait aside): a
-set, a wait and a multi_get, whatever R (docs/MEASUREMENTS.md, "The control plane at scale").
+A member then asks the server 3 things (the barrier's count and wait aside): a set of its own
+address, a wait and a multi_get, whatever R (docs/MEASUREMENTS.md, "The control plane at scale").
 With pairs named by rank (`GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER`, below) an address carries no
 identifier per peer, so those reads are O(R) bytes, not O(R^2).
 
@@ -90,10 +90,7 @@ class MeshStore(dist.Store):
         with self._lock:
             if key not in self._read:
                 names = [f"{m.group(1)}/{r}" for r in range(self._size)]
-                if timeout is None:
-                    self._inner.wait(names)
-                else:
-                    self._inner.wait(names, timeout)
+                self._wait_inner(names, timeout)
                 self._read.update(zip(names, self._inner.multi_get(names), strict=True))
                 self.batches += 1
         return True
@@ -101,10 +98,13 @@ class MeshStore(dist.Store):
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         rest = [k for k in keys if not self._batch(k, timeout)]
         if rest:
-            if timeout is None:
-                self._inner.wait(rest)
-            else:
-                self._inner.wait(rest, timeout)
+            self._wait_inner(rest, timeout)
+
+    def _wait_inner(self, keys: list[str], timeout: datetime.timedelta | None) -> None:
+        if timeout is None:  # the inner store's own timeout
+            self._inner.wait(keys)
+        else:
+            self._inner.wait(keys, timeout)
 
     def get(self, key: str) -> bytes:
         if self._batch(key, None):

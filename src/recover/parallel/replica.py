@@ -138,13 +138,14 @@ class Replica:
 
         member = new_member(cfg, self.rank, self.nranks, applied=applied,
                             last_generation=last_generation)
-        # With its ranks' microbatch times agreed (`_agree`), every rank sees the same speeds,
-        # so the engine may imply a plan instead of reading it from the store.
         # A multi-rank replica's rank 0 speaks for it to the store; its ranks agree through
-        # their own group first (recovery/decide.py). The bound: a speaker's decision takes at
-        # most 2 x 3 reduce timeouts (its wait, then the evidence's).
+        # their own group (recovery/speaker.py). The bound: what a speaker learns for them takes
+        # at most 2 x 3 reduce timeouts (a decision: its wait, then the evidence's; a chain
+        # entry: 3, plus 1 for a scheduled join).
         link = (IntraReplicaLink(member, self.grads.device, 6 * cfg.ft.reduce_timeout_s + 10,
                                  self.guard) if self.nranks > 1 else None)
+        # With its ranks' microbatch times agreed (`_agree`), every rank sees the same speeds,
+        # so the engine may imply a plan instead of reading it from the store.
         stack = connect_rank(member, self.grads, self.n, cfg, hooks=self.hooks,
                              strategy=self.strategy, on_joined=receive, shared_speeds=True,
                              link=link)

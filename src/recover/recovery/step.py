@@ -39,10 +39,11 @@ from recover.collectives.waiter import KeyWaiter
 from recover.recovery.buckets import BucketPlan, Overlap, StreamedGrad
 from recover.recovery.chain import OwnershipChain
 from recover.recovery.counting import CountingStore
-from recover.recovery.decide import CommitDecision, ReplicaLink
+from recover.recovery.decide import CommitDecision
 from recover.recovery.failures import BelowMinReplicas, CommitRefused, RecoveryError
 from recover.recovery.grads import GradAccess, TensorGrad
 from recover.recovery.lifetime import Committed, KeyLifetime
+from recover.recovery.speaker import ReplicaLink
 from recover.recovery.strategy import Chain, InStepRecovery, StepStrategy
 from recover.recovery.trailer import MAX_REPLICAS, Trailer, carries
 from recover.settings import FaultTolerance, Hooks, Numerics
@@ -123,7 +124,7 @@ class StepEngine:
     `prefetch(step + 1, ids)`, if set, is called while this rank's verified result waits for
     the commit decision, with the ids it most likely computes next (their data may load then).
     `link`: with positions > 1, the replica's own agreement (`ReplicaLink`): its position 0 then
-    speaks for it to the store (recovery/decide.py).
+    speaks for it to the store (recovery/speaker.py).
     """
 
     def __init__(self, member: Member, comm: FaultTolerantComm, grad: torch.Tensor | GradAccess,

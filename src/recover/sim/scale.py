@@ -116,9 +116,9 @@ class ScaleSpec:
     # same with every request on one server; "wall" = the wall clock measured on 2 cores.
     # A curve without control_plane_cpu_s or store_request_cpu_s can only give "wall".
     control: str = "cpu"
-    # A multi-rank replica's position 0 alone counts and reads a step's decision for it
-    # (recovery/decide.py): the store servers serve replicas a step, not ranks. False: every
-    # rank asks (a sensitivity line).
+    # A multi-rank replica's position 0 alone asks the store for it, a step's count and
+    # decision and a failure's chain, redo and evidence (recovery/speaker.py): the store
+    # servers serve replicas, not ranks. False: every rank asks (a sensitivity line).
     speaker: bool = True
 
     def fits(self) -> dict[str, Fit]:

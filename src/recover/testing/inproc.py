@@ -359,7 +359,7 @@ class Setup:
     records: bool = False  # rank 0 writes step records, as the trainer does
     dtype: torch.dtype = torch.float32
     store_shards: int | None = None
-    speaker: bool = False  # a multi-rank replica's position 0 speaks for it (recovery/decide.py)
+    speaker: bool = False  # a multi-rank replica's position 0 speaks for it (recovery/speaker.py)
     # A multi-rank replica's positions meet once per microbatch, as FSDP's collectives make them
     # (a separate group from the speaker's link): a position computing another id is an error.
     lockstep: bool = True
