@@ -39,6 +39,7 @@ FIGURES = {
               "recovery_cpu_ratio", "recovery_cpu_outside_collective_ratio",
               "failure_free_reduce_cpu_ratio"),
     "recovery": ("recovery_median_s",),
+    "tree": ("tree_vs_ring_cpu", "ring_cpu_growth", "tree_cpu_growth"),
 }  # longest first: the pool's lanes then end about together
 SCRIPT_S = 180.0  # one script's limit (5-30 s each on an idle 2-core machine)
 

@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from recover.collectives import connect_store, keys
+from recover.collectives.tree import TREE_MAX_BYTES
 from recover.errors import ExitCode
 from recover.testing.processes import Proc, stop, stop_all
 
@@ -314,6 +315,27 @@ def test_kill_one_of_four_during_reduce(cluster: Cluster) -> None:
     t_kill = kill_after_reduces(cluster, 1, 5)
     lat = finish_kill_run(cluster, [0, 2, 3], {1: t_kill})
     assert lat
+
+
+# 200 kB: up and down the binary tree (collectives/tree.py), not gloo's ring. Back to back, the
+# survivors are inside a tree operation, waiting on the victim or on a peer that does, at its kill.
+TREE_RUN = {"numel": 50_000, "iters": 400}
+
+
+@pytest.mark.timeout(150)
+def test_kill_an_inner_node_of_the_tree_during_reduce(cluster: Cluster) -> None:
+    assert 4 * TREE_RUN["numel"] <= TREE_MAX_BYTES
+    cluster.start_coordinator()
+    cluster.start_replicas(**TREE_RUN)
+    cluster.wait_joined()
+    # Rank 1 of 4 is the tree's inner node: its parent (0) and its child (3) wait on it, and 2
+    # waits on 0 for the sum coming down.
+    t_kill = kill_after_reduces(cluster, 1, 20, settle_s=0.0)
+    lat = finish_kill_run(cluster, [0, 2, 3], {1: t_kill})
+    assert lat
+    for s in (0, 2, 3):  # every reduce went up and down the tree, before the kill and after
+        reduces = cluster.events(s, "reduce")
+        assert reduces[-1]["tree_ops"] >= len(reduces), reduces[-1]
 
 
 @pytest.mark.timeout(150)

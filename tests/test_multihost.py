@@ -489,9 +489,12 @@ def check_cut(o: Outcome, ref: Run, replicas: int) -> None:
 @pytest.mark.timeout(600)
 def test_a_cut_between_two_of_four_replicas_evicts_one_side(
         reference: Run, corpus: Path, tmp_path: Path) -> None:
-    """Replicas 2 and 3 lose each other for good (silently: packets dropped, as a failed link
-    does) while all four reach the coordinator: one of them is evicted on the evidence."""
-    o = run_recipe(tmp_path, corpus, {2: "partition 3 drop"}, replicas=4, stop_at=CUT_STOP_AT)
+    """Replicas 1 and 3 lose each other for good (silently: packets dropped, as a failed link
+    does) while all four reach the coordinator: one of them is evicted on the evidence. The
+    debug gradient goes up and down a binary tree (collectives/tree.py), in which 3 is 1's
+    child; a cut between two that exchange nothing in it (2 and 3) goes unnoticed until a
+    rebuild's full mesh needs that pair."""
+    o = run_recipe(tmp_path, corpus, {1: "partition 3 drop"}, replicas=4, stop_at=CUT_STOP_AT)
     check_cut(o, reference, 4)
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.distributed import PrefixStore
 
-from recover.collectives import keys, reach, sever, shards
+from recover.collectives import keys, reach, sever, shards, tree
 from recover.collectives.listen import ListenError
 from recover.collectives.member import CoordinatorLost, Member
 from recover.collectives.meshstore import MeshStore, new_group
@@ -91,10 +91,11 @@ class Flight:
     futs: list[torch.futures.Future] = field(default_factory=list)
     events: list[Any] = field(default_factory=list)  # NCCL: one device event per operation
     error: Exception | None = None  # an issue the group refused
+    tree_driver: tree.TreeDriver | None = None  # gloo: small payloads (collectives/tree.py)
 
     def clear(self) -> None:
         """Drop the references to the group and its work (a caller's frame may outlive it)."""
-        self.pg, self.works, self.futs, self.events = None, [], [], []
+        self.pg, self.works, self.futs, self.events, self.tree_driver = None, [], [], [], None
 
 
 class FaultTolerantComm:
@@ -128,6 +129,7 @@ class FaultTolerantComm:
         self._pg_gen = -1
         self._socks: list[socket.socket] = []  # the gloo sockets of `_pg` (see `sever`)
         self._pg_store: MeshStore | None = None  # `_pg`'s store: gloo holds it
+        self._tree: tree.TreeDriver | None = None  # `_pg`'s small payloads (gloo)
         # The sockets of groups let go, closed only once the next group's barrier has passed
         # (every member has left the older ops by then): closed earlier, a slower peer's send
         # on one was reset, and gloo lost it (docs/MEASUREMENTS.md, "Severing a gloo operation").
@@ -143,11 +145,11 @@ class FaultTolerantComm:
         self._spare = SpareClient(self.rendezvous.clone)  # each build's own rendezvous client
         # Cumulative, for profilers: seconds building groups / in barriers / in reduces, this
         # process's CPU seconds (every thread) while it built groups (barrier included), and
-        # the collectives issued (one per tensor of a reduce), and the probes of the peers'
-        # data path this rank started (`reach`).
+        # the collectives issued (one per tensor of a reduce; `tree_ops` of them up and down the
+        # tree), and the probes of the peers' data path this rank started (`reach`).
         self.stats: dict[str, float] = {"build_s": 0.0, "barrier_s": 0.0, "reduces": 0,
                                         "reduce_s": 0.0, "build_cpu_s": 0.0, "collectives": 0,
-                                        "probes": 0}
+                                        "tree_ops": 0, "probes": 0}
 
     # -- public ------------------------------------------------------------------------------
     def reduce_(self, tensors: Sequence[torch.Tensor], generation: int | None = None,
@@ -192,13 +194,23 @@ class FaultTolerantComm:
             others = [m for m in members if m != self.member.replica]
             self.member.report_cut(g, others)
             raise ReplicaFault(g, [], "partitioned: no peer reachable")
-        return Flight(g, self._group(g, members), list(hold))
+        pg = self._group(g, members)
+        return Flight(g, pg, list(hold), tree_driver=self._tree)
 
     def issue(self, flight: Flight, tensor: torch.Tensor) -> None:
         """Start summing `tensor` in place in `flight`'s group; never blocks on the peers. An
         error is kept for `complete` to raise (a group a peer's death already failed may refuse
         new work)."""
         if flight.pg is None or flight.error is not None:
+            return
+        if flight.tree_driver is not None and tree.fits(tensor):
+            # Up and down a binary tree on the group's own thread: O(1) peers per member where
+            # gloo's ring takes 2(R - 1) steps (collectives/tree.py).
+            fut, kept = flight.tree_driver.submit(tensor)
+            flight.works.append(kept)
+            flight.futs.append(fut)
+            self.stats["collectives"] += 1
+            self.stats["tree_ops"] += 1
             return
         try:
             work = flight.pg.allreduce([tensor])  # type: ignore[attr-defined]
@@ -405,6 +417,9 @@ class FaultTolerantComm:
         self.stats["build_cpu_s"] += time.process_time() - c0
         self._pg, self._pg_gen, self._pg_store = box["pg"], g, store
         self._socks = box.get("socks", [])  # type: ignore[assignment]
+        if self.backend == "gloo":
+            self._tree = tree.TreeDriver(self._pg, rank, size, self.timeout_s,
+                                         f"recover-tree-g{g}")
         self._spare.prepare()  # the next build's client, connected while this group is used
         return self._pg
 
@@ -555,7 +570,10 @@ class FaultTolerantComm:
         if self._pg is pg:
             self._closing += self._socks
             works = (*works, self._pg_store)  # gloo holds it: it goes with the group
+            if self._tree is not None:
+                self._tree.close()  # its thread drops the group after its current operation
             self._pg, self._pg_gen, self._socks, self._pg_store = None, -1, [], None
+            self._tree = None
         retire(pg, works, futs)
 
     def _close_old(self) -> None:

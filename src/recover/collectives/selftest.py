@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         ok = bool(torch.all(res == expected))
         log(event="reduce", i=i, gen=g, members=members, ok=ok, sum=float(res[0]),
             expected=expected, reduce_s=time.monotonic() - t1,
-            **{k: v for k, v in comm.stats.items() if k in ("build_s", "barrier_s", "probes")})
+            **{k: v for k, v in comm.stats.items()
+               if k in ("build_s", "barrier_s", "probes", "tree_ops")})
         if not ok:
             return 1
         if bufs[1] is None:  # a new spare, after the reduce that ended a recovery
