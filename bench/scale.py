@@ -38,10 +38,11 @@ their own gloo group whose rank 0 speaks for them to the store (`IntraReplicaLin
                  survivors' --settle commits, less what as many failure-free steps cost it:
                  the server's work for detection, agreement and the group's rendezvous;
      rec_out     the same, less the CPU inside the survivor's reduce calls over the span (`open`
-                 to the end of `complete`: gloo's connect of the new group and its rings, and
-                 the failed op's abandon): the protocol's own work (detection, agreement,
+                 to the end of `complete`: gloo's connect of the new group, its collectives,
+                 and the failed op's abandon): the protocol's own work (detection, agreement,
                  decision, chain, recompute), the most any survivor spent; beside it, a
-                 failure-free step's reduce call's CPU (gloo's ring alone) at each size;
+                 failure-free step's reduce call's CPU (the collective alone: the tree of
+                 `collectives.tree` up to its TREE_MAX_BYTES, gloo's ring past) at each size;
      rec_ops     the store round trips of a survivor's step that reduced in the new
                  generation (the most any survivor made), less a failure-free step's: what a
                  failure adds per rank (the engine's own calls);
@@ -88,7 +89,7 @@ lines:
 scale / at the smallest>` and `main_store_requests_per_failure_per_replica=<max over scales of
 main_req>` (goals: <= 2, <= 1.5, <= 4), after `recovery_cpu_outside_collective_ratio=` (rec_out's
 ratio) and `failure_free_reduce_cpu_ratio=` (a failure-free reduce call's CPU, the same sizes:
-what gloo's ring alone grows by, measured in the same run).
+what the collective alone grows by, measured in the same run).
 
     python bench/scale.py --smoke          # 2, 4 ranks and 3 x 2 (a speaker), 3 steps, a small
                                            # store-rate run (CI)
@@ -134,6 +135,7 @@ from _scale_analysis import (
     recovery_cpu_outside,
 )
 from _store_rate import byte_cpu_s, request_cpu_s
+from recover.collectives.tree import TREE_MAX_BYTES
 from recover.testing.scale import (
     Children,
     CoordArgs,
@@ -521,12 +523,12 @@ def report(res: list[dict], failures: list[dict], a: argparse.Namespace, root: P
     say(f"protocol failures (a survivor died or a wrong gradient; retried): {len(failures)}"
         + "".join(f"\n  {f['scale']}: {f['error'].splitlines()[0][:150]} ({f['logs']})"
                   for f in failures))
-    for line in figures(res):
+    for line in figures(res, a.numel):
         print(line, flush=True)
     return 0
 
 
-def figures(res: list[dict]) -> list[str]:
+def figures(res: list[dict], numel: int) -> list[str]:
     """The per-size values (progress lines), then the three figure lines."""
     one = sorted((r for r in res if r["positions"] == 1), key=lambda r: r["ranks"])
     for r in res:
@@ -549,16 +551,18 @@ def figures(res: list[dict]) -> list[str]:
     wall = (big["detect"] + big["agree"]) / (small["detect"] + small["agree"])
     outside = big["recovery_cpu_outside"] / small["recovery_cpu_outside"]
     ring = big["reduce_cpu_s"] / small["reduce_cpu_s"]
+    coll = ("the tree of collectives/tree.py" if 4 * numel <= TREE_MAX_BYTES
+            else "gloo's ring of 2(R-1) sends")
     say(f"recovery_cpu_ratio: {big['recovery_cpu'] * 1e3:.1f} ms at {big['ranks']} ranks / "
         f"{small['recovery_cpu'] * 1e3:.1f} ms at {small['ranks']}; of it the rebuild "
         f"{big['rebuild_cpu'] * 1e3:.1f} / {small['rebuild_cpu'] * 1e3:.1f} ms (gloo connects "
         f"a full mesh: O(R) per member); the wall clock's detect + agree ratio {wall:.2f} "
         f"(processor sharing among {big['ranks']} processes on {cores()} cores); goals: "
         "store ops <= 2, CPU ratio <= 1.5, main-store requests <= 4")
-    say(f"  outside the communicator's reduce calls (gloo's connect and rings, the failed op's "
-        f"abandon): {big['recovery_cpu_outside'] * 1e3:.1f} / "
+    say(f"  outside the communicator's reduce calls (gloo's connect, the collectives, the "
+        f"failed op's abandon): {big['recovery_cpu_outside'] * 1e3:.1f} / "
         f"{small['recovery_cpu_outside'] * 1e3:.1f} ms, ratio {outside:.2f}; one failure-free "
-        f"reduce call (gloo's ring of 2(R-1) sends, no failure) {big['reduce_cpu_s'] * 1e3:.1f}"
+        f"reduce call ({coll}, no failure) {big['reduce_cpu_s'] * 1e3:.1f}"
         f" / {small['reduce_cpu_s'] * 1e3:.1f} ms, ratio {ring:.2f}")
     return [f"recovery_cpu_outside_collective_ratio={outside:.2f}",
             f"failure_free_reduce_cpu_ratio={ring:.2f}",
