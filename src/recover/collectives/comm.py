@@ -143,6 +143,7 @@ class FaultTolerantComm:
         self.rendezvous = self._rendezvous_store(member, position)
         self._waiter = KeyWaiter(member, self.rendezvous)  # blocking reads for the build barrier
         self._spare = SpareClient(self.rendezvous.clone)  # each build's own rendezvous client
+        self._spare.prepare()  # the first build's, too (a new member after a restart)
         # Cumulative, for profilers: seconds building groups / in barriers / in reduces, this
         # process's CPU seconds (every thread) while it built groups (barrier included), and
         # the collectives issued (one per tensor of a reduce; `tree_ops` of them up and down the
@@ -370,19 +371,21 @@ class FaultTolerantComm:
         t1 = time.monotonic()
         # Build in a helper thread: if a member dies between the barrier and the build, the
         # constructor would block for its whole timeout; we give up as soon as g is superseded.
-        box: dict[str, object] = {}
-        # A new client each build (reusing an ended build's broke pipes to the store:
-        # docs/MEASUREMENTS.md, "TCPStore"), connected ahead of need: its connect's name lookup can
-        # take 5 s (`spare`).
-        store: Any = PrefixStore(prefix + "/pg", self._spare.take(prepare_next=False))
-        if self.backend == "gloo":  # O(1) requests per member for gloo's full mesh, not O(R)
-            store = MeshStore(store, size)
-
+        box: dict[str, Any] = {}
         # Connections to the coordinator (store, shards, liveness) are not the group's.
         spare = {self.member.port, self.member.live_port, *self.member.shard_ports}
 
         def build() -> None:
             try:
+                # A new client each build (reusing an ended build's broke pipes to the store:
+                # docs/MEASUREMENTS.md, "TCPStore"), connected ahead of need (`spare`); one
+                # connected now resolves the peer's name, which can take a DNS timeout (5 s):
+                # here, not on the caller's thread, which keeps showing progress meanwhile.
+                store: Any = PrefixStore(prefix + "/pg", self._spare.take(prepare_next=False))
+                if self.backend == "gloo":  # O(1) requests per member for gloo's full mesh
+                    store = box["store"] = MeshStore(store, size)
+                else:
+                    box["store"] = store
                 before = sever.sockets() if self.backend == "gloo" else {}
                 pg = new_group(self.backend, store, rank, size, self.timeout_s,
                                 self.iface.ifname, addr)
@@ -415,7 +418,7 @@ class FaultTolerantComm:
         self.stats["barrier_s"] += t1 - t0
         self.stats["build_s"] += time.monotonic() - t1
         self.stats["build_cpu_s"] += time.process_time() - c0
-        self._pg, self._pg_gen, self._pg_store = box["pg"], g, store
+        self._pg, self._pg_gen, self._pg_store = box["pg"], g, box["store"]
         self._socks = box.get("socks", [])  # type: ignore[assignment]
         if self.backend == "gloo":
             self._tree = tree.TreeDriver(self._pg, rank, size, self.timeout_s,

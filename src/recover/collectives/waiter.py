@@ -26,8 +26,13 @@ from recover.collectives.spare import SpareClient
 
 
 class _Helper:
-    def __init__(self, store: Any) -> None:
-        self.store = store
+    def __init__(self, connect: Callable[[], Any]) -> None:
+        """`connect()` gives the helper its client, on the helper's own thread: a connect that
+        was not made ahead (`spare`) resolves the peer's name there, which took a DNS timeout
+        (5 s) on a caller's thread after a coordinator restart, long enough to be judged a
+        stalled main thread and evicted (bench/soak.py --seed 50, run 149)."""
+        self.connect = connect
+        self.store: Any = None
         self.requests: queue.SimpleQueue[tuple[str, float, dict[str, Any], threading.Event]] = (
             queue.SimpleQueue())
         self.busy = False
@@ -44,6 +49,8 @@ class _Helper:
             key, timeout_s, box, done = request
             deadline = time.monotonic() + timeout_s
             try:
+                if self.store is None:
+                    self.store = self.connect()
                 value = b""
                 while not value:
                     # A blocked get also wakes when another client compare_sets the missing key
@@ -83,6 +90,7 @@ class KeyWaiter:
         # A new helper is needed just when a wait was abandoned for a newer generation (its
         # helper is still blocked), i.e. in a recovery: its client is connected ahead (`spare`).
         self._spare = SpareClient(self.store.clone)
+        self._spare.prepare()  # the first helper's, too (a new member after a restart)
 
     def get(self, key: str, generation: int, timeout_s: float,
             meanwhile: Callable[[], None] | None = None) -> bytes | None:
@@ -127,7 +135,7 @@ class KeyWaiter:
                 if not h.busy:
                     h.busy = True
                     return h
-            h = _Helper(self._spare.take())
+            h = _Helper(self._spare.take)
             h.busy = True
             self._helpers.append(h)
             return h
