@@ -143,7 +143,6 @@ class FaultTolerantComm:
         self.rendezvous = self._rendezvous_store(member, position)
         self._waiter = KeyWaiter(member, self.rendezvous)  # blocking reads for the build barrier
         self._spare = SpareClient(self.rendezvous.clone)  # each build's own rendezvous client
-        self._spare.prepare()  # the first build's, too (a new member after a restart)
         # Cumulative, for profilers: seconds building groups / in barriers / in reduces, this
         # process's CPU seconds (every thread) while it built groups (barrier included), and
         # the collectives issued (one per tensor of a reduce; `tree_ops` of them up and down the

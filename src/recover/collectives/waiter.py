@@ -90,7 +90,6 @@ class KeyWaiter:
         # A new helper is needed just when a wait was abandoned for a newer generation (its
         # helper is still blocked), i.e. in a recovery: its client is connected ahead (`spare`).
         self._spare = SpareClient(self.store.clone)
-        self._spare.prepare()  # the first helper's, too (a new member after a restart)
 
     def get(self, key: str, generation: int, timeout_s: float,
             meanwhile: Callable[[], None] | None = None) -> bytes | None:
