@@ -382,9 +382,8 @@ class FaultTolerantComm:
                 # here, not on the caller's thread, which keeps showing progress meanwhile.
                 store: Any = PrefixStore(prefix + "/pg", self._spare.take(prepare_next=False))
                 if self.backend == "gloo":  # O(1) requests per member for gloo's full mesh
-                    store = box["store"] = MeshStore(store, size)
-                else:
-                    box["store"] = store
+                    store = MeshStore(store, size)
+                box["store"] = store
                 before = sever.sockets() if self.backend == "gloo" else {}
                 pg = new_group(self.backend, store, rank, size, self.timeout_s,
                                 self.iface.ifname, addr)

@@ -83,7 +83,7 @@ class TreeDriver:
             self._next_tag = (self._next_tag + 2) % _TAGS  # one tag up the tree, one down
             op.works.append(tensor)
             if self._closed:
-                op.fut.set_exception(RuntimeError(f"{self.name}: the group was let go"))
+                op.fut.set_exception(self._let_go())
                 return op.fut, op.works
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
@@ -107,29 +107,30 @@ class TreeDriver:
             thread.join(wait_s)
 
     def _loop(self) -> None:
+        # `close` queues the None after every operation submitted before it (a later `submit`
+        # fails at once): those ahead of it fail in `_run`, unattempted.
         try:
-            while not self._closed or not self._ops.empty():
+            while True:
                 try:
                     op = self._ops.get(timeout=_IDLE_S)
                 except queue.Empty:
                     continue
                 if op is None:
-                    break
+                    return
                 self._run(op)
         finally:
-            while True:  # what was queued behind the close: nobody will meet it
-                try:
-                    op = self._ops.get_nowait()
-                except queue.Empty:
-                    break
-                if op is not None and not op.fut.done():
-                    op.fut.set_exception(RuntimeError(f"{self.name}: the group was let go"))
             self.pg = None
 
+    def _let_go(self) -> RuntimeError:
+        return RuntimeError(f"{self.name}: the group was let go")
+
     def _run(self, op: _Op) -> None:
-        if self._failed is not None or self._closed:
-            # The group is broken (or let go): the peers' matching operations fail too, and a
-            # later one would meet a peer's earlier one. Never attempted.
+        # Never attempted on a broken or let-go group: the peers' matching operations fail too,
+        # and a later one would meet a peer's earlier one.
+        if self._closed:
+            op.fut.set_exception(self._let_go())
+            return
+        if self._failed is not None:
             op.fut.set_exception(RuntimeError(f"{self.name}: an earlier operation failed: "
                                               f"{self._failed}"))
             return
