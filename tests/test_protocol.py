@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from recover.collectives import keys
 from recover.testing.inproc import Fault, Harness
 
 pytestmark = pytest.mark.timeout(120)
@@ -149,16 +150,28 @@ def test_a_decision_on_evidence_costs_each_rank_o1_round_trips(tmp_path: Path,
     counted: the others' count cannot complete, the membership changes, and the survivors
     decide on evidence. Each counts itself once for the new generation; reading every rank's
     outcome instead cost each O(R x P) round trips (121 at 16 x 8 in bench/scale.py). With a
-    speaker per replica its position 0 counts for both, its sibling asks nothing."""
+    speaker per replica its position 0 counts for both, its sibling asks nothing.
+
+    The decision names the generation counted (`commit@{s}`), so step 2's plan is implied for
+    s's members as after any commit: nothing of step 2's chain is stored, and step 2 costs
+    each survivor what a failure-free step does (2 round trips; with a speaker its sibling,
+    told the decision through the link, learns s and asks nothing)."""
     h = Harness(tmp_path, 8, positions=2, n=16, steps=3, speaker=speaker,
                 faults=[Fault(2, 1, "commit", rank=0, action="kill-reduced")]).run()
     res = h.check([0, 1, 3, 4, 5, 6, 7])
-    assert res[1].generation == 0 and h.decision(1, 0) == b"commit-plan", res[1]
+    decided = h.decision(1, 0)
+    assert res[1].generation == 0 and decided is not None, res[1]
+    seen = keys.implied_generation(decided, 0)
+    assert decided.startswith(keys.COMMIT_AT) and seen is not None and seen >= 1, decided
+    assert 2 not in keys.decode_members(h.read(keys.members_key(seen)) or b"[2]"), seen
+    assert h.read(keys.chain_key(2, 0)) is None and h.chain(2)[0]["gen"] == seen, h.chain(2)
     survivors = [r for r in h.ranks.values() if r.replica != 2]
     per_rank = [r.ops[1] for r in survivors]
     assert max(per_rank) <= 6, per_rank  # count, decision wait, evidence, its wait, decide
+    after = [r.ops[2] for r in survivors if not speaker or r.rank == 0]
+    assert max(after) <= 2, after  # step 2: count and decision wait, its plan implied
     if speaker:
-        assert all(r.ops[1] == 0 for r in survivors if r.rank == 1), per_rank
+        assert all(r.ops[t] == 0 for r in survivors if r.rank == 1 for t in (1, 2)), per_rank
 
 
 @pytest.mark.parametrize("speaker", [False, True])

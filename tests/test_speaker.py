@@ -143,6 +143,43 @@ def test_with_a_speaker_a_call_adds_one_entry_whatever_generation_it_sees(positi
     assert [e["gen"] for e in first] == [0] and len(link.shared) == 1 and past == [0]
 
 
+class _LateMember(_Member):
+    """A sibling that has learned generation 0 only; generation 2 (members [0]) arrives by the
+    coordinator's push while it waits."""
+
+    def __init__(self) -> None:
+        self.known = {0: [0, 1]}
+
+    def members(self, g: int) -> list[int]:
+        if g not in self.known:
+            raise KeyError(g)
+        return self.known[g]
+
+    def generation(self) -> int:
+        return max(self.known)
+
+    def wait_newer(self, g: int, timeout_s: float) -> int:
+        assert timeout_s > 0
+        self.known[2] = [0]
+        return 2
+
+
+def test_a_commit_on_evidence_implies_the_next_plan_for_the_generation_it_names() -> None:
+    """`commit@2` (decided on evidence counted in generation 2): step 3's entry 0 is implied for
+    generation 2's members, on a sibling too that learns generation 2 only after its speaker
+    shared the decision (it waits for the push); nothing is read from the store."""
+    store, link, past = _Store(None), _EntryLink(), []
+    chain = OwnershipChain(_LateMember(), store, None, InStepRecovery(), 2,  # type: ignore[arg-type]
+                           1, 2, FaultTolerance(), Hooks(), link)  # type: ignore[arg-type]
+    chain.committed(2, 0, keys.commit_at(2))
+    first = chain.sync(3, 3, [], 2, [0], past.append)
+    assert len(first) == 1 and first[0]["gen"] == 2, first
+    assert list(first[0]["assign"]) == ["0"] and len(first[0]["assign"]["0"]) == 2, first
+    assert store.calls == [] and link.shared == [] and past == []
+    assert keys.is_commit(keys.commit_at(2)) and not keys.is_commit(b"commit@x")
+    assert keys.implied_generation(keys.COMMIT_PLAN, 0) is None
+
+
 @pytest.mark.parametrize(("error", "shared"), [
     (DistNetworkError("Connection reset by peer"), SPEAKER_LOST),  # its redo's store died
     (RecoveryError("no plan"), SPEAKER_FAILED)])

@@ -13,7 +13,8 @@ written anywhere else, so the layout can be read (and changed) in one sitting:
     step/{t}/g{g}/ev{s}             ranks of generation s with a verified result of that
                                     attempt (counted when the membership changed mid-decision)
     step/{t}/g{g}/count             verified results of that attempt, counted
-    step/{t}/g{g}/decision          the commit decision of that attempt (written once)
+    step/{t}/g{g}/decision          the commit decision of that attempt (written once): commit,
+                                    commit-plan, commit@{s} (on evidence) or redo
     coord/replicas                  R, the replicas the job was started with
     coord/shards                    the ports of the coordinator's store shards (JSON; absent
                                     without shards): a step's count and decision there too
@@ -134,9 +135,39 @@ def count_key(step: int | str, g: int) -> str:
 
 COMMIT, REDO = b"commit", b"redo"  # decisions
 # Also a commit; and the next step's plan (entry 0 of its chain) goes through the store, not
-# implied (a joiner waits, or the commit was decided on evidence after a fault).
+# implied (a joiner waits, a scheduled join is due, or a replica's ranks may see other speeds).
 COMMIT_PLAN = b"commit-plan"
 COMMITS = (COMMIT, COMMIT_PLAN)
+# Also a commit, decided on evidence after a fault: `commit@{s}` implies the next step's plan
+# for the members of generation s (every rank that counted the evidence learned s), not g's.
+COMMIT_AT = b"commit@"
+
+
+def commit_at(s: int) -> bytes:
+    """The decision of a commit on evidence counted in generation s (`COMMIT_AT`)."""
+    return COMMIT_AT + str(s).encode()
+
+
+def is_commit(decision: bytes | None) -> bool:
+    """Whether a decision value commits its attempt (`commit`, `commit-plan`, `commit@{s}`)."""
+    return decision is not None and (decision in COMMITS or implied_generation(decision, 0)
+                                     is not None)
+
+
+def implied_generation(decision: bytes, g: int) -> int | None:
+    """The generation whose members the next step's implied plan is for, after a commit in g
+    with `decision`: g for `commit`, s for `commit@{s}`; None when the plan is stored (or not a
+    commit)."""
+    if decision == COMMIT:
+        return g
+    if decision.startswith(COMMIT_AT) and decision[len(COMMIT_AT):].isdigit():
+        return int(decision[len(COMMIT_AT):])
+    return None
+
+
+def is_decision(value: bytes | None) -> bool:
+    """Whether a value read from a decision key is one (a commit of any kind, or `redo`)."""
+    return value == REDO or is_commit(value)
 
 
 # -- joining (a replica admitted mid-run) ----------------------------------------------------

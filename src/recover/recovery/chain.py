@@ -5,17 +5,19 @@ Invariants:
   is the plan (or the admission of a joiner at the step boundary), entry k > 0 hands the ids of
   replicas missing from generation g_k to the survivors. Every rank reads the same chain, so
   nobody double-counts or drops an id even if replicas saw different generations.
-- Entry 0 of step t+1 is *implied*, not stored, when step t's decision is `commit` (not
-  `commit-plan`): it is then the plan of the generation t committed in, for the speeds in t's
-  reduced trailer, facts every rank of step t+1 holds alike (it read that one decision). A
-  joiner or a fresh engine only ever starts at a stored entry 0, because whoever writes a
-  decision while a join is pending, or after a fault, writes `commit-plan` (`commit_value`).
+- Entry 0 of step t+1 is *implied*, not stored, when step t's decision is `commit` or
+  `commit@{s}` (not `commit-plan`): it is then the plan of the generation t committed in (of s,
+  after a commit on evidence counted in s, recovery/decide.py), for the speeds in t's reduced
+  trailer, facts every rank of step t+1 holds alike (it read that one decision). A joiner or a
+  fresh engine only ever starts at a stored entry 0, because whoever writes a decision while a
+  join is pending writes `commit-plan` (`commit_value`).
 - What an entry assigns is the `StepStrategy`'s answer, a pure function of the chain before it,
   the members and the speeds, so whoever writes it, everyone would have written the same.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -58,8 +60,9 @@ class OwnershipChain:
 
     def committed(self, step: int, g: int, decision: bytes) -> None:
         """Step `step` committed in generation g with `decision`: a plain `commit` implies the
-        next step's entry 0."""
-        self._implied = (step + 1, g) if decision == keys.COMMIT else None
+        next step's entry 0 for g's members, a commit on evidence (`commit@{s}`) for s's."""
+        implied = keys.implied_generation(decision, g)
+        self._implied = (step + 1, implied) if implied is not None else None
 
     def predict(self, step: int, g: int, speeds: dict[int, float]) -> list[int]:
         """The ids this replica computes in step `step` if its entry 0 is implied by a commit in
@@ -89,7 +92,7 @@ class OwnershipChain:
         if not chain:
             self.first_implied = implied is not None and implied[0] == tag
         if not chain and implied is not None and implied[0] == tag:
-            chain.append(self._plan_entry(step, implied[1], self.member.members(implied[1])))
+            chain.append(self._plan_entry(step, implied[1], self._members_of(implied[1])))
             if self.link is not None:
                 return chain  # one entry a call (see above)
         deadline = time.monotonic() + 3 * self.timeout_s
@@ -140,6 +143,23 @@ class OwnershipChain:
                 raise RecoveryError(f"no plan for step {step} within {3 * self.timeout_s:.0f}s")
             g = self.member.generation()
             members = self.member.members(g)
+
+    def _members_of(self, g: int) -> list[int]:
+        """Generation g's members for an implied plan. After a commit on evidence counted in g
+        (`commit@{g}`) a speaker's sibling, told the decision through the replica's link, may
+        not have learned g yet: it waits for the coordinator's push (bounded), then reads them
+        from the store if the push skipped g (written before it was published: keys.py)."""
+        try:
+            return self.member.members(g)
+        except KeyError:
+            if self.member.generation() < g:
+                self.member.wait_newer(g - 1, 3 * self.timeout_s)
+                with contextlib.suppress(KeyError):
+                    return self.member.members(g)
+            members = keys.generation_members(self.store, g)
+            if members is None:
+                raise RecoveryError(f"generation {g}'s members are not in the store") from None
+            return members
 
     def commit_value(self, step: int, g: int) -> bytes:
         """`commit` lets every rank imply step + 1's plan; `commit-plan` sends it through the

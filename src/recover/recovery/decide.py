@@ -166,7 +166,7 @@ class CommitDecision:
         total = len(self.member.members(g)) * self.positions
         if self.store.add(keys.count_key(tag, g), self.weight) == total:
             return self.store.compare_set(dkey, "", self.commit_value(step, g))
-        return self._await_decision(self.waiter, tag, g, dkey, meanwhile=meanwhile)
+        return self._await_decision(self.waiter, step, tag, g, dkey, meanwhile=meanwhile)
 
     def _decide_sharded(self, step: int, tag: int | str, g: int, dkey: str,
                         meanwhile: Callable[[], None] | None) -> bytes:
@@ -185,26 +185,26 @@ class CommitDecision:
         # copied here too: that ends our shard waiter's blocked get, so its client is reused,
         # not replaced by a new connection (each costs the server a blocking DNS lookup:
         # docs/MEASUREMENTS.md, "TCPStore").
-        return self._await_decision(self.shard_waiter, tag, g, dkey, copy_to=self.shard,
+        return self._await_decision(self.shard_waiter, step, tag, g, dkey, copy_to=self.shard,
                                     meanwhile=meanwhile)
 
-    def _await_decision(self, waiter: KeyWaiter, tag: int | str, g: int, dkey: str,
+    def _await_decision(self, waiter: KeyWaiter, step: int, tag: int | str, g: int, dkey: str,
                         copy_to: Any = None, meanwhile: Callable[[], None] | None = None
                         ) -> bytes:
         """Block on the decision; if the membership changes first, decide on evidence (and
         copy that decision into `copy_to`, a shard, if given)."""
         decided = waiter.get(dkey, g, 3 * self.timeout_s, meanwhile)
-        if decided in (*keys.COMMITS, keys.REDO):
+        if keys.is_decision(decided):
             return decided
         if decided is not None:
             log.warning("step %s generation %d: unexpected decision value %r from the waiter; "
                         "reading it again", tag, g, decided)
-        decided = self._decide_on_evidence(tag, g, dkey)
+        decided = self._decide_on_evidence(step, tag, g, dkey)
         if copy_to is not None:
             copy_to.set(dkey, decided)
         return decided
 
-    def _decide_on_evidence(self, tag: int | str, g: int, dkey: str) -> bytes:
+    def _decide_on_evidence(self, step: int, tag: int | str, g: int, dkey: str) -> bytes:
         """Commit once every rank of the newest generation that was in g holds a verified result.
 
         Each such rank counts itself, once per generation it learns while it waits (one round
@@ -212,7 +212,8 @@ class CommitDecision:
         decision. A rank whose reduce failed never counts (it wrote `redo` at once), and a rank
         that counted and then died held a verified result too: so a commit never leaves a live
         rank without one. O(1) round trips per rank per membership change (reading every
-        rank's outcome, as this did before, was O(R x P) per rank: 121 at 16 x 8)."""
+        rank's outcome, as this did before, was O(R x P) per rank: 121 at 16 x 8). The decision
+        names the generation counted (`evidence_value`), so the next step's plan stays implied."""
         # A sibling position may legitimately take barrier + build + reduce (3 timeouts) first.
         deadline = time.monotonic() + 3 * self.timeout_s
         counted = -1
@@ -223,14 +224,14 @@ class CommitDecision:
                 live = set(self.member.members(seen)) & set(self.member.members(g))
                 if self.store.add(keys.evidence_key(tag, g, seen), self.weight) == \
                         len(live) * self.positions:
-                    # After a fault the members may differ by the next step: plan it in the store.
-                    return self.store.compare_set(dkey, "", keys.COMMIT_PLAN)
+                    return self.store.compare_set(dkey, "",
+                                                  self.evidence_value(step, g, seen))
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RecoveryError(f"no commit decision for step {tag} within "
                                     f"{3 * self.timeout_s:.0f}s")
             decided = self.waiter.get(dkey, seen, left)
-            if decided in (*keys.COMMITS, keys.REDO):
+            if keys.is_decision(decided):
                 return decided
             if decided is not None:
                 log.warning("step %s generation %d: unexpected decision value %r", tag, g,
@@ -239,3 +240,14 @@ class CommitDecision:
             self.member.watch.progress()
             if self.member.generation() == seen:
                 time.sleep(0.05)  # the wait ended on a store error, not a newer generation
+
+    def evidence_value(self, step: int, g: int, seen: int) -> bytes:
+        """A commit on evidence counted in generation `seen`: `commit@{seen}`, so every rank
+        implies the next step's plan for seen's members (each counted in seen, so each knows
+        them; a speaker's sibling waits to learn seen: recovery/chain.py), unless the plan must
+        be stored anyway (`commit_value`) or seen holds a replica g did not (one admitted
+        since): then `commit-plan`. One request a survivor less per failure than storing it."""
+        if not set(self.member.members(seen)) <= set(self.member.members(g)):
+            return keys.COMMIT_PLAN
+        value = self.commit_value(step, seen)
+        return keys.commit_at(seen) if value == keys.COMMIT else value

@@ -261,7 +261,7 @@ class StepEngine:
                 decision = self.decision.decide(step, p.tag, entry_gen, ok,
                                                 self._meanwhile(step, entry_gen, trailer, ok))
             self.stats["decide_s"] += time.monotonic() - t0
-            if decision in keys.COMMITS:
+            if keys.is_commit(decision):
                 if not ok:  # unreachable by the protocol: see CommitRefused
                     raise CommitRefused(
                         f"replica {self.me} position {self.position}: step {p.tag} in "

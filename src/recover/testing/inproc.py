@@ -529,7 +529,7 @@ class Harness:
                     (ref.generation, ref.quotas, ref.members), (rank.name, res, ref)
         for t, ref in first.items():
             decided = {g: self.read(keys.decision_key(t, g)) for g in gens}
-            commits = [g for g, v in decided.items() if v in keys.COMMITS]
+            commits = [g for g, v in decided.items() if keys.is_commit(v)]
             assert commits == [ref.generation], (t, decided)
             for k in range(len(self.coord.shards)):  # only copies of the main decision
                 for g in gens:
