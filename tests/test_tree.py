@@ -101,6 +101,27 @@ def test_a_member_that_never_comes_fails_the_others_within_the_timeout() -> None
     _close(drivers)
 
 
+def test_a_failed_operations_future_keeps_nothing_of_it_alive() -> None:
+    """The future of an operation that failed holds an error, not the raised one's traceback:
+    those frames hold the operation, so its works list, which the reaper waits to see let go
+    (with the future) before it destroys the group: a cycle it broke only after 120 s."""
+    size, timeout_s = 2, 0.5
+    pgs = _groups(size, timeout_s, "cycle")
+    d = TreeDriver(pgs[0], 0, size, timeout_s, "tree0")
+    fut, kept = d.submit(torch.ones(4))  # rank 1 never comes: the receive times out
+    with pytest.raises(RuntimeError):
+        fut.wait()
+    _close([d])
+    err = fut.exception() if hasattr(fut, "exception") else None
+    assert err is None or err.__traceback__ is None
+    gone = threading.Event()
+    holder = type("Holder", (), {"__del__": lambda self: gone.set()})
+    kept.append(holder())  # collected only when nothing but `kept` refers to it
+    del kept
+    assert gone.is_set(), "the failed operation's works are still referenced"
+    del fut
+
+
 def test_close_fails_what_is_queued_and_lets_go_of_the_group() -> None:
     pgs = _groups(2, 5.0, "close")
     d = TreeDriver(pgs[0], 0, 2, 5.0, "tree0")

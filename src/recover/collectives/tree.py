@@ -70,7 +70,7 @@ class TreeDriver:
         self._ops: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._failed: BaseException | None = None
+        self._failed: str | None = None  # why an operation failed (no traceback: `_run`)
         self._lock = threading.Lock()  # `submit` and `close`: a submission after a close fails
         self._next_tag = 0
 
@@ -138,8 +138,11 @@ class TreeDriver:
             self._tree(op)
         except Exception as e:  # a peer died, a socket was severed, or a wait timed out
             log.debug("%s: tree operation %d failed: %s", self.name, op.tag // 2, e)
-            self._failed = e
-            op.fut.set_exception(e)
+            # A new exception, without the traceback: the raised one's frames hold `op`, so
+            # its works, which the future (retired with them) would keep alive in a cycle the
+            # reaper only breaks after UNOWNED_KEEP_S, polling every 2 ms for the first second.
+            self._failed = (str(e).splitlines() or [type(e).__name__])[0][:200]
+            op.fut.set_exception(RuntimeError(f"{self.name}: {self._failed}"))
             return
         op.fut.set_result(None)
 
