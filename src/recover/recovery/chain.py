@@ -149,17 +149,16 @@ class OwnershipChain:
         (`commit@{g}`) a speaker's sibling, told the decision through the replica's link, may
         not have learned g yet: it waits for the coordinator's push (bounded), then reads them
         from the store if the push skipped g (written before it was published: keys.py)."""
-        try:
+        with contextlib.suppress(KeyError):
             return self.member.members(g)
-        except KeyError:
-            if self.member.generation() < g:
-                self.member.wait_newer(g - 1, 3 * self.timeout_s)
-                with contextlib.suppress(KeyError):
-                    return self.member.members(g)
-            members = keys.generation_members(self.store, g)
-            if members is None:
-                raise RecoveryError(f"generation {g}'s members are not in the store") from None
-            return members
+        if self.member.generation() < g:
+            self.member.wait_newer(g - 1, 3 * self.timeout_s)
+            with contextlib.suppress(KeyError):
+                return self.member.members(g)
+        members = keys.generation_members(self.store, g)
+        if members is None:
+            raise RecoveryError(f"generation {g}'s members are not in the store")
+        return members
 
     def commit_value(self, step: int, g: int) -> bytes:
         """`commit` lets every rank imply step + 1's plan; `commit-plan` sends it through the

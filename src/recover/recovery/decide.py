@@ -213,7 +213,7 @@ class CommitDecision:
         that counted and then died held a verified result too: so a commit never leaves a live
         rank without one. O(1) round trips per rank per membership change (reading every
         rank's outcome, as this did before, was O(R x P) per rank: 121 at 16 x 8). The decision
-        names the generation counted (`evidence_value`), so the next step's plan stays implied."""
+        names the generation counted (`_evidence_value`), so the next step's plan stays implied."""
         # A sibling position may legitimately take barrier + build + reduce (3 timeouts) first.
         deadline = time.monotonic() + 3 * self.timeout_s
         counted = -1
@@ -225,7 +225,7 @@ class CommitDecision:
                 if self.store.add(keys.evidence_key(tag, g, seen), self.weight) == \
                         len(live) * self.positions:
                     return self.store.compare_set(dkey, "",
-                                                  self.evidence_value(step, g, seen))
+                                                  self._evidence_value(step, g, seen))
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RecoveryError(f"no commit decision for step {tag} within "
@@ -241,7 +241,7 @@ class CommitDecision:
             if self.member.generation() == seen:
                 time.sleep(0.05)  # the wait ended on a store error, not a newer generation
 
-    def evidence_value(self, step: int, g: int, seen: int) -> bytes:
+    def _evidence_value(self, step: int, g: int, seen: int) -> bytes:
         """A commit on evidence counted in generation `seen`: `commit@{seen}`, so every rank
         implies the next step's plan for seen's members (each counted in seen, so each knows
         them; a speaker's sibling waits to learn seen: recovery/chain.py), unless the plan must
