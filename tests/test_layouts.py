@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from recover.testing.runs import (
     LAYOUT_STEPS,
     Run,
     bitwise_equal,
+    free_ports,
     max_rel,
     recover_train,
     rel_l2,
@@ -92,9 +92,7 @@ def native_hsdp(run_dir: Path, out: Path, timeout: float = 240) -> list[float]:
     server = session()
     if not server.fork:
         return _native_hsdp_torchrun(run_dir, out, env, timeout)
-    with socket.socket() as s:  # a free port for rank 0's store
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports(1)  # for rank 0's store
     ranks: list[Process] = []
     try:
         for rank in range(4):

@@ -6,13 +6,13 @@ itself between two hosts is tests/test_multihost.py's (network namespaces)."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from recover.collectives import reach
+from recover.testing.runs import free_ports
 
 pytestmark = pytest.mark.timeout(30)
 UNROUTABLE = "192.0.2.1"  # TEST-NET-1: no route from a loopback source (refused by the route)
@@ -26,11 +26,7 @@ def listener() -> Iterator[reach.Listener]:
 
 
 def closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+    return free_ports(1)  # below the ephemeral range: no other socket is handed it
 
 
 def test_only_a_path_that_fails_as_a_cut_names_its_peer(listener: reach.Listener) -> None:

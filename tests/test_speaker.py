@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -27,6 +26,7 @@ from recover.recovery.chain import OwnershipChain
 from recover.recovery.decide import CommitDecision
 from recover.settings import FaultTolerance, Hooks
 from recover.testing.processes import session
+from recover.testing.runs import free_ports
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -227,9 +227,7 @@ def test_the_link_hands_a_decision_a_chain_entry_and_a_lost_coordinator_to_the_s
     """`IntraReplicaLink` between two real processes (tests/_link_ranks.py): both read the MIN
     agreement, the speaker's decision (a code, one broadcast), its chain entry byte for byte
     (~11 kB: its length, then the bytes), and its lost coordinator raises on both."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports(1)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     ranks = [session().start("_link_ranks:main", [str(tmp_path), str(port), str(r)],
                              tmp_path / f"rank{r}.log", env=env) for r in range(2)]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import socket
 from pathlib import Path
 from unittest import mock
 
@@ -29,6 +28,7 @@ from recover.app.train.optim import build_optimizer
 from recover.errors import CheckpointError
 from recover.procs import Process
 from recover.testing.processes import session
+from recover.testing.runs import free_ports
 
 pytestmark = pytest.mark.timeout(120)
 KEY = b"this run's token"
@@ -81,12 +81,6 @@ def test_write_atomic_leaves_no_temp_file(tmp_path: Path) -> None:
     assert (tmp_path / "latest").read_text() == "step_00000001\n"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("fault", ["data:1", "manifest:0"])
 def test_hsdp_leader_agrees_a_save_failed(tmp_path: Path, fault: str) -> None:
     """data:1: only the second rank's shard hits ENOSPC (DCP's own write); manifest:0: every DCP
@@ -94,7 +88,7 @@ def test_hsdp_leader_agrees_a_save_failed(tmp_path: Path, fault: str) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     run_token(run_dir, create=True)
-    port, ranks = _free_port(), []
+    port, ranks = free_ports(1), []
     env = dict(os.environ, OMP_NUM_THREADS="1")
     try:
         for rank in range(2):

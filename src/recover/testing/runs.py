@@ -11,7 +11,9 @@ ended: its descendants); every wait is bounded. `fresh_dir` gives a bench its ow
 
 from __future__ import annotations
 
+import contextlib
 import json
+import random
 import shutil
 import signal
 import socket
@@ -54,21 +56,41 @@ def fresh_dir(path: Path) -> Path:
     return path
 
 
-def two_free_ports() -> int:
-    """A port P with P and P + 1 both free right now (a coordinator on a fixed port binds both:
-    `--external-workers` needs one the replicas are told ahead of time)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+def free_ports(count: int) -> int:
+    """A port P with P .. P + count - 1 all free right now, for a process told its port ahead of
+    time (a coordinator's `--port`, torchrun's master port). Drawn below the kernel's ephemeral
+    range: a port that bind(0) handed out and gave back can be handed to any other socket (a
+    gloo pair, another test's store) before its process binds it, and then that process cannot
+    listen (seen in CI: a coordinator's port taken, its workers retrying a stranger's for 120 s).
+    Two callers drawing the same port at once is still possible, and far less likely."""
+    low, _ = _ephemeral_range()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10000, max(10001, low - count))
         try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("0.0.0.0", port))
-                b.bind(("0.0.0.0", port + 1))
+            with contextlib.ExitStack() as stack:
+                for k in range(count):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("0.0.0.0", port + k))
             return port
         except OSError:
             continue
-    raise AssertionError("no two consecutive free ports")
+    raise AssertionError(f"no {count} consecutive free ports below {low}")
+
+
+def two_free_ports() -> int:
+    """A port P with P and P + 1 both free (a coordinator on a fixed port binds both:
+    `--external-workers` needs one the replicas are told ahead of time)."""
+    return free_ports(2)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """Linux's ip_local_port_range (32768 60999 where it cannot be read)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 @dataclass
