@@ -17,6 +17,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -28,7 +29,7 @@ import pytest
 
 from recover import procs
 from recover.app import cluster
-from recover.testing.runs import BASE, Run, max_rel, read_jsonl, two_free_ports
+from recover.testing.runs import BASE, Run, max_rel, read_jsonl, recover_train, two_free_ports
 
 yaml = pytest.importorskip("yaml", reason="pyyaml is not installed (it comes with torchx)")
 
@@ -213,15 +214,44 @@ def test_worker_waits_for_the_config(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert "config.json" in capsys.readouterr().err
     config = preset("debug").replace(run={"out": str(d)}).to_json()
 
-    def coordinator() -> None:  # as the launcher writes them: the token, then config.json
-        time.sleep(0.3)
+    def coordinator() -> None:  # as the launcher writes them: the token, config.json, and
+        time.sleep(0.3)         # the coordinator's port once it listens
         (d / "run.token").write_text("0123abcd\n")
         (d / "config.json").write_text(config)
+        time.sleep(0.5)
+        (d / "coordinator.port").write_text("29500")
 
     writer = threading.Thread(target=coordinator, daemon=True)
     writer.start()
+    t0 = time.monotonic()
     assert worker.main([*argv, "--wait-s", "30"]) == 0
+    assert 0.8 <= time.monotonic() - t0 < 10  # it waited for the port too, not for the 30 s
     writer.join(timeout=10)
+
+
+def test_a_coordinator_that_cannot_listen_stops_its_workers(corpus: Path, tmp_path: Path) -> None:
+    """`recover train --external-workers --port P` with P held by another socket (a port the
+    kernel handed to someone else): the launcher ends in one line naming the cause, and a worker
+    the scheduler started beside it, waiting for the coordinator, ends at once in one line,
+    exit 2, rather than dialling P (whatever holds it) until its connect times out."""
+    port = two_free_ports()
+    out = tmp_path / "run"
+    with socket.create_server(("0.0.0.0", port)):
+        run = recover_train(out, *BASE, "--replicas", "2", "--external-workers", "--port",
+                            str(port), data=corpus, timeout=120)
+        assert run.returncode != 0
+        last = run.stderr.strip().splitlines()[-1]
+        assert "the coordinator did not start" in last and "in use" in last, run.stderr[-2000:]
+        assert "Traceback" not in run.stderr
+        assert (out / "coordinator.failed").is_file() and (out / "config.json").is_file()
+        t0 = time.monotonic()
+        w = subprocess.run([sys.executable, "-m", "recover.app.train.worker", "--run-dir",
+                            str(out), "--replica", "0", "--coordinator", f"127.0.0.1:{port}",
+                            "--wait-s", "120"], capture_output=True, text=True, timeout=60)
+    assert w.returncode == 2, w.stderr[-2000:]
+    assert time.monotonic() - t0 < 30
+    lines = w.stderr.strip().splitlines()
+    assert len(lines) == 1 and "the coordinator did not start" in lines[0], w.stderr
 
 
 def test_component_name_resolves_through_torchx_hook() -> None:

@@ -35,6 +35,7 @@ from recover.app.train import foreign
 from recover.app.train.data import prepare_data
 from recover.app.train.metrics import MetricsSink, truncate_metrics
 from recover.app.train.progress import ProgressView
+from recover.app.train.worker import COORDINATOR_FAILED, COORDINATOR_PORT
 from recover.app.train.writers import check as check_writers
 from recover.app.train.writers import open_writers
 from recover.collectives import CoordinatorConfig, connect_store, keys, try_get
@@ -117,6 +118,15 @@ def prepare_run(cfg: RunConfig, console: Console | None = None) -> tuple[RunConf
     tmp.write_text(cfg.to_json())
     os.replace(tmp, out / "config.json")
     return cfg, start
+
+
+def _coordinator_error(log_file: Path) -> str:
+    """The coordinator's own one-line reason for not starting (its last "cannot start" line)."""
+    with contextlib.suppress(OSError):
+        for line in reversed(log_file.read_text(errors="replace").splitlines()):
+            if "recover coordinator: " in line:
+                return line.split("recover coordinator: ", 1)[1].strip()
+    return ""
 
 
 def _holds_files(folder: Path) -> bool:
@@ -232,8 +242,9 @@ class _Launch:
         """Start the coordinator (again, with `recover`: at the same address) and wait for its
         port."""
         cfg, out = self.cfg, self.out
-        port_file = out / "coordinator.port"
+        port_file, failed = out / COORDINATOR_PORT, out / COORDINATOR_FAILED
         port_file.unlink(missing_ok=True)
+        failed.unlink(missing_ok=True)
         coord = CoordinatorConfig.from_fault_tolerance(
             cfg.ft.to_library(), cfg.layout.replicas, host=self.host, port=port,
             port_file=str(port_file), store_shards=cfg.ft.store_shards,
@@ -248,8 +259,15 @@ class _Launch:
         while not port_file.exists():
             if proc.poll() is not None or time.monotonic() > deadline:
                 stop_all([proc])
-                raise RecoverError(f"the coordinator did not start; see {out / 'logs'}/"
-                                   "coordinator.log")
+                why = _coordinator_error(out / "logs" / "coordinator.log")
+                line = (f"the coordinator did not start{f' ({why})' if why else ''}; see "
+                        f"{out / 'logs'}/coordinator.log")
+                # Workers a scheduler started beside it wait for DIR/coordinator.port; this tells
+                # them to stop waiting (recover.app.train.worker) instead of dialling the port.
+                tmp = failed.with_suffix(".tmp")
+                tmp.write_text(line + "\n")
+                os.replace(tmp, failed)
+                raise RecoverError(line)
             time.sleep(0.05)
         self.port = int(port_file.read_text())
         log.debug("coordinator (pid %d) on port %d", proc.pid, self.port)

@@ -30,6 +30,10 @@ PROG = "python -m recover.app.train.worker"
 ID = Bounds(0)  # a replica id or a rank: >= 0 (the run's config.json bounds them above)
 WAIT = Bounds(0, 86_400)  # --wait-s: a day at most (a typo of hours must not hang a task)
 POLL_S = 0.2
+# In the run directory: the coordinator's port, written once it listens (`recover train`'s
+# coordinator, `CoordinatorConfig.port_file`), and, if it could not start, the reason.
+COORDINATOR_PORT = "coordinator.port"
+COORDINATOR_FAILED = "coordinator.failed"
 
 
 class Where(NamedTuple):
@@ -108,12 +112,21 @@ def check(run_dir: str, replica: int | None, rank: int | None, coordinator: str 
 
 
 def _await_config(run_dir: Path, wait_s: float) -> None:
-    """Return once DIR/config.json exists, or after wait_s (then `check` names what is missing).
-    The launcher writes DIR/run.token before config.json, and config.json by a rename: once it
-    exists, both are whole."""
+    """Return once DIR/config.json exists and, when waiting at all (a scheduler started this
+    task beside the coordinator), the coordinator listens (DIR/coordinator.port); or after
+    wait_s (then `check` names what is missing, or the connect's own bound applies). The
+    launcher writes DIR/run.token before config.json, and config.json by a rename: once it
+    exists, both are whole. ConfigError (one line) if the coordinator could not start
+    (DIR/coordinator.failed): dialling its port would reach whatever holds it."""
     deadline = time.monotonic() + wait_s
+    want = ["config.json", COORDINATOR_PORT] if wait_s > 0 else ["config.json"]
     # os.path.isfile: a name the file system refuses is "not there", for `check` to name.
-    while not os.path.isfile(run_dir / "config.json") and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        if os.path.isfile(run_dir / COORDINATOR_FAILED):
+            why = (run_dir / COORDINATOR_FAILED).read_text(errors="replace").strip()
+            raise ConfigError(f"{run_dir}: {why or 'the coordinator did not start'}")
+        if all(os.path.isfile(run_dir / name) for name in want):
+            return
         time.sleep(POLL_S)
 
 
