@@ -62,8 +62,9 @@ def parser() -> UsageParser:
                     help="network interface for cross-replica traffic (default: the one that "
                          "reaches the coordinator; same as GLOO_SOCKET_IFNAME)")
     ap.add_argument("--wait-s", type=Number(float, WAIT), default=0.0, metavar="S",
-                    help="wait up to S seconds for the run directory's config.json (a "
-                         "scheduler starts the coordinator and the replicas together)")
+                    help="wait up to S seconds for the run directory's config.json and "
+                         "coordinator.port (a scheduler starts the coordinator and the "
+                         "replicas together); end at once if it holds coordinator.failed")
     return ap
 
 
