@@ -111,3 +111,55 @@ def test_store_key_count_is_flat_on_the_library_path(tmp_path: Path) -> None:
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     sys.exit(_worker(sys.argv[2:]))
+
+
+def test_a_stalled_deletion_thread_leaves_no_key_behind(caplog: pytest.LogCaptureFixture) -> None:
+    """The deletion thread's client connect stalls (the 5 s DNS lookup torch's client can make,
+    docs/MEASUREMENTS.md "TCPStore"; seen in a clean-clone CI run of the test above) while 60
+    steps commit, far past the 16 queued jobs: once it connects, every commit's keys but the
+    last two are deleted, none left behind and nothing logged. A real store; only the member
+    around it is a stand-in."""
+    import logging
+    import threading
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from recover.collectives import keys
+    from recover.recovery.lifetime import KEEP, QUEUE_MAX, Committed, KeyLifetime
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                      timeout=timedelta(seconds=10))
+    connected = threading.Event()
+
+    class Stalled:
+        """The member's store: its clone (the deletion thread's connect) waits for the test."""
+
+        def clone(self) -> TCPStore:
+            assert connected.wait(30), "the test never released the connect"
+            return TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
+                            timeout=timedelta(seconds=10))
+
+    class Member:
+        replica, store, shard_ports = 0, Stalled(), []
+
+    stats = {"store_deletes": 0}
+    lifetime = KeyLifetime(Member(), 0, 1, stats)  # type: ignore[arg-type]
+    steps = 4 * QUEUE_MAX - 4
+    try:
+        with caplog.at_level(logging.WARNING, logger="recover.recovery.lifetime"):
+            for t in range(steps):
+                server.set(keys.count_key(t, 0), "1")
+                server.set(keys.decision_key(t, 0), keys.COMMIT)
+                lifetime.committed(Committed(t, [{"gen": 0, "assign": {}}], True, 0, [0, 1]))
+            connected.set()
+            deadline = time.monotonic() + 30
+            while stats["store_deletes"] < 2 * (steps - KEEP) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        left = {t for t in range(steps) if server.check([keys.count_key(t, 0)])}
+        assert left == set(range(steps - KEEP, steps)), sorted(left)
+        assert stats["store_deletes"] == 2 * (steps - KEEP)
+        assert not caplog.records, [r.getMessage() for r in caplog.records]
+    finally:
+        connected.set()
+        lifetime.close()

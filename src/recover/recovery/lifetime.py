@@ -41,8 +41,8 @@ run ends; an evidence counter of a generation the deleting rank had not yet lear
 committed that step (another rank, still waiting for the decision, learned it first); two
 commits' keys after a join, a restart of the coordinator, or the death of the deleting rank
 (whoever should delete them has no record of them); a key re-created by a rank that was
-dropped; and a step's keys when the deletion queue is full (the store is answering slower than
-the steps commit; logged).
+dropped; and a step's keys when more than `SPILL_MAX` keys wait for deletion (the store answers
+slower than the steps commit; logged).
 """
 
 from __future__ import annotations
@@ -62,7 +62,11 @@ from recover.recovery.strategy import Chain
 log = logging.getLogger(__name__)
 
 KEEP = 2  # commits whose keys stay: commit i's keys go when commit i + KEEP is decided
-QUEUE_MAX = 16  # deletion jobs waiting at most; beyond, a step's keys are left (see above)
+QUEUE_MAX = 16  # deletion jobs waiting at most; beyond, their keys wait in the spill
+# Key names held past a full queue, at most: the deletion client's connect can sit 5 s in a
+# DNS lookup (docs/MEASUREMENTS.md, "TCPStore"), 1,000+ steps of a tiny model; beyond, a step's
+# keys are left (see above). ~30 bytes a name.
+SPILL_MAX = 100_000
 CLOSE_WAIT_S = 2.0  # how long `close` waits for a deletion in flight
 
 
@@ -134,6 +138,10 @@ class KeyLifetime:
                       if self.n_shards else -1)
         self._history: deque[Committed] = deque(maxlen=KEEP)
         self._jobs: queue.Queue[tuple[str, list[str]] | None] = queue.Queue(QUEUE_MAX)
+        # Past a full queue, names wait here per store (deleted after the job in hand): a
+        # stall of the deletion thread delays deletions, it does not leave keys behind.
+        self._spill: dict[str, list[str]] = {}
+        self._spill_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._closing = False  # close() was called: no new jobs
         self._closed = False  # the thread stops at its next deletion
@@ -193,11 +201,18 @@ class KeyLifetime:
             atexit.register(self.close)
         try:
             self._jobs.put_nowait((where, names))
+            return
         except queue.Full:
-            if not self._full_logged:
-                self._full_logged = True
-                log.warning("the store answers slower than steps commit: %d deletions wait; "
-                            "old steps' keys are left in the store", QUEUE_MAX)
+            pass
+        with self._spill_lock:
+            held = self._spill.setdefault(where, [])
+            if len(held) + len(names) <= SPILL_MAX:
+                held.extend(names)
+                return
+        if not self._full_logged:
+            self._full_logged = True
+            log.warning("the store answers slower than steps commit: %d keys wait for deletion; "
+                        "old steps' keys are left in the store", SPILL_MAX)
 
     def _loop(self) -> None:
         clients: dict[str, Any] = {}
@@ -205,20 +220,29 @@ class KeyLifetime:
             try:
                 job = self._jobs.get(timeout=1.0)
             except queue.Empty:
-                continue
-            if job is None:
+                job = ("", [])  # nothing queued: the spill only
+            last = job is None  # close(): what was queued before it, the spill too, then stop
+            with self._spill_lock:
+                spilled, self._spill = list(self._spill.items()), {}
+            for where, names in [job or ("", []), *spilled]:
+                if names and not self._delete(clients, where, names):
+                    return
+            if last:
                 return
-            where, names = job
-            try:
-                client = clients.get(where)
-                if client is None:  # its own connection: the engine's is the critical path's
-                    client = clients[where] = (self.member.store.clone() if where == "main"
-                                               else self.member.connect_shard(self.shard))
-                for name in names:
-                    if self._closed:
-                        return
-                    client.delete_key(name)
-                    self.stats["store_deletes"] += 1
-            except Exception as e:  # the store went away (a coordinator restart): drop the job
-                clients.pop(where, None)
-                log.debug("deleting old step keys on the %s store failed: %s", where, e)
+
+    def _delete(self, clients: dict[str, Any], where: str, names: list[str]) -> bool:
+        """Delete `names` on the `where` store; False once `close` was called."""
+        try:
+            client = clients.get(where)
+            if client is None:  # its own connection: the engine's is the critical path's
+                client = clients[where] = (self.member.store.clone() if where == "main"
+                                           else self.member.connect_shard(self.shard))
+            for name in names:
+                if self._closed:
+                    return False
+                client.delete_key(name)
+                self.stats["store_deletes"] += 1
+        except Exception as e:  # the store went away (a coordinator restart): drop the job
+            clients.pop(where, None)
+            log.debug("deleting old step keys on the %s store failed: %s", where, e)
+        return True
