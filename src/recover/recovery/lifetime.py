@@ -221,13 +221,12 @@ class KeyLifetime:
                 job = self._jobs.get(timeout=1.0)
             except queue.Empty:
                 job = ("", [])  # nothing queued: the spill only
-            last = job is None  # close(): what was queued before it, the spill too, then stop
             with self._spill_lock:
                 spilled, self._spill = list(self._spill.items()), {}
-            for where, names in [job or ("", []), *spilled]:
+            for where, names in ([] if job is None else [job]) + spilled:
                 if names and not self._delete(clients, where, names):
                     return
-            if last:
+            if job is None:  # close(): what was queued before it and the spill are done
                 return
 
     def _delete(self, clients: dict[str, Any], where: str, names: list[str]) -> bool:

@@ -63,7 +63,7 @@ def free_ports(count: int) -> int:
     gloo pair, another test's store) before its process binds it, and then that process cannot
     listen (seen in CI: a coordinator's port taken, its workers retrying a stranger's for 120 s).
     Two callers drawing the same port at once is still possible, and far less likely."""
-    low, _ = _ephemeral_range()
+    low = _ephemeral_low()
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(10000, max(10001, low - count))
@@ -84,13 +84,12 @@ def two_free_ports() -> int:
     return free_ports(2)
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    """Linux's ip_local_port_range (32768 60999 where it cannot be read)."""
+def _ephemeral_low() -> int:
+    """The first port of Linux's ip_local_port_range (32768 where it cannot be read)."""
     try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 @dataclass

@@ -32,6 +32,7 @@ from recover.app.endpoint import HttpConfig, serve
 from recover.app.faults import validate_faults
 from recover.app.runtoken import resume_token, run_token
 from recover.app.train import foreign
+from recover.app.train.ckpt_files import write_atomic
 from recover.app.train.data import prepare_data
 from recover.app.train.metrics import MetricsSink, truncate_metrics
 from recover.app.train.progress import ProgressView
@@ -264,9 +265,9 @@ class _Launch:
                         f"{out / 'logs'}/coordinator.log")
                 # Workers a scheduler started beside it wait for DIR/coordinator.port; this tells
                 # them to stop waiting (recover.app.train.worker) instead of dialling the port.
-                tmp = failed.with_suffix(".tmp")
-                tmp.write_text(line + "\n")
-                os.replace(tmp, failed)
+                # Best effort: the error below is what the launcher reports either way.
+                with contextlib.suppress(OSError):
+                    write_atomic(failed, line + "\n")
                 raise RecoverError(line)
             time.sleep(0.05)
         self.port = int(port_file.read_text())
