@@ -16,8 +16,8 @@ from torch import nn
 
 from recover.parallel.grads import ShardedGrads
 from recover.parallel.plain import FlatGrads
-from recover.recovery.exact import ExactGrads
-from recover.testing.runs import bitwise_equal, recover_train
+from recover.recovery.exact import FIRST_MAX, ExactGrads, ExactOverflow
+from recover.testing.runs import LAYOUT_FLAGS, bitwise_equal, recover_train
 
 
 class _Layout:
@@ -47,12 +47,17 @@ def _grads(n: int, shapes: list[int], seed: int = 0) -> list[list[torch.Tensor]]
 
 
 def _reduce(groups: list[list[int]], grads: list[list[torch.Tensor]], shapes: list[int],
-            n: int, table_rows: int = 4, flat: bool = True) -> tuple[list[torch.Tensor], bool]:
-    """Fold each group's ids on its own 'replica', sum the accumulators (the all-reduce), assign."""
+            n: int, table_rows: int = 4, flat: bool = True, shifts: list[int] | None = None
+            ) -> tuple[list[torch.Tensor], bool, list[ExactGrads]]:
+    """Fold each group's ids on its own 'replica' (at `shifts`, if given), sum the accumulators
+    (the all-reduce), assign the sum and agree on every replica: (replica 0's gradient, whether
+    the step overflowed, every replica's ExactGrads)."""
     accs, reps = [], []
     for ids in groups:
         inner = _Layout(shapes, flat)
         ex = ExactGrads(inner.grads, n)
+        if shifts is not None:
+            ex.shifts = list(shifts)
         ex.zero()
         reps.append((inner, ex))
         for i in ids:
@@ -60,12 +65,15 @@ def _reduce(groups: list[list[int]], grads: list[list[torch.Tensor]], shapes: li
             ex.fold(loss=float(i) / 7)
         accs.append(ex.acc.clone())
     total = torch.stack(accs).sum(0)
-    table = torch.zeros(table_rows, 1 + len(shapes), dtype=torch.float64)
+    table = torch.zeros(table_rows, reps[0][1].slots, dtype=torch.float64)
     for r, (_, ex) in enumerate(reps):
         table[r] = torch.tensor(ex.slot_values(), dtype=torch.float64)
-    inner, ex = reps[0]
-    ex.assign(total)
-    return inner.read(), ex.agree(table)
+    overflowed = set()
+    for _, ex in reps:
+        ex.assign(total.clone())
+        overflowed.add(ex.agree(table))
+    assert len(overflowed) == 1  # every replica decides alike
+    return reps[0][0].read(), overflowed.pop(), [ex for _, ex in reps]
 
 
 @pytest.mark.parametrize("flat", [True, False], ids=["flat-buffer", "separate-tensors"])
@@ -75,62 +83,87 @@ def test_any_grouping_and_order_gives_the_same_bits(flat: bool) -> None:
     ids = list(range(n))
     groupings = [[ids[0:2], ids[2:4], ids[4:6], ids[6:8]], [ids[0:3], ids[3:6], ids[6:8]],
                  [ids], [[7, 3, 1], [0, 6], [5, 2, 4]]]
-    results = [_reduce(gr, grads, shapes, n, flat=flat)[0] for gr in groupings]
+    results = [_reduce(gr, grads, shapes, n, flat=flat) for gr in groupings]
     for r in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(results[0], r, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(results[0][0], r[0], strict=True))
+    # The next step's exponents: the same on every replica of every grouping, set from the
+    # sum's largest |g| per tensor (the empty tensor keeps the first bound).
+    shifts = {tuple(ex.shifts) for r in results for ex in r[2]}
+    assert len(shifts) == 1
+    exact64 = [sum((grads[i][k].double() for i in ids), torch.zeros(s, dtype=torch.float64))
+               for k, s in enumerate(shapes)]
+    want = [float(t.abs().max()) if t.numel() else FIRST_MAX for t in exact64]
+    top = [float(t.abs().max()) if t.numel() else FIRST_MAX for t in results[0][0]]
+    assert results[0][2][0].max_seen == top
+    assert all(abs(a - b) <= b * 2.0**-23 for a, b in zip(top, want, strict=True))
     # The float32 sum in different orders is NOT bitwise stable on these values (so the test
     # above could fail), yet the exact sum stays within float32 rounding of the float64 sum.
     orders = [ids, ids[::-1], random.Random(1).sample(ids, n)]
     f32 = [sum((grads[i][3] for i in o), torch.zeros(shapes[3])) for o in orders]
     assert not all(torch.equal(f32[0], x) for x in f32[1:])
-    exact64 = sum((grads[i][3].double() for i in ids), torch.zeros(shapes[3], dtype=torch.float64))
-    rel = (results[0][3].double() - exact64).abs() / exact64.abs().clamp_min(1e-30)
+    rel = (results[0][0][3].double() - exact64[3]).abs() / exact64[3].abs().clamp_min(1e-30)
     assert float(rel.max()) <= 2.0**-23  # one float32 rounding of the exact sum
 
 
-def test_overflow_is_detected_and_widened() -> None:
-    shapes, n = [16], 4
+def test_overflow_is_detected_and_the_redo_fits() -> None:
+    shapes, n = [16, 5], 4
     grads = _grads(n, shapes, seed=3)
     grads[2][0][5] = 2.0**40  # far past the first step's assumed bound (2^10) + headroom
-    _, overflowed = _reduce([[0, 1], [2, 3]], grads, shapes, n)
+    _, overflowed, exes = _reduce([[0, 1], [2, 3]], grads, shapes, n)
     assert overflowed
-    # Redo with the exponents agreed from what was seen: no overflow, and the exact sum.
-    inner = _Layout(shapes)
-    ex = ExactGrads(inner.grads, n)
-    ex.set_maxima([2.0**40])
-    for i in range(n):
-        inner.put(grads[i])
-        ex.fold(0.0)
-    assert ex.overflow == 0
-    ex.assign(ex.acc.clone())
+    # Every shift drops by the bits the largest value was over the headroom, on every replica.
+    first = ExactGrads(_Layout(shapes).grads, n).shifts
+    drop = first[0] - exes[0].shifts[0]
+    assert drop > 0 and all(ex.shifts == [s - drop for s in first] for ex in exes)
+    # Redo at those exponents, grouped another way: no overflow, and the exact sum.
+    got, overflowed, _ = _reduce([[3], [0, 2, 1]], grads, shapes, n, shifts=exes[0].shifts)
+    assert not overflowed
     want = sum((g[0].double() for g in grads), torch.zeros(16, dtype=torch.float64))
-    # Fixed point keeps (62 - log2 N - headroom) bits below the tensor's largest value: each
-    # of the N terms is off by at most half a quantum, then one float32 rounding.
-    quantum = 2.0 ** -ex.shifts[0]
-    err = (inner.read()[0].double() - want).abs()
-    assert bool((err <= n * quantum / 2 + want.abs() * 2.0**-24).all())
+    # Fixed point keeps (62 - log2 N - headroom) bits below the largest value: each of the N
+    # terms is truncated by less than a quantum, then one float32 rounding.
+    quantum = 2.0 ** -exes[0].shifts[0]
+    err = (got[0].double() - want).abs()
+    assert bool((err <= n * quantum + want.abs() * 2.0**-24).all())
 
 
 @pytest.mark.parametrize("flat", [True, False], ids=["flat-buffer", "separate-tensors"])
-def test_overflows_are_counted_per_tensor_and_maxima_kept(flat: bool) -> None:
-    """One overflow per tensor and microbatch that reaches the bound or is not finite (+ one
-    for a loss that does), and each tensor's largest |g| of the step (inf for NaN/inf): what
-    the trailer carries, whichever way the fold computes them."""
+def test_overflows_are_counted_per_microbatch_with_the_largest_value(flat: bool) -> None:
+    """One overflow per microbatch whose largest |g * 2^s_k| reaches the bound or is not finite
+    (+ one for a loss that does), and the step's largest such value (NaN once one was): what the
+    trailer carries."""
     inner = _Layout([3, 0, 2, 4], flat)
     ex = ExactGrads(inner.grads, 8)
-    ex.set_maxima([1.0] * 4)  # shifts: 2^59 / 2^(10 + 1) leaves |g| < 2^11 in bounds
+    ex.set_maxima([1.0, 1.0, 1.0, 2.0**-4])  # |g| * 2^48 < 2^59 iff |g| < 2^11 (2^15 last)
+    assert ex.shifts == [48, 48, 48, 52]
     ex.zero()
-    nan, inf = float("nan"), float("inf")
     t = torch.tensor
-    inner.put([t([0.5, -2.0**20, 1.0]), t([]), t([nan, 1.0]), t([-0.75, 0.5, 0.0, 0.25])])
-    ex.fold(1.0)
-    assert (ex.overflow, ex.local_max) == (2, [2.0**20, 0.0, inf, 0.75])
-    inner.put([t([0.0, 0.0, -2.0**11]), t([]), t([0.0, 0.0]), t([0.0, -inf, 0.0, 0.0])])
-    ex.fold(inf)
-    assert (ex.overflow, ex.local_max) == (5, [2.0**20, 0.0, inf, inf])
+
+    def fold(a: list[float], b: list[float], c: list[float], loss: float = 1.0) -> None:
+        inner.put([t(a), t([]), t(b), t(c)])
+        ex.fold(loss)
+
+    fold([0.5, -(2.0**11 - 2.0**-12), 1.0], [0.25, 1.0], [-0.75, 0.5, 0.0, 2.0**-3])
+    assert (ex.overflow, ex.peak) == (0, (2.0**11 - 2.0**-12) * 2.0**48)  # just below the bound
+    fold([0.5, -(2.0**20), 1.0], [0.25, 1.0], [0.0] * 4)
+    assert (ex.overflow, ex.peak) == (1, 2.0**68)
+    fold([0.0, 0.0, 0.0], [0.0, 0.0], [0.0, -(2.0**7), 0.0, 0.0])  # at the bound: 2^7 * 2^52
+    assert (ex.overflow, ex.peak) == (2, 2.0**68)
+    fold([0.0] * 3, [0.0] * 2, [0.0] * 4, loss=float("inf"))
+    assert (ex.overflow, ex.peak) == (3, 2.0**68)
+    fold([0.0] * 3, [float("nan"), 0.0], [0.0, float("-inf"), 0.0, 0.0])
+    assert ex.overflow == 4 and ex.peak != ex.peak  # NaN
     assert all(float(g.abs().sum()) == 0.0 for g in inner.read())  # each fold clears the grads
     ex.zero()
-    assert (ex.overflow, ex.local_max) == (0, [0.0] * 4)
+    assert (ex.overflow, ex.peak) == (0, 0.0)
+
+
+def test_a_step_no_shift_can_fit_raises() -> None:
+    """A NaN or inf gradient, or a loss past the bound, overflows at any shift: agree raises
+    rather than redo the step for ever."""
+    ex = ExactGrads(_Layout([4]).grads, 8)
+    for peak in (float("nan"), float("inf"), 2.0**20):  # 2^20: only the loss overflowed
+        with pytest.raises(ExactOverflow, match="cannot be summed in fixed point"):
+            ex.agree(torch.tensor([[1.0, peak], [0.0, 0.0]], dtype=torch.float64))
 
 
 # -- whole runs: real processes, real SIGKILLs ------------------------------------------------
@@ -169,3 +202,41 @@ def test_faults_and_other_quotas_are_bitwise_the_failure_free_run(
     assert recs[-1]["live_replicas"] == 1 and sum(len(r["recovered"]) for r in recs) > 0
     assert run.losses() == exact_ref.losses()  # bitwise, every step
     assert bitwise_equal(run.final(0), exact_ref.final(0))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["plain", "hsdp"])
+def test_a_resumed_run_is_bitwise_the_uninterrupted_one(
+        exact_ref, corpus: Path, tmp_path: Path, layout: str) -> None:  # type: ignore[no-untyped-def]
+    """--stop-at, then --resume: the checkpoint holds each rank's exponents (hsdp: one list per
+    shard), so every later step's loss and the final parameters are bitwise the run that never
+    stopped (resumed at the first step's exponents instead, the later losses differed)."""
+    args = [*EXACT, "--no-speed-aware", *(LAYOUT_FLAGS["hsdp"] + ["--replicas", "2"]
+                                          if layout == "hsdp" else [])]
+    ref = exact_ref if layout == "plain" else recover_train(tmp_path / "ref", *args,
+                                                            data=corpus, timeout=400)
+    out = tmp_path / "run"
+    first = recover_train(out, *args, "--stop-at", "25", data=corpus, timeout=400)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = recover_train(out, *args, "--resume", data=corpus, timeout=400)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "--resume from step_00000025" in second.stderr
+    assert [r["step"] for r in second.metrics()] == list(range(60))
+    assert second.losses() == ref.losses()  # bitwise, every step
+    names = sorted(p.name for p in (ref.out / "final").iterdir())  # a file per replica (rank)
+    assert names == sorted(p.name for p in (out / "final").iterdir()) and names
+    for name in names:
+        assert bitwise_equal(*(torch.load(r / "final" / name, weights_only=True)
+                               for r in (ref.out, out))), name
+
+
+@pytest.mark.timeout(180)
+def test_a_diverged_run_ends_with_one_line(corpus: Path, tmp_path: Path) -> None:
+    """A learning rate that sends the loss to NaN at step 2: no fixed point holds that step, so
+    every replica ends with the reason in one line (before, each redid the step for ever)."""
+    run = recover_train(tmp_path / "run", "--preset", "debug", "--exact", "--lr", "1e4",
+                        "--steps", "30", "--eval-every", "0", data=corpus, timeout=120)
+    assert run.returncode != 0, run.stdout[-2000:]
+    for r in range(4):
+        log = (tmp_path / "run" / "logs" / f"replica{r}.log").read_text()
+        assert "cannot be summed in fixed point" in log and "Traceback" not in log, log[-2000:]

@@ -29,6 +29,11 @@ from recover.errors import CheckpointError
 log = logging.getLogger(__name__)
 
 
+# A checkpoint's `extra` entry of exact mode's agreed maxima (`ExactGrads.max_seen`), one list
+# per rank of the replica: the next step's exponents, which the model and optimizer do not hold.
+EXACT_MAX = "exact_max"
+
+
 def layout_of(cfg: RunConfig) -> dict[str, Any]:
     """What a checkpoint records about the replica layout that wrote it (and a resume checks)."""
     lay = cfg.layout
@@ -46,6 +51,7 @@ class RankCheckpoints:
         self.layout = layout_of(cfg)
         self.group: dist.ProcessGroup | None = None
         self.scope = ""
+        self.exact_max: list[float] | None = None  # this rank's exact-mode maxima, resumed
         if cfg.layout.ranks_per_replica() > 1:
             self.group = dist.new_group(
                 backend="gloo", timeout=datetime.timedelta(seconds=cfg.ft.reduce_timeout_s))
@@ -65,7 +71,13 @@ class RankCheckpoints:
         meta = load_checkpoint(path, self.rm.module, self.opt, key=self.key, group=self.group,
                                scope=self.scope, layout=self.layout)
         log.info(f"resumed from {path.name} at step {meta['step']}")
+        per_rank = meta["extra"].get(EXACT_MAX)
+        if isinstance(per_rank, list) and len(per_rank) == self.cfg.layout.ranks_per_replica():
+            self.exact_max = [float(v) for v in per_rank[self._rank()]]
         return int(meta["step"])
+
+    def _rank(self) -> int:
+        return dist.get_rank(self.group) if self.group is not None else 0
 
     def save(self, step: int, leader: bool, extra: dict[str, Any]) -> dict[str, Any]:
         """Every rank of every replica calls this at the same save point; the leader replica's
@@ -85,6 +97,13 @@ class RankCheckpoints:
         if not leader:
             return {"ckpt_pending": True}
         from recover.app.train.checkpoint import save_checkpoint
+
+        if EXACT_MAX in extra:  # exact mode's exponents, every rank's: a resume goes on bitwise
+            per_rank: list[Any] = [extra[EXACT_MAX]]
+            if self.group is not None:
+                per_rank = [None] * self.cfg.layout.ranks_per_replica()
+                dist.all_gather_object(per_rank, extra[EXACT_MAX], group=self.group)
+            extra = {**extra, EXACT_MAX: per_rank}
 
         try:
             save_checkpoint(self.root, step, self.rm.module, self.opt, extra, key=self.key,

@@ -28,7 +28,7 @@ from recover.app.config import RunConfig, replica_config
 from recover.app.faults import FaultInjector, validate_faults
 from recover.app.runtoken import run_token
 from recover.app.train import foreign, layout
-from recover.app.train.ckpt_rank import RankCheckpoints
+from recover.app.train.ckpt_rank import EXACT_MAX, RankCheckpoints
 from recover.app.train.data import eval_batches, load_data, train_batches
 from recover.app.train.metrics import StepTimer, step_record
 from recover.app.train.optim import build_optimizer, lr_at, set_lr
@@ -169,6 +169,9 @@ class Trainer:
         else:
             log.info(f"joined as replica {self.replica} rank {self.rank} of "
                      f"{self.cfg.layout.replicas} at step {self.applied}")
+            if self.rep.exact is not None and self.ckpts.exact_max is not None:
+                self.rep.exact.set_maxima(self.ckpts.exact_max)  # resumed: the next exponents
+                self.ckpts.exact_max = None  # once: a later rejoin keeps the run's own
         return True
 
     # -- the loop --------------------------------------------------------------------------------
@@ -289,8 +292,11 @@ class Trainer:
         if held != {at} or at != self.applied:
             raise RuntimeError(f"refusing to label a checkpoint step {at}: the optimizer state "
                                f"holds {sorted(held)} applied steps (applied={self.applied})")
-        return {"next_microbatch_id": at * self.cfg.data.microbatches,
-                "trajectory": self.cfg.trajectory_key()}
+        extra: dict = {"next_microbatch_id": at * self.cfg.data.microbatches,
+                       "trajectory": self.cfg.trajectory_key()}
+        if self.rep.exact is not None:
+            extra[EXACT_MAX] = self.rep.exact.max_seen
+        return extra
 
     # -- the ways a run stops --------------------------------------------------------------------
     def stop_below_min(self, e: BelowMinReplicas) -> int:
