@@ -144,6 +144,23 @@ def test_a_joiner_is_admitted_only_once_every_rank_is_ready() -> None:
 
 
 
+def test_a_join_given_up_ends_before_its_generation_is_pushed() -> None:
+    """A member must have dropped a given-up join when it learns the generation that gives it
+    up: else it admits the dead join at the next boundary, in that generation, and waits for a
+    newer one that nothing makes (a CI run of the forged-donor test stalled 120 s so)."""
+    m, store, wire = started(replicas=3)
+    m.closed(2)
+    m.publish_next()  # generation 1: [0, 1]
+    assert m.hello(12, Hello(2, 0, 1, 200))
+    epoch = m.joins[2].epoch
+    m.donor_gone(12, epoch)
+    assert m.generation == 2 and members(store, 2) == [0, 1]
+    to0 = wire.to(0)
+    end, gen = to0.index(f"joinend {epoch}\n"), to0.index(keys.gen_push(2, 1, [0, 1], [0, 1]))
+    assert end < gen
+    assert f"join 2 {m.joins[2].epoch} 0\n" in to0[gen:]  # another donor, another epoch
+
+
 def test_a_joiner_still_waiting_when_every_member_left_is_told_the_run_is_over() -> None:
     """A replacement that registered near the end waited for its join timeout (or the
     launcher's kill) after the run had finished: the soak's slowest runs."""

@@ -453,10 +453,14 @@ class Membership:
         if join is None or join.epoch != epoch:
             return
         self.log({"event": "join-failed", "replica": replica, "epoch": epoch, "why": why})
+        # Told first, on the same connection as the generation: a member that learned the new
+        # generation while it still held this join would admit it at the next step boundary in
+        # that generation and wait there for one more, which no given-up join makes (a CI run
+        # stalled 120 s, until the next join timed out).
+        self._end_join(epoch)
         # Whoever paused a step for this join goes on without it: a new generation.
         self._publish([m for m in self.members if m not in self.lost],
                       f"join of replica {replica} given up ({why})")
-        self._end_join(epoch)
         join.epoch = -1
         if len(join.ranks) == join.nranks:  # still connected: another donor, another boundary
             self._announce_join(replica, join)
