@@ -12,12 +12,14 @@ always has a survivor. The last line printed is `violations=<n>` (goal: 0 over 3
 Every process a run starts is ended by its PID (`recover.procs`), never by process group.
 
     python bench/soak.py --smoke                  # R=3, 8 steps: the reference + one run, 1 kill
-    python bench/soak.py --minutes 30 [--seed 0] [--out DIR] [--hsdp]
+    python bench/soak.py --minutes 30 [--seed 0] [--out DIR] [--hsdp] [--exact]
 
 `--hsdp`: every replica is 2 ranks (HSDP shards; a replica's rank 0 speaks for it to the store,
 recovery/speaker.py), each fault aimed at either rank; the survivors' final parameters are
 compared rank by rank, and the last checkpoint is verified (HMAC, every file's sha256), not
-loaded.
+loaded. `--exact`: every run (the reference too) in exact mode, and the checks bitwise: every
+step's loss equal to the reference's, and the survivors' final parameters equal to the
+reference's own (docs/DESIGN.md, "Exact mode").
 """
 
 from __future__ import annotations
@@ -60,11 +62,12 @@ class Shape:
     coordinator_kills: bool = True  # in a third of the runs
     overlap: bool = True  # half the runs reduce in small buckets inside the backward
     layout: tuple[str, ...] = ()  # e.g. HSDP: every replica 2 ranks (its rank 0 the speaker)
+    exact: bool = False  # every run in exact mode, checked bit for bit against the reference
 
     def flags(self) -> list[str]:
         return ["--preset", "debug", "--steps", str(self.steps), "--eval-every", "0",
                 "--warmup-steps", "3", "--replicas", str(self.replicas), "--dump-final-params",
-                "--ckpt-every", "5", *self.layout]
+                "--ckpt-every", "5", *self.layout, *(["--exact"] if self.exact else [])]
 
 
 FULL = Shape()
@@ -130,7 +133,8 @@ def schedule(rng: random.Random, shape: Shape, phases: tuple[str, ...] = PHASES)
     return faults
 
 
-def violations(out: Path, rc: int, ref_losses: list[float], steps: int) -> list[str]:
+def violations(out: Path, rc: int, ref: Path, steps: int, exact: bool = False) -> list[str]:
+    """The run's broken checks against the reference run `ref` (bitwise where `exact`)."""
     if rc != 0:
         return [f"exit {rc}"]
     bad = []
@@ -139,15 +143,17 @@ def violations(out: Path, rc: int, ref_losses: list[float], steps: int) -> list[
         bad.append("steps not contiguous")
     if any(r["microbatches"] != N for r in recs):
         bad.append("microbatches != N")
+    ref_losses = [json.loads(x)["loss"] for x in (ref / "metrics.jsonl").read_text().splitlines()
+                  if x]
     rel = max((abs(r["loss"] - y) / abs(y) for r, y in zip(recs, ref_losses, strict=False)),
               default=1.0)
-    if rel >= 1e-5:
-        bad.append(f"loss off by {rel:.2e}")
-    by_rank: dict[str, list[dict[str, torch.Tensor]]] = {}
-    for p in sorted((out / "final").glob("*.pt")):  # replica{r}[.rank{k}].pt: compare per rank
-        by_rank.setdefault(p.stem.partition(".")[2], []).append(torch.load(p, weights_only=True))
+    if rel >= 1e-5 or (exact and [r["loss"] for r in recs] != ref_losses):
+        bad.append(f"loss off by {rel:.2e}" + (" (exact mode: not bitwise)" if exact else ""))
+    by_rank = _finals(out)
     if not by_rank or any(not _equal(fs[0], f) for fs in by_rank.values() for f in fs):
         bad.append("survivors' final parameters differ (or none)")
+    elif exact and any(not _equal(fs[0], _finals(ref)[k][0]) for k, fs in by_rank.items()):
+        bad.append("final parameters differ from the reference's (exact mode)")
     finals = by_rank.get("", [])
     try:
         cfg = RunConfig.load(out / "config.json")
@@ -166,6 +172,14 @@ def violations(out: Path, rc: int, ref_losses: list[float], steps: int) -> list[
     return bad
 
 
+def _finals(out: Path) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """The final parameters each replica dumped, by rank ("" on a one-rank replica)."""
+    by_rank: dict[str, list[dict[str, torch.Tensor]]] = {}
+    for p in sorted((out / "final").glob("*.pt")):  # replica{r}[.rank{k}].pt: compare per rank
+        by_rank.setdefault(p.stem.partition(".")[2], []).append(torch.load(p, weights_only=True))
+    return by_rank
+
+
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -180,12 +194,16 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="keep the runs here (default: tmp)")
     ap.add_argument("--hsdp", action="store_true", help="every replica 2 ranks (HSDP), faults "
                     "aimed at either (its rank 0 speaks for it to the store)")
+    ap.add_argument("--exact", action="store_true", help="every run in exact mode (--exact), "
+                    "each checked bit for bit against the reference")
     args = ap.parse_args()
     if (args.minutes is None) == (not args.smoke):
         ap.error("give --minutes M or --smoke")
     shape = SMOKE if args.smoke else FULL
     if args.hsdp:
         shape = replace(shape, layout=HSDP, overlap=False)  # buckets: the plain layout's
+    if args.exact:  # exact mode reduces after the last fold: no buckets inside the backward
+        shape = replace(shape, exact=True, overlap=False)
     root = args.out or Path(tempfile.mkdtemp(prefix="recover-soak-"))
     root.mkdir(parents=True, exist_ok=True)
     data = root / "text.txt"
@@ -196,8 +214,6 @@ def main() -> int:
         log.error("reference run failed: see %s/ref.log", root)
         print("violations=1")
         return 1
-    ref = [json.loads(x)["loss"]
-           for x in (root / "ref" / "metrics.jsonl").read_text().splitlines() if x]
     total, runs = 0, 0
     deadline = time.monotonic() + 60 * (args.minutes or 0)
     while runs == 0 or time.monotonic() < deadline:  # --smoke: exactly one run
@@ -205,8 +221,8 @@ def main() -> int:
         faults = schedule(rng, shape, PHASES + ("bucket",) if extra else PHASES)
         out = root / f"run{runs:03d}"
         t0 = time.monotonic()
-        bad = violations(out, train(out, data, faults, shape, extra=tuple(extra)), ref,
-                         shape.steps)
+        bad = violations(out, train(out, data, faults, shape, extra=tuple(extra)), root / "ref",
+                         shape.steps, shape.exact)
         total += len(bad)
         print(f"run {runs}: {' '.join(faults)}{' (' + ' '.join(extra) + ')' if extra else ''} "
               f"-> {'ok' if not bad else '; '.join(bad)} ({time.monotonic() - t0:.0f}s)",
