@@ -43,7 +43,7 @@ from recover.collectives import (
 )
 from recover.errors import ExitCode
 from recover.parallel import Replica
-from recover.recovery import BelowMinReplicas, StepResult, StepStrategy
+from recover.recovery import BelowMinReplicas, ExactOverflow, StepResult, StepStrategy
 from recover.settings import LaunchEnv
 from recover.workload import id_seed
 
@@ -80,6 +80,9 @@ def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
         except GlooInterfaceError as e:  # a configuration error, not a fault: one line
             log.error(f"stopping: {e}")
             return ExitCode.USAGE  # without leave(): the coordinator records the replica as lost
+        except ExactOverflow as e:  # training diverged (every replica sees the same step)
+            log.error(f"stopping: {e}")
+            return ExitCode.ERROR
         except (CoordinatorLost, DistError) as e:  # the store went away with the coordinator
             if not trainer.rejoin_coordinator(e, end):
                 return trainer.stop_coordinator_lost(e, end)
