@@ -56,7 +56,7 @@ class ExactGrads:
     [overflow count, largest |g * 2^s_k| of the step's microbatches].
 
     A fold is five whole-buffer operations whatever the number of tensors, and no device-to-host
-    copy: the multiply by a per-element 2^s_k, one `aminmax` (the overflow test, kept on the
+    copy: the multiply by a per-element -2^s_k, one `aminmax` (the overflow test, kept on the
     device with the running largest value, read once per step by `slot_values`), the int64
     conversion and sum in chunks, the clearing. The per-tensor maxima that set the next shifts
     are read once per step, from the reduced sum (`assign`).
@@ -107,7 +107,7 @@ class ExactGrads:
         accumulator, exactly, and clear those tensors for the next one."""
         flat = self._microbatch()
         self._rescale()
-        # g * 2^s is exact in g's own dtype (a power of two), and so is its truncation to int64
+        # g * -2^s is exact in g's own dtype (a power of two), and so is its truncation to int64
         # below 2^limit_bits. Past it (or for inf/NaN) the conversion's value is undefined, but
         # the microbatch is counted as an overflow and the whole step is redone: its integers
         # are never applied.
