@@ -191,12 +191,15 @@ class Hooks:
     `at_phase(phase, step, j)` runs at each protocol point; `link_down()` True makes this rank's
     cross-replica traffic fail (a partition); `scheduled_joins` {replica: step} holds the plan
     back from a replica that will join at that step (so its share is not planned before it is
-    admitted).
+    admitted); `seen_joins` (the library's) the scheduled replicas whose replacement this
+    process already saw register or join: a plan never waits for one again, as it would when a
+    restarted coordinator takes the run back to that step boundary.
     """
 
     at_phase: PhaseHook | None = None
     link_down: Callable[[], bool] | None = None
     scheduled_joins: Mapping[int, int] = field(default_factory=dict)
+    seen_joins: set[int] = field(default_factory=set)
 
     def phase(self, phase: str, step: int, j: int = 0) -> None:
         if self.at_phase is not None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from faults.conftest import Row, check_run, faulty, measure
+from faults.conftest import Row, check_run, faulty, gaps, measure
 from recover.testing import viewers
 from recover.testing.runs import Run
 
@@ -57,3 +57,24 @@ def test_coordinator_killed_and_restarted(ref4: Run, corpus: Path, tmp_path: Pat
     first, second = sorted(texts)
     assert first in (5, 6) and second in (9, 10), texts
     assert all(f"coordinator died (exit code -9) at step {s}" in t for s, t in texts.items()), texts
+
+
+def test_a_restarted_coordinator_does_not_wait_again_for_a_replacement_that_came(
+        ref4: Run, corpus: Path, tmp_path: Path, record: Row) -> None:
+    """Found by `bench/soak.py --minutes 30 --seed 61`, run 145 (72 s where its others took 4-17):
+    replica 3's replacement, scheduled for step 10, registered and was admitted, then evicted
+    again (its cut goes on); the coordinator died at step 10's commit. After the restart the
+    run went back to step 10's boundary, where the plan waited the fault injection's 60 s for a
+    replacement that had come and gone, and the replica preempted there ran out of its grace."""
+    record.scenario = ("a scheduled replacement admitted and evicted again, then the "
+                       "coordinator killed at that step's commit, a replica preempted there")
+    record.expected = ("the run resumes at that step without waiting for the replacement again; "
+                       "the preempted replica leaves cleanly")
+    run = faulty(tmp_path, corpus, "partition:replica=2,step=4", "partition:replica=3,step=8",
+                 "restart:replica=3,step=10", "coordinator:replica=0,step=10,phase=commit",
+                 "preempt:replica=1,step=10,phase=commit", static=False)
+    recs = check_run(run, ref4, [0])
+    record.measured = measure(run)
+    assert max(gaps(recs)) < 30, gaps(recs)  # 65 s before: the scheduled join's bound
+    exits = json.loads((run.out / "replica_exits.json").read_text())
+    assert exits["1"].startswith("exit 0 (preempted)"), exits

@@ -49,7 +49,7 @@ class OwnershipChain:
         self.strategy, self.n = strategy, n
         self.me, self.position, self.positions = member.replica, position, positions
         self.timeout_s, self.speed_aware = ft.reduce_timeout_s, ft.speed_aware
-        self.scheduled_joins = dict(hooks.scheduled_joins)  # fault injection: replica -> step
+        self.hooks = hooks  # fault injection's scheduled joins (replica -> step)
         self.shared_speeds = positions == 1
         self.speeds: dict[int, float] = {}
         self._proposed: set[int] = set()  # join epochs this rank proposed an admission for
@@ -167,7 +167,7 @@ class OwnershipChain:
         members = self.member.members(g)
         joins = any(r not in members for r in dict(self.member.join_requests))
         scheduled = any(at == step + 1 and r not in members
-                        for r, at in self.scheduled_joins.items())
+                        for r, at in self._scheduled().items())
         alike = self.shared_speeds or not self.speed_aware
         return keys.COMMIT if alike and not joins and not scheduled else keys.COMMIT_PLAN
 
@@ -199,11 +199,18 @@ class OwnershipChain:
         known = {m: speeds[m] for m in members if m in speeds} if self.speed_aware else None
         return self.strategy.assign(step, self.n, chain, members, known)
 
+    def _scheduled(self) -> dict[int, int]:
+        """The scheduled joins (fault injection) whose replacement this process has not seen."""
+        return {r: at for r, at in self.hooks.scheduled_joins.items()
+                if r not in self.hooks.seen_joins}
+
     def _await_scheduled_join(self, step: int, members: list[int]) -> None:
         """Fault injection (`restart:replica=R,step=S`): at boundary S the plan waits, bounded,
         for replica R's replacement to register, so the scenario is reproducible. A real
         replacement is not waited for: it joins at the first boundary after it registered."""
-        for replica, at in self.scheduled_joins.items():
+        for replica, at in self._scheduled().items():
+            if step >= at and replica in members:  # its replacement was admitted
+                self.hooks.seen_joins.add(replica)
             if step != at or replica in members:
                 continue
             # Shorter than the others' wait for this plan (3 x timeout): if the replacement
@@ -211,6 +218,7 @@ class OwnershipChain:
             deadline = time.monotonic() + self.timeout_s
             while time.monotonic() < deadline and not self.member.coordinator_lost:
                 if replica in self.member.join_requests:
+                    self.hooks.seen_joins.add(replica)
                     return
                 self.member.watch.progress()
                 time.sleep(0.01)

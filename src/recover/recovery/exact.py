@@ -171,7 +171,7 @@ class ExactGrads:
         out = flat if direct else torch.empty(self.numel - 1, dtype=torch.float32,
                                               device=self.device)
         out.copy_(reduced[:-1])
-        views = self._views(out)
+        views = self._views(out, cache=direct)  # not a temporary's: the cache would keep it
         if views:
             low = torch.stack(torch._foreach_max(views))
         out.div_(self._scale)
@@ -182,12 +182,15 @@ class ExactGrads:
         if not direct:
             self.inner.assign(out)  # type: ignore[attr-defined]
 
-    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """The non-empty tensors' views of `flat` (cached per buffer)."""
-        if flat.data_ptr() != self._split[0]:
-            views = flat.split(self.sizes)
-            self._split = (flat.data_ptr(), [views[k] for k in self._nonempty])
-        return self._split[1]
+    def _views(self, flat: torch.Tensor, cache: bool) -> list[torch.Tensor]:
+        """The non-empty tensors' views of `flat` (cached for the layout's own buffer)."""
+        if flat.data_ptr() == self._split[0]:
+            return self._split[1]
+        views = flat.split(self.sizes)
+        nonempty = [views[k] for k in self._nonempty]
+        if cache:
+            self._split = (flat.data_ptr(), nonempty)
+        return nonempty
 
     def zero(self) -> None:
         self.acc.zero_()
