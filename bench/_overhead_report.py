@@ -106,6 +106,19 @@ def abba_pairs(reps: list[dict], warmup: int, block: int, coord_share: float
     return wall, cpu
 
 
+def _coord_rate(coord: list[tuple[float, float]], t_lo: float, t_hi: float) -> float:
+    """Cores the coordinator kept busy over the timed window, from its (time, CPU seconds)
+    samples (every 0.2 s) inside it; where fewer than two fall inside (a short run, as the
+    smoke's: its CPU ratios came out NaN in 1 to 2 runs of 3), from the nearest ones around it."""
+    inside = [(t, c) for t, c in coord if t_lo <= t <= t_hi]
+    if len(inside) < 2:
+        inside = ([x for x in coord if x[0] < t_lo][-1:] + inside
+                  + [x for x in coord if x[0] > t_hi][:1])
+    if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+        return float("nan")  # the coordinator was not sampled twice: no figure
+    return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+
+
 def report(reps: list[dict], coord: list[tuple[float, float]], warmup: int, block: int
            ) -> tuple[list[float], list[float]]:
     """Print the A/B and where recover's time goes; return the recover/DDP ratios (wall, CPU)
@@ -118,10 +131,7 @@ def report(reps: list[dict], coord: list[tuple[float, float]], warmup: int, bloc
     def dt(key: str, f=_mean) -> float:
         return f([s[key] for s in ds]) * 1e3
 
-    t_lo, t_hi = rs[0]["t_start"], max(s["t_end"] for s in rs)
-    window = [(t, c) for t, c in coord if t_lo <= t <= t_hi]
-    rate = ((window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0])
-            if len(window) > 1 else float("nan"))  # cores the coordinator kept busy
+    rate = _coord_rate(coord, rs[0]["t_start"], max(s["t_end"] for s in rs))
     coord_step = rate * st("period", median)
     ratio = st("period", median) / median([s["step_s"] for s in ds])
     cpu_ratio = (st("cpu") + coord_step / len(reps)) / (dt("cpu") / 1e3)
