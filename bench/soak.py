@@ -152,8 +152,10 @@ def violations(out: Path, rc: int, ref: Path, steps: int, exact: bool = False) -
     by_rank = _finals(out)
     if not by_rank or any(not _equal(fs[0], f) for fs in by_rank.values() for f in fs):
         bad.append("survivors' final parameters differ (or none)")
-    elif exact and any(not _equal(fs[0], _finals(ref)[k][0]) for k, fs in by_rank.items()):
-        bad.append("final parameters differ from the reference's (exact mode)")
+    elif exact:
+        want = _finals(ref)  # loaded once per run, not once per rank
+        if any(k not in want or not _equal(fs[0], want[k][0]) for k, fs in by_rank.items()):
+            bad.append("final parameters differ from the reference's (exact mode)")
     finals = by_rank.get("", [])
     try:
         cfg = RunConfig.load(out / "config.json")

@@ -172,10 +172,9 @@ class ExactGrads:
                                               device=self.device)
         out.copy_(reduced[:-1])
         views = self._views(out, cache=direct)  # not a temporary's: the cache would keep it
-        if views:
-            low = torch.stack(torch._foreach_max(views))
+        low = torch.stack(torch._foreach_max(views)) if views else None
         out.div_(self._scale)
-        if views:
+        if low is not None:
             both = torch.stack([low, torch.stack(torch._foreach_max(views))]).tolist()
             for k, a, b in zip(self._nonempty, *both, strict=True):
                 self._sum_max[k] = max(math.ldexp(a, -self.shifts[k]), b)  # exact: 2^-s_k
@@ -227,6 +226,7 @@ class ExactGrads:
                 f"exact mode: a step's gradient or loss cannot be summed in fixed point (largest "
                 f"|g * 2^s| {peak}; |loss| must stay below 2^{self.limit_bits - LOSS_BITS}): a "
                 "NaN or inf gradient or loss; running the step again would overflow again")
+        # The shifts drop directly, not through `_shifts`: one capped at MAX_SHIFT would not.
         self.max_seen = [m * 2.0**drop for m in self.max_seen]
         self.shifts = [s - drop for s in self.shifts]
         return True
