@@ -4,12 +4,16 @@ Each builds the same model (an nn.Sequential of 1024x1024 Linear layers, ~P para
 AdamW state materialized (params + exp_avg + exp_avg_sq + step), does one job, and writes one
 JSON result file. The donor and joiner move the state exactly as `recover.parallel.rejoin` does
 (`transfer.TrainingState` with a `rejoin.StepState`, `transfer.send` / `transfer.receive` over a
-`channel` session keyed by a token, on a loopback TCP socket); the loader saves the same state
+`channel` session keyed by a token, on a loopback TCP socket), then move the same tensors' bytes
+--repeats times again with no channel at all (`raw`: one `sendall` per tensor from its memory,
+`recv_into` its joiner's memory, no handshake, frame or cipher): the link's own speed on this
+machine, what no transfer over the socket can beat; the loader saves the same state
 with `torch.distributed.checkpoint` (`no_dist`) and times loading it into a fresh model +
 optimizer.
 
 Invariant: every result carries the state's fingerprint (an order-fixed float64 sum of every
-tensor) as the receiving side holds it after the last receive or load; the loader refuses (exits
+tensor) as the receiving side holds it after the last receive or load (the raw moves included);
+the loader refuses (exits
 non-zero) unless it equals what it saved, and `bench/rejoin.py` refuses a size whose joiner's
 fingerprint differs from its donor's. A time is never reported for state that did not arrive.
 
@@ -57,6 +61,12 @@ def build(params: float, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
+def memory(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's own bytes (written through by a receive)."""
+    assert t.device.type == "cpu" and t.is_contiguous(), "the bench's state is dense on the CPU"
+    return memoryview(t.detach().view(-1).view(torch.uint8).numpy())
+
+
 def fingerprint(model: nn.Module, opt: torch.optim.Optimizer) -> float:
     """Order-fixed float64 sum of every tensor: equal on both sides only if the values are."""
     state = transfer.TrainingState(model, opt, {})
@@ -85,6 +95,13 @@ def donor(a: argparse.Namespace) -> dict:
                 state = transfer.TrainingState(model, opt, {"_recover": st})
                 sent = transfer.send(session, state.tensors, state.meta)
                 times.append(time.monotonic() - t0)
+        for _ in range(a.repeats):  # the link alone: the same bytes, no channel
+            conn, _ = srv.accept()
+            with conn:
+                conn.settimeout(CONNECT_S)
+                for _, t in transfer.TrainingState(model, opt, {}).tensors:
+                    conn.sendall(memory(t))
+                channel.recv_exact(conn, 1)  # the joiner has every byte
     return {"send_s": times, "bytes": sent, "fingerprint": fingerprint(model, opt),
             "params": sum(p.numel() for p in model.parameters())}
 
@@ -107,7 +124,19 @@ def joiner(a: argparse.Namespace) -> dict:
             meta, got = transfer.receive(channel.join(sock, KEY, CTX), state.tensors, state.meta)
         times.append(time.monotonic() - t0)
         state.finish(meta)
-    return {"receive_s": times, "bytes": got, "fingerprint": fingerprint(model, opt)}
+    raw, raw_bytes = [], 0
+    for _ in range(a.repeats):
+        t0 = time.monotonic()
+        with transfer.connect(addr, CONNECT_S) as sock:
+            sock.settimeout(CONNECT_S)
+            tensors = [t for _, t in transfer.TrainingState(model, opt, {}).tensors]
+            for t in tensors:
+                channel.recv_exact_into(sock, memory(t))  # in place
+            raw_bytes = sum(t.numel() * t.element_size() for t in tensors)
+            sock.sendall(b"k")
+        raw.append(time.monotonic() - t0)
+    return {"receive_s": times, "raw_s": raw, "raw_bytes": raw_bytes, "bytes": got,
+            "fingerprint": fingerprint(model, opt)}
 
 
 def ckpt(a: argparse.Namespace) -> dict:

@@ -26,7 +26,14 @@ What:
    (median commit-to-commit after the join), i.e. what the join step took beyond an ordinary
    step and the transfer. The window and its parts are printed beside it.
 
-Last lines: `rejoin_vs_dcp_load=<DCP load s / transfer s at the largest size>`, then
+4. The link alone: after its sealed transfers the same donor and joiner move the same tensors'
+   bytes again over a fresh loopback connection with no channel (no handshake, frame or cipher;
+   `sendall` from each tensor's memory, `recv_into` the joiner's): the most any transfer over
+   this socket can move here, so the ceiling of `rejoin_vs_dcp_load` on this machine.
+
+Last lines: `link_gbps=<the link alone at the largest size>`, `rejoin_vs_link=<transfer GB/s /
+link GB/s>`, `link_vs_dcp_load=<DCP load s / the link's time for the same bytes>` (the ceiling of
+the next), `rejoin_vs_dcp_load=<DCP load s / transfer s at the largest size>`, then
 `rejoin_protocol_s=<median over runs>` then `rejoin_gbps=<GB/s (1e9 bytes/s) of state moved by
 the transfer at the largest size>`.
 
@@ -116,8 +123,14 @@ def sweep(params: float, repeats: int, d: Path, timeout_s: float) -> dict:
     if ck["fingerprint"] != don["fingerprint"]:
         raise RuntimeError("the checkpoint holds other values than the donor")  # same seed
     return {"params": don["params"], "bytes": don["bytes"], "transfer_s": median(joi["receive_s"]),
+            "raw_s": median(joi["raw_s"]), "raw_bytes": joi["raw_bytes"],
             "send_s": median(don["send_s"]), "load_s": median(ck["load_s"]),
             "save_s": ck["save_s"], "file_bytes": ck["file_bytes"]}
+
+
+def link_gbps(r: dict) -> float:
+    """GB/s of the raw moves (`_state_io.py`: the link alone, no channel)."""
+    return r["raw_bytes"] / r["raw_s"] / 1e9
 
 
 def events(path: Path) -> list[dict]:
@@ -178,13 +191,14 @@ def main() -> int:
         gb = r["bytes"] / 1e9
         rows.append((f"{r['params'] / 1e6:.1f}M", f"{r['bytes'] / 1e6:.0f}",
                      f"{r['transfer_s']:.3f}", f"{gb / r['transfer_s']:.2f}",
-                     f"{r['send_s']:.3f}", f"{r['load_s']:.3f}", f"{gb / r['load_s']:.2f}",
-                     f"{r['load_s'] / r['transfer_s']:.2f}x", f"{r['save_s']:.2f}"))
+                     f"{r['send_s']:.3f}", f"{link_gbps(r):.2f}", f"{r['load_s']:.3f}",
+                     f"{gb / r['load_s']:.2f}", f"{r['load_s'] / r['transfer_s']:.2f}x",
+                     f"{r['save_s']:.2f}"))
         log.info("%s params done (load average %.1f)", rows[-1][0], loadavg())
     say("\nstate transfer (loopback, AES-GCM, decrypted in place) vs DCP load (page cache "
         "warm: not dropped, see --help)")
-    table(rows, ("params", "state MB", "transfer s", "GB/s", "donor s", "DCP load s", "GB/s",
-                 "load/transfer", "DCP save s"))
+    table(rows, ("params", "state MB", "transfer s", "GB/s", "donor s", "link GB/s",
+                 "DCP load s", "GB/s", "load/transfer", "DCP save s"))
     prot = [protocol(out / f"train{k}", a.timeout_s, train) for k in range(runs)]
     say(f"\nprotocol of a real rejoin (debug preset, replica {JOINER} killed at step {train[1]}, "
         f"restarted at step {train[2]}; times in s)")
@@ -203,6 +217,15 @@ def main() -> int:
     say(f"  transfer {ratio:.2f}x the warm-cache DCP load's speed at "
         f"{last['params'] / 1e6:.0f}M (goal >= 2x: {'met' if ratio >= 2 else 'NOT met'}); "
         f"load average now {loadavg():.1f}")
+    link = link_gbps(last)
+    gbps = last["bytes"] / last["transfer_s"] / 1e9
+    say(f"  the link alone (the same bytes over the same loopback socket, no handshake, frame or "
+        f"cipher) moved {link:.2f} GB/s: the transfer ran at {gbps / link:.2f} of it, and no "
+        f"transfer over it can pass {link * 1e9 / last['bytes'] * last['load_s']:.2f}x the DCP "
+        f"load here")
+    say(f"link_gbps={link:.3f}")
+    say(f"rejoin_vs_link={gbps / link:.3f}")
+    say(f"link_vs_dcp_load={link * 1e9 / last['bytes'] * last['load_s']:.3f}")
     say(f"rejoin_vs_dcp_load={ratio:.3f}")
     say(f"rejoin_protocol_s={proto:.3f}")
     say(f"rejoin_gbps={last['bytes'] / last['transfer_s'] / 1e9:.3f}")

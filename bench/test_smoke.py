@@ -29,7 +29,8 @@ from recover import procs
 BENCH = Path(__file__).resolve().parent
 # Each script's figure lines: the last line first, then the others it prints.
 FIGURES = {
-    "rejoin": ("rejoin_gbps", "rejoin_protocol_s", "rejoin_vs_dcp_load"),
+    "rejoin": ("rejoin_gbps", "rejoin_protocol_s", "rejoin_vs_dcp_load", "link_vs_dcp_load",
+               "rejoin_vs_link", "link_gbps"),
     "soak": ("violations",),
     "soak-exact": ("violations",),
     "exact_cost": ("exact_step_time_ratio", "exact_step_time_ratio_debug"),
