@@ -122,10 +122,9 @@ class Session:
         the tag): the caller discards every view.
 
         One thread: while it opens frame k, the kernel's socket buffers take frame k + 1 from
-        the donor (each side's process keeps its core busy). A reader thread did not help:
-        AES-GCM holds the GIL (two threads seal no faster than one), and the reader waited for
-        it after each partial read (126 MB: 0.10-0.15 s serial, 0.13-0.21 s with the thread on
-        2 cores; docs/MEASUREMENTS.md, "Live state transfer")."""
+        the donor. A reader thread (and a sender thread on the donor) made it slower where the
+        two processes share two cores, which they already keep busy (126 MB: 2.4-2.6 GB/s
+        serial, 1.7-1.9 with both threads; docs/MEASUREMENTS.md, "Live state transfer")."""
         buf = bytearray()
         for size, dest in zip(sizes, dests, strict=False):  # never one view too many
             n = self._length(size)
