@@ -352,6 +352,34 @@ class Replica:
         """Rank 0 of the lowest live replica (writes records and checkpoints)."""
         return self.rank == 0 and min(self.member.members()) == self.member.replica
 
+    # -- what a checkpoint holds of it (torch.distributed.checkpoint's `Stateful`) ---------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """What this rank holds, beyond the module and optimizer, that a resume needs to go on
+        exactly as the run would have: exact mode's agreed maxima (the next step's exponents);
+        nothing in the default mode. Put the replica in your checkpoint's state dict
+        (`dcp.save({..., "replica": rep})`). The key names this rank: the shards of one replica
+        hold different maxima, so a save keeps every rank's and a load gives each its own."""
+        if self.exact is None:
+            return {}
+        return {self._exact_key(): torch.tensor(self.exact.max_seen, dtype=torch.float64)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Adopt a checkpoint's `state_dict()`: in exact mode this rank's maxima, which it must
+        hold (a checkpoint of the default mode, or of another layout, is refused in one line)."""
+        if self.exact is None:
+            return
+        maxima = state.get(self._exact_key())
+        if maxima is None or len(maxima) != len(self.exact.max_seen):
+            raise ValueError(
+                f"replica {self.member.replica} rank {self.rank}: the checkpoint holds no exact-"
+                f"mode exponents for this rank ({len(self.exact.max_seen)} expected under "
+                f"{self._exact_key()!r}; it has {sorted(state)}): it was saved in the default "
+                "mode or by another layout")
+        self.exact.set_maxima([float(v) for v in maxima])
+
+    def _exact_key(self) -> str:
+        return f"exact_max_rank{self.rank}"
+
     @contextmanager
     def busy(self) -> Iterator[None]:
         """A long operation between steps that is bounded on its own (a checkpoint save): the
