@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from recover import procs
+from recover.testing.runs import own_loop
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -81,30 +81,8 @@ def _worker(argv: list[str]) -> int:
 def test_store_key_count_is_flat_on_the_library_path(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    port_file = tmp_path / "port"
-    coord = procs.start([sys.executable, "-m", "recover", "coordinator", "--replicas", "2",
-                         "--port", "0", "--port-file", str(port_file), "--stale-s", "5",
-                         "--exit-when-done",
-                         "--log", str(tmp_path / "coordinator.jsonl")],
-                        tmp_path / "coordinator.out", env=env)
-    workers: list[procs.Process] = []
-    try:
-        deadline = time.monotonic() + 60
-        while not port_file.exists() or not port_file.read_text().strip():
-            assert coord.poll() is None, (tmp_path / "coordinator.out").read_text()
-            assert time.monotonic() < deadline, "the coordinator wrote no port"
-            time.sleep(0.05)
-        port = port_file.read_text().strip()
-        for r in range(2):
-            workers.append(procs.start(
-                [sys.executable, __file__, "--worker", "--port", port, "--replica", str(r),
-                 "--result", str(tmp_path / f"result{r}.json")], tmp_path / f"worker{r}.out",
-                env=env))
-        for r, w in enumerate(workers):
-            code = procs.wait_exit(w, max(1.0, deadline + 30 - time.monotonic()))
-            assert code == 0, (r, code, (tmp_path / f"worker{r}.out").read_text()[-3000:])
-    finally:
-        procs.stop_all([*workers, coord])
+    own_loop(tmp_path, lambda r: [sys.executable, __file__, "--worker", "--replica", str(r),
+                                  "--result", str(tmp_path / f"result{r}.json")], 2, 90.0, env)
     counts = {int(k): v for k, v in json.loads((tmp_path / "result0.json").read_text()).items()}
     assert counts[STEPS] <= counts[EARLY] + SLACK, counts
 

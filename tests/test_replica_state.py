@@ -18,12 +18,9 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
-
-from recover import procs
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -100,31 +97,13 @@ def _run(out: Path, *flags: str) -> list[dict]:
     """`recover coordinator` and two workers to the end; each replica's final parameters."""
     import torch
 
+    from recover.testing.runs import own_loop
+
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    port_file = out / "port"
-    coord = procs.start([sys.executable, "-m", "recover", "coordinator", "--replicas", "2",
-                         "--port", "0", "--port-file", str(port_file), "--stale-s", "5",
-                         "--exit-when-done", "--log", str(out / "coordinator.jsonl")],
-                        out / "coordinator.out", env=env)
-    workers: list[procs.Process] = []
-    try:
-        deadline = time.monotonic() + 60
-        while not port_file.exists() or not port_file.read_text().strip():
-            assert coord.poll() is None, (out / "coordinator.out").read_text()
-            assert time.monotonic() < deadline, "the coordinator wrote no port"
-            time.sleep(0.05)
-        for r in range(2):
-            workers.append(procs.start(
-                [sys.executable, __file__, "--worker", "--port", port_file.read_text().strip(),
-                 "--replica", str(r), "--out", str(out), *flags], out / f"worker{r}.out",
-                env=env))
-        for r, w in enumerate(workers):
-            code = procs.wait_exit(w, max(1.0, deadline + 60 - time.monotonic()))
-            assert code == 0, (r, code, (out / f"worker{r}.out").read_text()[-3000:])
-    finally:
-        procs.stop_all([*workers, coord])
+    own_loop(out, lambda r: [sys.executable, __file__, "--worker", "--replica", str(r), "--out",
+                             str(out), *flags], 2, 120.0, env)
     return [torch.load(out / f"final{r}.pt") for r in range(2)]
 
 

@@ -6,7 +6,8 @@ forked by the session's spawner (`recover.testing.processes`: torch already impo
 files next to the run directory (`<out>.launcher.out`, `.err`); a train run writes no end-of-run
 report unless asked (`report=True`). Whatever happens, the launcher is
 ended by its PID and so is every process it had started (found in /proc before the launcher is
-ended: its descendants); every wait is bounded. `fresh_dir` gives a bench its own empty folder.
+ended: its descendants); every wait is bounded. `own_loop` runs a coordinator and a user's own
+loops the same way, without the launcher. `fresh_dir` gives a bench its own empty folder.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import shutil
 import signal
 import socket
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,6 +171,36 @@ def recover_train(out: Path, *args: str, data: Path | None = None, timeout: floa
                   fresh: bool = False, env: Mapping[str, str] | None = None) -> Run:
     """Run `recover train` to the end (see `Launch`)."""
     return Launch(out, *args, data=data, fresh=fresh, env=env).finish(timeout)
+
+
+def own_loop(out: Path, worker: Callable[[int], list[str]], replicas: int, timeout_s: float,
+             env: Mapping[str, str] | None = None) -> None:
+    """A run without the launcher: `recover coordinator` (stale_s 5, its log and output in `out`)
+    and one process per replica, `worker(r) + ["--port", P]` (a loop of a user's own on
+    `recover.Replica`), each to exit 0 within `timeout_s` (else AssertionError with its output's
+    tail, `out/worker{r}.out`). Every process is ended by its PID, whatever happens."""
+    port_file = out / "port"
+    coord = procs.start([sys.executable, "-m", "recover", "coordinator", "--replicas",
+                         str(replicas), "--port", "0", "--port-file", str(port_file),
+                         "--stale-s", "5", "--exit-when-done",
+                         "--log", str(out / "coordinator.jsonl")],
+                        out / "coordinator.out", env=env)
+    workers: list[Process] = []
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not port_file.exists() or not port_file.read_text().strip():
+            assert coord.poll() is None, (out / "coordinator.out").read_text()
+            assert time.monotonic() < deadline, "the coordinator wrote no port"
+            time.sleep(0.05)
+        port = port_file.read_text().strip()
+        for r in range(replicas):
+            workers.append(procs.start([*worker(r), "--port", port], out / f"worker{r}.out",
+                                       env=env))
+        for r, w in enumerate(workers):
+            code = procs.wait_exit(w, max(1.0, deadline - time.monotonic()))
+            assert code == 0, (r, code, (out / f"worker{r}.out").read_text()[-3000:])
+    finally:
+        procs.stop_all([*workers, coord])
 
 
 def rel_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
