@@ -44,6 +44,7 @@ from recover.app.train.checkpoint import latest_checkpoint, load_checkpoint, ver
 from recover.app.train.model import build_model
 from recover.app.train.optim import build_optimizer
 from recover.procs import descendants, kill_pids, start, stop
+from recover.testing.runs import bitwise_equal
 
 log = logging.getLogger("bench.soak")
 N = 8  # the debug preset's microbatches per step
@@ -150,11 +151,11 @@ def violations(out: Path, rc: int, ref: Path, steps: int, exact: bool = False) -
     if rel >= 1e-5 or (exact and [r["loss"] for r in recs] != ref_losses):
         bad.append(f"loss off by {rel:.2e}" + (" (exact mode: not bitwise)" if exact else ""))
     by_rank = _finals(out)
-    if not by_rank or any(not _equal(fs[0], f) for fs in by_rank.values() for f in fs):
+    if not by_rank or any(not bitwise_equal(fs[0], f) for fs in by_rank.values() for f in fs):
         bad.append("survivors' final parameters differ (or none)")
     elif exact:
         want = _finals(ref)  # loaded once per run, not once per rank
-        if any(k not in want or not _equal(fs[0], want[k][0]) for k, fs in by_rank.items()):
+        if any(k not in want or not bitwise_equal(fs[0], want[k][0]) for k, fs in by_rank.items()):
             bad.append("final parameters differ from the reference's (exact mode)")
     finals = by_rank.get("", [])
     try:
@@ -167,7 +168,7 @@ def violations(out: Path, rc: int, ref: Path, steps: int, exact: bool = False) -
             meta = verify_checkpoint(path, key)
         else:
             meta = load_checkpoint(path, model, build_optimizer(model, cfg), key=key)
-        if meta["step"] != steps or (finals and not _equal(model.state_dict(), finals[0])):
+        if meta["step"] != steps or (finals and not bitwise_equal(model.state_dict(), finals[0])):
             bad.append(f"last checkpoint (step {meta['step']}) is not the final state")
     except Exception as e:  # any failure to load is the violation being counted
         bad.append(f"checkpoint does not load: {e}")
@@ -180,10 +181,6 @@ def _finals(out: Path) -> dict[str, list[dict[str, torch.Tensor]]]:
     for p in sorted((out / "final").glob("*.pt")):  # replica{r}[.rank{k}].pt: compare per rank
         by_rank.setdefault(p.stem.partition(".")[2], []).append(torch.load(p, weights_only=True))
     return by_rank
-
-
-def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def main() -> int:
