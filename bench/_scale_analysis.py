@@ -94,6 +94,15 @@ def breakdown(steps: dict[Any, list[dict]], t_kill: float, t_gen: float, g0: int
     return res
 
 
+def _requests(rec: dict, key: str) -> float:
+    """A step record's count `key`; a store's requests include the deletions its rank had
+    queued by the commit and not yet sent (`KeyLifetime.pending`): the deletion thread runs
+    behind the steps by 0-2 requests, which read at a window's two ends moved up to 2 requests
+    a rank into or out of a failure's count."""
+    pending = {"main_reqs": "main_pending", "shard_reqs": "shard_pending"}.get(key)
+    return rec[key] + (rec.get(pending, 0) if pending else 0)
+
+
 def failure_requests(steps: dict[Any, list[dict]], t_kill: float, g0: int, coord: float
                      ) -> dict[str, float]:
     """The requests a failure added, per surviving replica (the keys of `steps` are (replica,
@@ -116,8 +125,9 @@ def failure_requests(steps: dict[Any, list[dict]], t_kill: float, g0: int, coord
         mine = per_replica.setdefault(rep, {"main_reqs": 0.0, "shard_reqs": 0.0, "shard_bytes": 0.0,
                                          "probes": 0.0})
         for key in [k for k in mine if k in recs[end]]:
-            rate = (recs[end + AFTER][key] - recs[end][key]) / AFTER
-            mine[key] += recs[end][key] - recs[first - 1][key] - (end - first + 1) * rate
+            at = [_requests(recs[i], key) for i in (first - 1, end, end + AFTER)]
+            rate = (at[2] - at[1]) / AFTER
+            mine[key] += at[1] - at[0] - (end - first + 1) * rate
         if "main_kinds" in recs[end]:  # the same count, per key kind (storecount.Tally)
             at = [recs[i].get("main_kinds", {}) for i in (first - 1, end, end + AFTER)]
             for kind in set().union(*at):

@@ -54,7 +54,9 @@ their own gloo group whose rank 0 speaks for them to the store (`IntraReplicaLin
                  each survivor's requests on every main-store client it opened (counted on the
                  client side, `recover.collectives.storecount`: redo, chain, evidence counts,
                  decisions, generation reads, key deletions and, without shards, the
-                 rendezvous) from the step in flight at the kill to TAIL steps after its first
+                 rendezvous; at each commit, with the deletions it had queued and not yet
+                 sent, `KeyLifetime.pending`: its deletion thread runs behind by 0-2 requests)
+                 from the step in flight at the kill to TAIL steps after its first
                  commit in the new generation (the failure's keys are deleted two commits
                  later), less as many steps at its rate over the AFTER steps that follow (the
                  2 s generation fallback reads in the recovery's extra wall time stay in),
@@ -88,8 +90,11 @@ lines:
 `store_ops_per_rank_step=<max over scales>`, `recovery_cpu_ratio=<rec_cpu at the largest P = 1
 scale / at the smallest>` and `main_store_requests_per_failure_per_replica=<max over scales of
 main_req>` (goals: <= 2, <= 1.5, <= 4), after `recovery_cpu_outside_collective_ratio=` (rec_out's
-ratio) and `failure_free_reduce_cpu_ratio=` (a failure-free reduce call's CPU, the same sizes:
-what the collective alone grows by, measured in the same run).
+ratio), `failure_free_reduce_cpu_ratio=` (a failure-free reduce call's CPU, the same sizes:
+what the collective alone grows by, measured in the same run) and `same_work_cpu_ratio=` (one
+fixed pass of work's CPU in a process among as many busy processes as the largest size has
+ranks, over the smallest's, `_same_work.py`: what the machine's shared cores add to any CPU
+ratio here, measured after the scales).
 
     python bench/scale.py --smoke          # 2, 4 ranks and 3 x 2 (a speaker), 3 steps, a small
                                            # store-rate run (CI)
@@ -124,6 +129,7 @@ from _common import (
     say,
     table,
 )
+from _same_work import pass_cpu_s
 from _scale_analysis import (
     AFTER,
     PARTS,
@@ -523,13 +529,20 @@ def report(res: list[dict], failures: list[dict], a: argparse.Namespace, root: P
     say(f"protocol failures (a survivor died or a wrong gradient; retried): {len(failures)}"
         + "".join(f"\n  {f['scale']}: {f['error'].splitlines()[0][:150]} ({f['logs']})"
                   for f in failures))
-    for line in figures(res, a.numel):
+    sizes = sorted(r["ranks"] for r in res if r["positions"] == 1) or [res[0]["ranks"],
+                                                                       res[-1]["ranks"]]
+    rounds = 12 if a.smoke else 24
+    runs = [pass_cpu_s(n, rounds) for n in (sizes[0], sizes[-1], sizes[0], sizes[-1])]
+    same = ((runs[0] + runs[2]) / 2, (runs[1] + runs[3]) / 2)  # alternated: drift falls on both
+    for line in figures(res, a.numel, same):
         print(line, flush=True)
     return 0
 
 
-def figures(res: list[dict], numel: int) -> list[str]:
-    """The per-size values (progress lines), then the three figure lines."""
+def figures(res: list[dict], numel: int, same: tuple[float, float]) -> list[str]:
+    """The per-size values (progress lines), then the figure lines, the goals' three last.
+    `same`: one fixed pass of work's CPU among as many processes as the smallest and the largest
+    size has ranks (`_same_work.pass_cpu_s`)."""
     one = sorted((r for r in res if r["positions"] == 1), key=lambda r: r["ranks"])
     for r in res:
         say(f"{r['replicas']}x{r['positions']}: store_ops_per_rank_step {r['store_ops']:.2f} "
@@ -564,7 +577,12 @@ def figures(res: list[dict], numel: int) -> list[str]:
         f"{small['recovery_cpu_outside'] * 1e3:.1f} ms, ratio {outside:.2f}; one failure-free "
         f"reduce call ({coll}, no failure) {big['reduce_cpu_s'] * 1e3:.1f}"
         f" / {small['reduce_cpu_s'] * 1e3:.1f} ms, ratio {ring:.2f}")
-    return [f"recovery_cpu_outside_collective_ratio={outside:.2f}",
+    say(f"  the same fixed pass of work (bench/_same_work.py) cost a process "
+        f"{same[1] * 1e6:.0f} us of CPU among {big['ranks']} busy processes, {same[0] * 1e6:.0f} "
+        f"us among {small['ranks']}: ratio {same[1] / same[0]:.2f}, what this machine adds to "
+        "any CPU ratio here for work that does not grow")
+    return [f"same_work_cpu_ratio={same[1] / same[0]:.2f}",
+            f"recovery_cpu_outside_collective_ratio={outside:.2f}",
             f"failure_free_reduce_cpu_ratio={ring:.2f}",
             f"store_ops_per_rank_step={max(r['store_ops'] for r in res):.2f}",
             f"recovery_cpu_ratio={ratio:.2f}",

@@ -39,7 +39,7 @@ FIGURES = {
     "overhead": ("overhead_ratio", "cpu_overhead_ratio"),
     "scale": ("main_store_requests_per_failure_per_replica", "store_ops_per_rank_step",
               "recovery_cpu_ratio", "recovery_cpu_outside_collective_ratio",
-              "failure_free_reduce_cpu_ratio"),
+              "failure_free_reduce_cpu_ratio", "same_work_cpu_ratio"),
     "recovery": ("recovery_median_s",),
     "tree": ("tree_vs_ring_cpu", "ring_cpu_growth", "tree_cpu_growth"),
 }  # longest first: the pool's lanes then end about together

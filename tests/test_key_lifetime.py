@@ -130,6 +130,8 @@ def test_a_stalled_deletion_thread_leaves_no_key_behind(caplog: pytest.LogCaptur
                 server.set(keys.count_key(t, 0), "1")
                 server.set(keys.decision_key(t, 0), keys.COMMIT)
                 lifetime.committed(Committed(t, [{"gen": 0, "assign": {}}], True, 0, [0, 1]))
+            # Every deletion queued or spilled is pending while the connect stalls.
+            assert lifetime.pending("main") == 2 * (steps - KEEP)
             connected.set()
             deadline = time.monotonic() + 30
             while stats["store_deletes"] < 2 * (steps - KEEP) and time.monotonic() < deadline:
@@ -137,6 +139,7 @@ def test_a_stalled_deletion_thread_leaves_no_key_behind(caplog: pytest.LogCaptur
         left = {t for t in range(steps) if server.check([keys.count_key(t, 0)])}
         assert left == set(range(steps - KEEP, steps)), sorted(left)
         assert stats["store_deletes"] == 2 * (steps - KEEP)
+        assert lifetime.pending("main") == 0 and lifetime.pending("shard") == 0
         assert not caplog.records, [r.getMessage() for r in caplog.records]
     finally:
         connected.set()

@@ -22,6 +22,7 @@ every namespace is deleted (and with it the bridge and the links).
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import shlex
@@ -559,3 +560,12 @@ def test_unknown_interface_is_refused(store: object) -> None:
 def test_loopback_addresses() -> None:
     assert all(is_loopback(a) for a in ("127.0.0.1", "127.0.1.1", "::1", "::ffff:127.0.0.1"))
     assert not any(is_loopback(a) for a in (f"{SUBNET}.2", "::ffff:10.0.0.1", "vm", ""))
+    # Its fast path for dotted IPv4 agrees with ipaddress's parse, malformed octets included.
+    for a in ("127.0.0.256", "127.0.0.01", "127.0.0", "127.0.0.1.1", "127.0.0.1 ", "127.a.0.1",
+              "127.0.0.\u00b2", "127.255.255.255", "127.0.0.1%lo", "128.0.0.1"):
+        try:
+            ip = ipaddress.ip_address(a.split("%", 1)[0])
+            want = ip.is_loopback
+        except ValueError:
+            want = False
+        assert is_loopback(a) == want, a

@@ -59,6 +59,14 @@ def _reach_key(prefix: str, rank: int) -> str:
     return f"{prefix}/reach/{rank}"
 
 
+# The build's wait starts at `poll_s` (a small group connects in a few ms) and doubles up to this:
+# at 64 ranks a rebuild takes 150-250 ms of wall time on this machine, through which a 2 ms poll
+# cost the survivor's main thread 2.0-2.5 ms of CPU, about a third of its rebuild's; a newer
+# generation or the deadline is still seen within this much (docs/MEASUREMENTS.md, "The control
+# plane at scale").
+_BUILD_POLL_MAX_S = 0.025
+
+
 class ReplicaFault(RuntimeError):
     """A reduction of `generation` did not complete here; `lost` are the replicas known gone."""
 
@@ -399,9 +407,11 @@ class FaultTolerantComm:
         th.start()
         deadline = time.monotonic() + self.timeout_s
         watch = self._watch(g)
+        pace = self.poll_s
         while th.is_alive():
             self.member.watch.progress()
-            th.join(self.poll_s)
+            th.join(pace)
+            pace = min(2 * pace, _BUILD_POLL_MAX_S)
             if th.is_alive() and self.member.generation() != g:
                 raise ReplicaFault(g, self._lost_since(g), "superseded while building")
             watch.turn(time.monotonic() - t1)  # gloo's connect names no peer: probe them

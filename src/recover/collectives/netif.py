@@ -17,6 +17,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import re
 import socket
 
 log = logging.getLogger(__name__)
@@ -143,8 +144,14 @@ def source_towards(peer: str) -> str | None:
         return None
 
 
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_LOOPBACK_V4 = re.compile(rf"127\.{_OCTET}\.{_OCTET}\.{_OCTET}")
+
+
 def is_loopback(addr: str) -> bool:
     """True for 127.0.0.0/8 and ::1 (and IPv4-mapped forms); False for names and other addresses."""
+    if _LOOPBACK_V4.fullmatch(addr):
+        return True  # the common case without ipaddress's parse (a build reads R - 1 addresses)
     try:
         ip = ipaddress.ip_address(addr.split("%", 1)[0])
     except ValueError:

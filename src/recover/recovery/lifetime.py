@@ -146,6 +146,10 @@ class KeyLifetime:
         self._closing = False  # close() was called: no new jobs
         self._closed = False  # the thread stops at its next deletion
         self._full_logged = False
+        # Per store, the deletions queued, and those ended (sent, or dropped with their job):
+        # each counter written by one thread only (the engine's, the deletion thread's).
+        self._queued: dict[str, int] = {"main": 0, "shard": 0}
+        self._ended: dict[str, int] = {"main": 0, "shard": 0}
 
     def committed(self, c: Committed) -> None:
         """Commit `c` was decided: queue the deletion of the keys of the commit KEEP before it,
@@ -193,6 +197,12 @@ class KeyLifetime:
             thread.join(CLOSE_WAIT_S)
         self._closed = True
 
+    def pending(self, where: str = "main") -> int:
+        """Deletions on the `where` store queued and not yet sent: the requests this rank has
+        already committed to (bench/scale.py counts them at each commit, so a deletion thread
+        running behind does not move a failure's requests from one step to the next)."""
+        return self._queued[where] - self._ended[where]
+
     def _queue(self, where: str, names: list[str]) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="recover-key-lifetime",
@@ -200,6 +210,7 @@ class KeyLifetime:
             self._thread.start()
             atexit.register(self.close)
         try:
+            self._queued[where] += len(names)
             self._jobs.put_nowait((where, names))
             return
         except queue.Full:
@@ -209,6 +220,7 @@ class KeyLifetime:
             if len(held) + len(names) <= SPILL_MAX:
                 held.extend(names)
                 return
+        self._queued[where] -= len(names)  # left in the store (below)
         if not self._full_logged:
             self._full_logged = True
             log.warning("the store answers slower than steps commit: %d keys wait for deletion; "
@@ -231,6 +243,7 @@ class KeyLifetime:
 
     def _delete(self, clients: dict[str, Any], where: str, names: list[str]) -> bool:
         """Delete `names` on the `where` store; False once `close` was called."""
+        tried = 0
         try:
             client = clients.get(where)
             if client is None:  # its own connection: the engine's is the critical path's
@@ -239,9 +252,12 @@ class KeyLifetime:
             for name in names:
                 if self._closed:
                     return False
+                tried += 1
+                self._ended[where] += 1
                 client.delete_key(name)
                 self.stats["store_deletes"] += 1
         except Exception as e:  # the store went away (a coordinator restart): drop the job
+            self._ended[where] += len(names) - tried
             clients.pop(where, None)
             log.debug("deleting old step keys on the %s store failed: %s", where, e)
         return True

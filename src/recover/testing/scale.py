@@ -270,6 +270,9 @@ def rank_main(a: RankArgs) -> NoReturn:
             "computes": timing.computes, "members": len(res.members),
             "cpu_commit": cpu_commit, "marks": timing.marks,
             "main_reqs": tally.total("main"), "shard_reqs": tally.total("shard"),
+            # deletions already queued, not yet sent: counted at the commit that queued them
+            "main_pending": engine.lifetime.pending("main"),
+            "shard_pending": engine.lifetime.pending("shard"),
             "shard_bytes": tally.bytes_served("shard"),
             "probes": comm.stats["probes"],
             "main_kinds": tally.by_kind("main"),
