@@ -2,6 +2,6 @@
 
 import sys
 
-from recover.app.cli import main
+from recover.app.entry import main
 
 sys.exit(main())
