@@ -124,6 +124,8 @@ def test_watch_a_run_with_a_kill(corpus: Path, tmp_path: Path,
             launch.end()
     assert run.returncode == 0, run.stderr[-3000:]
     assert not (out / "http.port").exists()  # the endpoint is gone with the run
+    # The report's plots log nothing on the terminal (matplotlib's category units did, twice).
+    assert "matplotlib" not in run.stdout + run.stderr, (run.stdout + run.stderr)[-3000:]
 
     text = _status_text(capsys, out)
     assert "finished" in text and "members at the last step [0, 1, 2]" in text, text
