@@ -529,21 +529,25 @@ def report(res: list[dict], failures: list[dict], a: argparse.Namespace, root: P
     say(f"protocol failures (a survivor died or a wrong gradient; retried): {len(failures)}"
         + "".join(f"\n  {f['scale']}: {f['error'].splitlines()[0][:150]} ({f['logs']})"
                   for f in failures))
-    sizes = sorted(r["ranks"] for r in res if r["positions"] == 1) or [res[0]["ranks"],
-                                                                       res[-1]["ranks"]]
+    small, big = (r["ranks"] for r in ends(res))
     rounds = 12 if a.smoke else 24
-    runs = [pass_cpu_s(n, rounds) for n in (sizes[0], sizes[-1], sizes[0], sizes[-1])]
+    runs = [pass_cpu_s(n, rounds) for n in (small, big, small, big)]
     same = ((runs[0] + runs[2]) / 2, (runs[1] + runs[3]) / 2)  # alternated: drift falls on both
     for line in figures(res, a.numel, same):
         print(line, flush=True)
     return 0
 
 
+def ends(res: list[dict]) -> tuple[dict, dict]:
+    """The smallest and the largest scale the ratios compare: of one rank per replica, if any."""
+    one = sorted((r for r in res if r["positions"] == 1), key=lambda r: r["ranks"])
+    return (one[0], one[-1]) if one else (res[0], res[-1])
+
+
 def figures(res: list[dict], numel: int, same: tuple[float, float]) -> list[str]:
     """The per-size values (progress lines), then the figure lines, the goals' three last.
     `same`: one fixed pass of work's CPU among as many processes as the smallest and the largest
     size has ranks (`_same_work.pass_cpu_s`)."""
-    one = sorted((r for r in res if r["positions"] == 1), key=lambda r: r["ranks"])
     for r in res:
         say(f"{r['replicas']}x{r['positions']}: store_ops_per_rank_step {r['store_ops']:.2f} "
             f"(the mean rank's {r['store_ops_mean']:.2f}; with shards a shard's last counter "
@@ -559,7 +563,7 @@ def figures(res: list[dict], numel: int, same: tuple[float, float]) -> list[str]
                 f"{k.get('coord_estimate', 0) / max(1, r['replicas'] - 1):.2f}; failure-free "
                 f"steps gave {r.get('coord_failure_free_extra', 0)} besides its decisions), "
                 + ", ".join(f"{kind} {n:.2f}" for kind, n in k.get("main_kinds", {}).items()))
-    small, big = (one[0], one[-1]) if one else (res[0], res[-1])
+    small, big = ends(res)
     ratio = big["recovery_cpu"] / small["recovery_cpu"]
     wall = (big["detect"] + big["agree"]) / (small["detect"] + small["agree"])
     outside = big["recovery_cpu_outside"] / small["recovery_cpu_outside"]

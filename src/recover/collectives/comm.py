@@ -59,11 +59,8 @@ def _reach_key(prefix: str, rank: int) -> str:
     return f"{prefix}/reach/{rank}"
 
 
-# The build's wait starts at `poll_s` (a small group connects in a few ms) and doubles up to this:
-# at 64 ranks a rebuild takes 150-250 ms of wall time on this machine, through which a 2 ms poll
-# cost the survivor's main thread 2.0-2.5 ms of CPU, about a third of its rebuild's; a newer
-# generation or the deadline is still seen within this much (docs/MEASUREMENTS.md, "The control
-# plane at scale").
+# The build's wait starts at `poll_s` and doubles up to this: a 2 ms poll through a 64-rank build
+# cost a third of its CPU (docs/MEASUREMENTS.md, "The control plane at scale").
 _BUILD_POLL_MAX_S = 0.025
 
 
