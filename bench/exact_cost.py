@@ -7,7 +7,7 @@ the metrics' `time_s`, after --warmup steps), CPU seconds per step (every worker
 coordinator's own clocks, robust to other load), and memory (each worker's resident-set
 high-water mark, VmHWM, sampled from /proc while it runs; the difference between the modes is
 what exact mode adds, shown in MiB and in units of the model's fp32 gradient). Equal quotas in
-both modes (`--no-speed-aware`), so both compute the same microbatches on the same replicas.
+both modes (equal quotas, the default), so both compute the same microbatches on the same replicas.
 Where exact mode's extra bytes come from, allocation by allocation: `bench/memory.py --exact`.
 Last lines: `exact_step_time_ratio_<preset>=` for each, then `exact_step_time_ratio=<max>`
 (goal <= 1.10).
@@ -44,7 +44,7 @@ def grad_bytes(preset_name: str) -> int:
 def measure(root: Path, name: str, steps: int, a: argparse.Namespace) -> float:
     """ABBA runs of one preset; print their table and ratios; return the step-time ratio."""
     flags = ["--replicas", str(a.replicas), "--steps", str(steps), "--eval-every", "0",
-             "--stale-s", str(a.stale_s), "--no-speed-aware"]
+             "--stale-s", str(a.stale_s)]
     order = ([m for _ in range(a.rounds) for m in ("default", "exact", "exact", "default")]
              if not a.smoke else ["default", "exact"])  # --smoke: one pair, side by side
     per: dict[str, list[float]] = {"default": [], "exact": []}

@@ -9,6 +9,7 @@ as a bf16 reduce would), and steps AdamW. Any difference between the groupings' 
 summation-order noise that training amplifies; recover's tolerances are set from it.
 
     python bench/noise_floor.py [--dtype bf16] [--reduce-dtype bf16] [--steps 40]
+    python bench/noise_floor.py --smoke     # 3 steps (CI): the script runs and prints its line
 
 Last line: `noise_floor=<max relative loss difference over steps and groupings>`.
 """
@@ -77,7 +78,10 @@ def main() -> int:
     ap.add_argument("--reduce-dtype", default="fp32", choices=DT)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--out", default="/tmp/recover-noise-floor")
+    ap.add_argument("--smoke", action="store_true", help="3 steps: a few seconds (CI runs it)")
     a = ap.parse_args()
+    if a.smoke:
+        a.steps = 3
     torch.set_num_threads(1)
     cfg = preset("debug")
     prepare_data(None, Path(a.out), cfg.data.val_fraction,

@@ -143,8 +143,8 @@ def parse_args() -> argparse.Namespace:
                          "(ABBA); default on, off with --quick")
     ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds of --separate")
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
-    ap.add_argument("--no-speed-aware", action="store_true",
-                    help="equal quotas in recover (default: its speed-aware quotas)")
+    ap.add_argument("--speed-aware", action="store_true",
+                    help="speed-aware quotas in recover (default: equal quotas)")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="limit per run")
     ap.add_argument("--stale-s", type=float, default=5.0,
                     help="recover's heartbeat staleness threshold (no per-step cost; the default"
@@ -167,7 +167,7 @@ def interleaved(name: str, a: argparse.Namespace, root: Path) -> tuple[list[floa
     cfg.layout.replicas, cfg.run.steps = a.replicas, a.steps_of[name]
     cfg.data.eval_every, cfg.ft.stale_s = 0, a.stale_s
     cfg.run.out = str(fresh_dir(root / f"interleaved-{name}"))  # a reused --out's is refused
-    cfg.ft.speed_aware = not a.no_speed_aware
+    cfg.ft.speed_aware = a.speed_aware
     m = cfg.model
     say(f"\noverhead: recover vs DDP(no_sync), preset {name}: d={m.n_embd} L={m.n_layer} "
         f"T={m.block_size}, N={cfg.data.microbatches} B={cfg.data.microbatch_size} "
@@ -192,7 +192,7 @@ def interleaved(name: str, a: argparse.Namespace, root: Path) -> tuple[list[floa
             "bench/_ddp.py, ABBA")
         flags = ["--replicas", str(cfg.layout.replicas), "--steps", str(cfg.run.steps),
                  "--eval-every", "0", "--stale-s", str(a.stale_s)]
-        flags += ["--no-speed-aware"] * a.no_speed_aware
+        flags += ["--speed-aware"] * a.speed_aware
         separate(cfg, name, root / name, a, cfg.run.steps, flags)
     return pairs
 

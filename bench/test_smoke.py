@@ -42,6 +42,8 @@ FIGURES = {
               "failure_free_reduce_cpu_ratio", "same_work_cpu_ratio"),
     "recovery": ("recovery_median_s",),
     "tree": ("tree_vs_ring_cpu", "ring_cpu_growth", "tree_cpu_growth"),
+    "band": ("band_separation", "band_fault_ratio_max", "band_drop_ratio_min"),
+    "noise_floor": ("noise_floor",),
 }  # longest first: the pool's lanes then end about together
 # A case that runs a script with flags: case -> (script, flags after --smoke).
 VARIANTS = {"soak-exact": ("soak", ["--exact"])}

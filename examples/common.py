@@ -5,7 +5,7 @@ map-style dataset, every item once per epoch), so whichever replica computes it 
 data, and a recomputed microbatch is the lost one. Run an example with one
 `torchrun` per replica, all pointed at one coordinator (here `hsdp.py`; `tp.py` and `pp.py` alike):
 
-    recover coordinator --replicas 2 --port 29600 &
+    recover coordinator --replicas 2 --port 29600 --exit-when-done &
     for r in 0 1; do
       RECOVER_COORDINATOR=127.0.0.1:29600 RECOVER_REPLICA=$r \\
         torchrun --standalone --nproc-per-node 2 examples/hsdp.py &
@@ -13,6 +13,8 @@ data, and a recomputed microbatch is the lost one. Run an example with one
 
 Kill any one rank (`kill -9 PID`): its replica's other rank exits by itself (code 3), and the
 other replica finishes the run with the same losses, recomputing the lost microbatches.
+`--exit-when-done` ends the coordinator once every replica has left or been lost, so `wait`
+returns (without it the coordinator stays up for replicas still to come).
 """
 
 from __future__ import annotations

@@ -44,6 +44,12 @@ def generated_text(n_bytes: int, seed: int = 0) -> str:
     return "".join(out)[:n_bytes]
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The long multi-process tests (marked `slow`) first: two workers then end together on the
+    short ones, not one waiting for the other's last long run."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """~200 KB of generated English-like text."""
@@ -82,6 +88,21 @@ def ref4(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
         out, *BASE, "--replicas", "4", "--dump-final-params", data=corpus))
     assert run.returncode == 0, run.stderr[-3000:]
     return run
+
+
+# Two failure-free exact-mode runs of one config (R=5, N=7: N not divisible by R): a bitwise pair
+# for tests/test_repeatable.py, and a reference for tests/test_verify.py.
+EXACT_PAIR_ARGS = ["--preset", "debug", "--eval-every", "0", "--dump-final-params", "--replicas",
+                   "5", "--microbatches", "7", "--steps", "12", "--exact"]
+
+
+@pytest.fixture(scope="session")
+def exact_pair(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, Run]:
+    runs = tuple(shared_run(tmp_path_factory, f"exact-{k}", lambda out: recover_train(
+        out, *EXACT_PAIR_ARGS, data=corpus, timeout=200)) for k in "ab")
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    return runs  # type: ignore[return-value]
 
 
 @pytest.fixture(scope="session")

@@ -56,11 +56,9 @@ def test_young_daly_interval() -> None:
 
 @pytest.mark.timeout(300)
 def test_shrink_batch_discards_and_shrinks(ref4: Run, corpus: Path, tmp_path: Path) -> None:
-    # The reference is the session's failure-free R=4 run (speed-aware quotas there, equal ones
-    # here: the same trajectory up to summation order: docs/DESIGN.md,
-    # "The invariant and its tolerances").
+    # The reference is the session's failure-free R=4 run (equal quotas, as here).
     ref = ref4
-    args = [*BASE, "--replicas", "4", "--no-speed-aware", "--dump-final-params"]
+    args = [*BASE, "--replicas", "4", "--dump-final-params"]
     run = recover_train(tmp_path / "run", *args, "--policy", "shrink-batch", "--fault",
                         "kill:replica=2,step=5,phase=backward", data=corpus)
     assert run.returncode == 0, run.stderr[-3000:]

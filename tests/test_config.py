@@ -50,7 +50,7 @@ def test_every_flagged_field_is_in_help(capsys: pytest.CaptureFixture[str],
                    for words in entries), flag
     # Today's flag names, by hand: tests, README and scripts use them.
     for flag in ("--replicas", "--microbatches", "--microbatch-size", "--data", "--layout",
-                 "--no-speed-aware", "--fault", "--resume", "--reference", "--dump-final-params",
+                 "--speed-aware", "--fault", "--resume", "--reference", "--dump-final-params",
                  "--preset", "--out", "--stop-at", "--n-embd", "--vocab-size", "--policy",
                  "--external-workers", "--port"):
         assert flag in help_text
@@ -61,13 +61,13 @@ def test_flags_set_nested_fields(tmp_path: Path) -> None:
     corpus.write_text("hello world\n" * 50)
     faults = ["kill:replica=0,step=1", "slow:replica=1,factor=2"]
     cfg = _cfg("--microbatch-size", "4", "--data", str(corpus), "--layout", "hsdp",
-               "--shards", "2", "--replicas", "2", "--no-speed-aware", "--fault", faults[0],
+               "--shards", "2", "--replicas", "2", "--speed-aware", "--fault", faults[0],
                "--fault", faults[1], "--reference", "--dump-final-params", "--lr", "0.002",
                "--n-layer", "3", "--out", str(tmp_path / "o"), "--stale-s", "3.5")
     assert (cfg.data.microbatch_size, cfg.data.path) == (4, str(corpus))
     assert (cfg.layout.name, cfg.layout.shards, cfg.layout.replicas) == ("hsdp", 2, 2)
     assert cfg.layout.ranks_per_replica() == 2
-    assert cfg.ft.speed_aware is False and cfg.ft.faults == faults and cfg.ft.stale_s == 3.5
+    assert cfg.ft.speed_aware is True and cfg.ft.faults == faults and cfg.ft.stale_s == 3.5
     assert cfg.run.reference and cfg.run.dump_final and not cfg.run.resume
     assert cfg.optim.lr == 0.002 and cfg.model.n_layer == 3
     assert cfg.run.out == str(tmp_path / "o")
@@ -77,7 +77,7 @@ def test_flags_set_nested_fields(tmp_path: Path) -> None:
 def test_preset_values_stay_unless_a_flag_is_given() -> None:
     plain = _cfg("--preset", "small")
     assert plain == dataclasses.replace(preset("small"), run=plain.run)
-    assert plain.run.out.startswith("runs/small-") and plain.ft.speed_aware
+    assert plain.run.out.startswith("runs/small-") and not plain.ft.speed_aware
     assert _cfg("--preset", "small", "--microbatches", "4").data.microbatches == 4
 
 
@@ -124,7 +124,7 @@ def test_the_library_settings_come_from_the_run_config() -> None:
     from recover.app.config import replica_config
     from recover.settings import FaultTolerance, Numerics
 
-    cfg = _cfg("--stale-s", "3.5", "--min-replicas", "2", "--no-speed-aware", "--exact",
+    cfg = _cfg("--stale-s", "3.5", "--min-replicas", "2", "--speed-aware", "--exact",
                "--coordinator-wait-s", "7")
     rc = replica_config(cfg, "h:1", 3, "tok")
     assert (rc.coordinator, rc.replica, rc.token) == ("h:1", 3, "tok")
@@ -132,7 +132,7 @@ def test_the_library_settings_come_from_the_run_config() -> None:
         got = rc.ft if lib is FaultTolerance else rc.numerics
         for f in dataclasses.fields(lib):
             assert getattr(got, f.name) == getattr(sub, f.name), f.name
-    assert rc.ft.stale_s == 3.5 and rc.ft.min_replicas == 2 and not rc.ft.speed_aware
+    assert rc.ft.stale_s == 3.5 and rc.ft.min_replicas == 2 and rc.ft.speed_aware
     assert rc.numerics.exact and rc.ft.coordinator_wait_s == 7
 
 

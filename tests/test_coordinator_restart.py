@@ -86,7 +86,8 @@ def test_restarted_coordinator_resumes_and_heals(coordinator: Coordinator) -> No
     r1 = [Fake(lport, 1, 0, 1, 6, 2)]
     r2 = [Fake(lport, 2, 0, 2, 7, 3), Fake(lport, 2, 1, 2, 6, 3)]
     for f in r0:
-        assert f.expect("welcome") == ["welcome", "4"]  # generations go on after 3
+        # generations go on after 3; then --stale-s, R and the shards' ports (none)
+        assert f.expect("welcome") == ["welcome", "4", "2.0", "3", "-"]
     joining = {}
     for r, fakes in ((1, r1), (2, r2)):
         for f in fakes:
@@ -103,6 +104,7 @@ def test_restarted_coordinator_resumes_and_heals(coordinator: Coordinator) -> No
     assert asked == {1: (joining[1], 7), 2: (joining[2], 7)}
     # Replica 1's rank holds the transferred state: it is admitted in a new generation.
     r1[0].send(f"ready {joining[1]}")
+    r0[0].send(f"donated {joining[1]} 1")  # its donor's word (a `ready` alone admits nobody)
     deadline = time.monotonic() + 10
     while keys.store_int(store, keys.GEN_COUNT) < 6:
         assert time.monotonic() < deadline, "replica 1 was not admitted"

@@ -176,7 +176,7 @@ EXACT = ["--preset", "debug", "--exact", "--steps", "60", "--eval-every", "0",
 
 @pytest.fixture(scope="module")
 def exact_ref(corpus: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    run = recover_train(tmp_path_factory.mktemp("exact") / "ref", *EXACT, "--no-speed-aware",
+    run = recover_train(tmp_path_factory.mktemp("exact") / "ref", *EXACT,
                         data=corpus, timeout=400)
     assert run.returncode == 0, run.stderr[-3000:]
     return run
@@ -190,7 +190,8 @@ def test_faults_and_other_quotas_are_bitwise_the_failure_free_run(
     straggler (replica 3, until it is killed: fewer microbatches than the reference's equal
     split), and real SIGKILLs in three phases (the lost ids recomputed by survivors). Every
     step's loss and the last survivor's parameters are bitwise the reference's."""
-    run = recover_train(tmp_path / "run", *EXACT, "--fault", "slow:replica=3,factor=3",
+    run = recover_train(tmp_path / "run", *EXACT, "--speed-aware",
+                        "--fault", "slow:replica=3,factor=3",
                         "--fault", "kill:replica=1,step=10,phase=backward",
                         "--fault", "kill:replica=2,step=25,phase=reduce",
                         "--fault", "kill:replica=3,step=40,phase=commit",
@@ -204,6 +205,7 @@ def test_faults_and_other_quotas_are_bitwise_the_failure_free_run(
     assert bitwise_equal(run.final(0), exact_ref.final(0))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", ["plain", "hsdp"])
 def test_a_resumed_run_is_bitwise_the_uninterrupted_one(
@@ -211,7 +213,7 @@ def test_a_resumed_run_is_bitwise_the_uninterrupted_one(
     """--stop-at, then --resume: the checkpoint holds each rank's exponents (hsdp: one list per
     shard), so every later step's loss and the final parameters are bitwise the run that never
     stopped (resumed at the first step's exponents instead, the later losses differed)."""
-    args = [*EXACT, "--no-speed-aware", *(LAYOUT_FLAGS["hsdp"] + ["--replicas", "2"]
+    args = [*EXACT, *(LAYOUT_FLAGS["hsdp"] + ["--replicas", "2"]
                                           if layout == "hsdp" else [])]
     ref = exact_ref if layout == "plain" else recover_train(tmp_path / "ref", *args,
                                                             data=corpus, timeout=400)

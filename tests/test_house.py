@@ -195,6 +195,7 @@ def test_functions_are_short_and_take_few_parameters() -> None:
 
 # -- the documents: the design is the design, history lives in the changelog --------------------
 DESIGN_MAX_LINES = 400
+README_MAX_LINES = 200  # what it is, the invariant, the two commands, the loop, links (issue 52)
 SECTION_SIGN = "\u00a7"
 
 
@@ -204,6 +205,11 @@ def test_design_is_the_current_design_only() -> None:
     text = (ROOT / "docs" / "DESIGN.md").read_text()
     assert len(text.splitlines()) <= DESIGN_MAX_LINES
     assert "as built" not in text.lower()
+
+
+def test_readme_is_a_front_page() -> None:
+    """README.md is read first: short, with the details in the pages it links (docs/*.md)."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= README_MAX_LINES
 
 
 def test_no_section_sign_in_code_or_bench() -> None:

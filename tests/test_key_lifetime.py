@@ -29,7 +29,7 @@ SLACK = 5  # keys the count may differ by (the issue's bound)
 
 
 def _worker(argv: list[str]) -> int:
-    """One replica's loop, as a user writes it (README, "In your own loop")."""
+    """One replica's loop, as a user writes it (docs/library.md, "A plain loop")."""
     import datetime
 
     import torch

@@ -20,24 +20,39 @@ from pathlib import Path
 import pytest
 
 from recover import procs
-from recover.collectives import Coordinator, CoordinatorConfig, coordinator
-from recover.collectives.admission import proof
+from recover.collectives import Coordinator, CoordinatorConfig, coordinator, session
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = "a token, with spaces\tand a tab"  # any characters: only its proof travels
 
 
+def _line(s: socket.socket, buf: bytes = b"") -> tuple[str, bytes]:
+    """The next line from `s` ("(closed)" if it closed first), and what came after it."""
+    while b"\n" not in buf:
+        chunk = s.recv(4096)
+        if not chunk:
+            return "(closed)", b""
+        buf += chunk
+    line, rest = buf.split(b"\n", 1)
+    return line.decode(), rest
+
+
+def _hello(s: socket.socket, token: str, replica: int) -> bytes:
+    """Answer the coordinator's challenge with a well-formed hello as (replica, 0/1)
+    (collectives/session.py); what came after the challenge."""
+    challenge, rest = _line(s)
+    words = ["hello", str(replica), "0", "1", str(os.getpid()), "-", "-"]
+    words[session.PROOF_AT] = session.hello_proof(token, challenge.split()[1], words)
+    s.sendall((" ".join(words) + "\n").encode())
+    return rest
+
+
 def _welcomed(port: int, token: str, replica: int = 0, within_s: float = 10.0) -> str:
-    """Say a well-formed hello as (replica, 0/1) and return the coordinator's first line."""
+    """Say a well-formed hello as (replica, 0/1) and return the coordinator's answer (its
+    session's seal, if any, left out)."""
     with socket.create_connection(("127.0.0.1", port), timeout=within_s) as s:
-        s.sendall(f"hello {replica} 0 1 {os.getpid()} {proof(token)} -\n".encode())
-        buf = b""
-        while b"\n" not in buf:
-            chunk = s.recv(4096)
-            if not chunk:
-                return "(closed)"
-            buf += chunk
-        return buf.split(b"\n", 1)[0].decode()
+        line, _ = _line(s, _hello(s, token, replica))
+        return line.rpartition(" ~")[0] if " ~" in line else line
 
 
 @contextlib.contextmanager
@@ -86,7 +101,7 @@ def test_idle_connections_never_starve_a_hello(tmp_path: Path) -> None:
         lport = _liveness_port(tmp_path / "coordinator.jsonl")
         with _idle(lport, 200) as socks:
             time.sleep(0.5)  # let it accept (and drop) what it can
-            assert _welcomed(lport, TOKEN) == "welcome 0"
+            assert _welcomed(lport, TOKEN).startswith("welcome 0 ")
             dropped = sum(_closed_by_peer(s) for s in socks)
         assert dropped >= 200 - 96, dropped  # most idle ones were let go, not held
         assert proc.poll() is None, (tmp_path / "coordinator.log").read_text()
@@ -124,7 +139,8 @@ def test_a_connection_without_a_hello_is_dropped(tmp_path: Path,
         assert coord.liveness_port is not None
         silent = socket.create_connection(("127.0.0.1", coord.liveness_port), timeout=5)
         member = socket.create_connection(("127.0.0.1", coord.liveness_port), timeout=5)
-        member.sendall(f"hello 1 0 1 {os.getpid()} {proof(TOKEN)} -\n".encode())
+        member.settimeout(5)
+        _hello(member, TOKEN, 1)
         time.sleep(1.5)
         assert _closed_by_peer(silent)
         assert not _closed_by_peer(member)

@@ -9,7 +9,7 @@ import pytest
 
 from recover.collectives import CoordinatorConfig, keys
 from recover.collectives.admission import Hello
-from recover.collectives.membership import DEBOUNCE_S, Membership
+from recover.collectives.membership import DEBOUNCE_S, Membership, Peer
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -137,8 +137,12 @@ def test_a_joiner_is_admitted_only_once_every_rank_is_ready() -> None:
     epoch = m.joins[2].epoch
     assert epoch == 1 and f"join 2 {epoch} 5\n" in wire.to(0)
     m.ready(12, epoch)
+    m.donated(0, epoch, 2)  # replica 0's rank 0 streamed it rank 0's state
     assert m.generation == 1  # one rank's state is not the replica's
     m.ready(13, epoch)
+    assert m.generation == 1  # rank 1's state has no donor's word yet
+    m.peers[20] = Peer(1, 1, 2, 301)  # the donor's rank 1 (these members have one rank)
+    m.donated(20, epoch, 2)
     assert m.generation == 2 and members(store, 2) == [0, 1, 2] and m.exits[2] == "running"
     assert f"joinend {epoch}\n" in wire.to(0)
 
@@ -181,6 +185,27 @@ def test_a_joiner_still_waiting_when_every_member_left_is_told_the_run_is_over()
     assert m.hello(12, Hello(1, 0, 1, 301, join_at=13))
     assert [line for c, line in wire.sent if c == 12] == ["over\n"]  # no join announced
 
+def test_ready_alone_admits_nobody_only_a_members_donated_does() -> None:
+    """A joiner's `ready` (a phantom's, or a replay by a token holder) is not enough: only a
+    member's `donated` for that join's epoch and replica completes the admission; the joiner's
+    own word, a stale epoch's or another replica's does not."""
+    m, store, wire = started(replicas=3)
+    m.closed(2)
+    m.publish_next()  # generation 1: [0, 1]
+    assert m.hello(12, Hello(2, 0, 1, 200))
+    epoch = m.joins[2].epoch
+    m.ready(12, epoch)
+    m.ready(12, epoch)
+    m.donated(12, epoch, 2)  # the joiner vouching for itself
+    m.donated(0, epoch - 1, 2)  # an older join's
+    m.donated(1, epoch, 0)  # a member's word about a replica that is no joiner
+    assert m.generation == 1 and 2 in m.joins
+    m.donated(1, epoch, 2)
+    assert m.generation == 2 and members(store, 2) == [0, 1, 2]
+    joining = [x for x in wire.to(12) if x.startswith("joining")]
+    assert joining == [f"joining {epoch} 1 0 {m.stale_s!r} 3 -\n"], joining
+
+
 def test_a_restarted_coordinator_resumes_from_the_highest_whole_step() -> None:
     store, wire = DictStore(), Lines()
     m = Membership(CoordinatorConfig(replicas=2, port=0, recover=True), store, wire,
@@ -190,7 +215,8 @@ def test_a_restarted_coordinator_resumes_from_the_highest_whole_step() -> None:
     assert wire.sent == []  # answered once the resume point is decided
     assert m.first_generation(now=0.1)
     assert m.generation == 5 and members(store, 5) == [0]  # numbered after what ranks knew
-    assert "welcome 5\n" in wire.to(0)
+    # The welcome carries what a member needs of this coordinator (not read from the store).
+    assert f"welcome 5 {m.stale_s!r} 2 -\n" in wire.to(0)
     assert m.joins[1].at == 7 and m.exits[1] == "joining"  # healed by a state transfer
 
 
@@ -229,6 +255,7 @@ def test_a_replacement_that_cannot_reach_the_incumbent_goes_whoever_reported_fir
     m.publish_next()  # generation 1: [0]
     assert m.hello(11, Hello(1, 0, 1, 201, join_at=3))
     m.ready(11, m.joins[1].epoch)
+    m.donated(0, m.joins[1].epoch, 1)
     assert m.generation == 2 and members(store, 2) == [0, 1]
     for reporter in (first, 1 - first):
         m.cut(11 if reporter == 1 else 0, 2, [1 - reporter])
@@ -294,7 +321,7 @@ def test_a_replacement_before_its_predecessors_loss_is_published_joins() -> None
     assert members(store, 1) == [0, 2]
     join = m.joins[1]
     assert join.epoch >= 0 and join.at == 6
-    assert wire.to(11)[-1] == f"joining {join.epoch} 1 0\n", wire.to(11)
+    assert wire.to(11)[-1] == f"joining {join.epoch} 1 0 {m.params()}\n", wire.to(11)
     assert f"join 1 {join.epoch} 6\n" in wire.to(0)
 
 

@@ -1,8 +1,8 @@
-"""The README's cluster recipe across real network hosts: one Linux network namespace per host.
+"""The cluster recipe (docs/cli.md) across real network hosts: one Linux network namespace per host.
 
 The coordinator's host and each replica's host are network namespaces joined by a bridge that
 lives in a namespace of its own, with addresses (10.77.0.x) that exist only inside them. The
-commands are the README's "On a cluster" lines, read from README.md, with only the host, the run
+commands are docs/cli.md's "On a cluster" lines, read from that page, with only the host, the run
 directory and the data path substituted, and started as a user would: the coordinator first, then
 one `torchrun` per replica once DIR/config.json exists. Faults are real: a replica's link cut at
 the bridge (kept down, or brought back), or its worker SIGKILLed, a few steps into the run (all
@@ -45,7 +45,7 @@ from recover.collectives.progress import ProgressWatch
 from recover.testing.processes import Proc, stop_all
 from recover.testing.runs import Run, max_rel, recover_train
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parent.parent / "docs" / "cli.md"  # the cluster recipe's page
 SUBNET = "10.77.0"  # only ever assigned inside this test's own namespaces
 FAULT_AFTER_STEPS = 4  # the fault lands once this many metrics lines are written
 RUN_LIMIT_S = 300.0  # one whole run, startup included, on a loaded 2-core machine
@@ -53,7 +53,7 @@ RUN_LIMIT_S = 300.0  # one whole run, startup included, on a loaded 2-core machi
 
 # -- the recipe, from the README ---------------------------------------------------------------
 def readme_recipe() -> tuple[list[str], list[str]]:
-    """The coordinator's and the replica's command lines of the README's cluster section."""
+    """The coordinator's and the replica's command lines of docs/cli.md's cluster section."""
     section = README.read_text().split("## On a cluster", 1)[1].split("\n## ", 1)[0]
     lines: list[str] = []
     for raw in section.splitlines():
@@ -65,7 +65,7 @@ def readme_recipe() -> tuple[list[str], list[str]]:
             lines.append(raw.strip())
     coord = [shlex.split(c) for c in lines if c.startswith("recover train ")]
     worker = [shlex.split(c) for c in lines if c.startswith("torchrun ")]
-    assert len(coord) == 1 and len(worker) == 1, f"README's cluster recipe changed: {lines}"
+    assert len(coord) == 1 and len(worker) == 1, f"docs/cli.md's cluster recipe changed: {lines}"
     return coord[0], worker[0]
 
 
@@ -279,7 +279,7 @@ def with_flags(cmd: list[str], flags: dict[str, str]) -> list[str]:
 
 def run_recipe(tmp: Path, corpus: Path, faults: dict[int, str] | None = None,
                replicas: int = REPLICAS, stop_at: int | None = None) -> Outcome:
-    """Run the README's recipe on fresh hosts; `faults`: replica -> cut, cut-back or kill, or
+    """Run docs/cli.md's recipe on fresh hosts; `faults`: replica -> cut, cut-back or kill, or
     "partition PEER HOW" (the data path between the two replicas cut for good, both ways, HOW
     being `Net.cut_between`'s), all at the same moment. `replicas` and `stop_at` override the
     recipe's (--stop-at keeps the recipe's --steps, so its learning-rate schedule)."""

@@ -30,7 +30,7 @@ def faulty(tmp_path: Path, corpus: Path, *faults: str, replicas: int = 4,
            static: bool = True) -> Run:
     # Static (equal) quotas make "which ids did replica r own" predictable for the assertions.
     args = [*BASE, "--replicas", str(replicas), "--dump-final-params"]
-    args += ["--no-speed-aware"] if static else []
+    args += [] if static else ["--speed-aware"]
     for f in faults:
         args += ["--fault", f]
     run = recover_train(tmp_path / "run", *args, data=corpus)
@@ -60,7 +60,7 @@ def check_against(run: Run, ref: Run, survivors: list[int]) -> list[dict]:
 
 
 def test_below_min_replicas_stops_with_checkpoint(corpus: Path, tmp_path: Path) -> None:
-    args = [*BASE, "--replicas", "4", "--min-replicas", "3", "--no-speed-aware",
+    args = [*BASE, "--replicas", "4", "--min-replicas", "3",
             "--fault", "kill:replica=1,step=3,phase=backward",
             "--fault", "kill:replica=2,step=6,phase=backward"]
     run = recover_train(tmp_path / "run", *args, data=corpus)

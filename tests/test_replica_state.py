@@ -107,6 +107,7 @@ def _run(out: Path, *flags: str) -> list[dict]:
     return [torch.load(out / f"final{r}.pt") for r in range(2)]
 
 
+@pytest.mark.slow
 def test_a_dcp_save_with_the_replica_resumes_exact_mode_bitwise(tmp_path: Path) -> None:
     from recover.testing.runs import bitwise_equal
 

@@ -99,14 +99,15 @@ def test_a_failed_agreement_is_redo_everywhere_written_by_the_speaker() -> None:
 
 
 class _EntryLink:
-    """A sibling's view: its speaker shares entry 1 (generation 1, every id to replica 0)."""
+    """A sibling's view: its speaker shares entry 1 (generation 1, every id of step 3 (N = 2)
+    to replica 0: read against `step_ids`, recovery/chain.py)."""
 
     def __init__(self) -> None:
         self.shared: list[bytes | None] = []
 
     def share(self, value: bytes | None) -> bytes:
         self.shared.append(value)
-        return value or json.dumps({"gen": 1, "assign": {"0": [0, 1]}}).encode()
+        return value or json.dumps({"gen": 1, "assign": {"0": [6, 7]}}).encode()
 
 
 def chain_of(position: int, link: _EntryLink, store: _Store) -> OwnershipChain:
@@ -118,9 +119,9 @@ def test_a_sibling_reads_the_chain_from_its_speaker_after_agreeing_on_what_it_mo
     """Position 1 moving from generation 0 to 1: it agrees on 0 first (`moved_past`), then takes
     entry 1 from its speaker; it asks the store nothing."""
     store, link, past = _Store(None), _EntryLink(), []
-    entry0 = {"gen": 0, "assign": {"0": [0], "1": [1]}}
+    entry0 = {"gen": 0, "assign": {"0": [6], "1": [7]}}
     got = chain_of(1, link, store).sync(3, 3, [entry0], 1, [0], past.append)
-    assert got == [entry0, {"gen": 1, "assign": {"0": [0, 1]}}]
+    assert got == [entry0, {"gen": 1, "assign": {"0": [6, 7]}}]
     assert past == [0] and link.shared == [None] and store.calls == []
 
 
@@ -131,10 +132,10 @@ def test_with_a_speaker_a_call_adds_one_entry_whatever_generation_it_sees(positi
     that entry's microbatches, whose intra-replica collectives need this position too; it
     extends again at its next attempt (recovery/chain.py)."""
     store, link, past = _Store(None), _EntryLink(), []
-    entry0 = {"gen": 0, "assign": {"0": [0], "1": [1]}}
+    entry0 = {"gen": 0, "assign": {"0": [6], "1": [7]}}
     if position == 0:  # the speaker's store holds entry 1 of generation 1 already
         store.compare_set = (  # type: ignore[method-assign]
-            lambda key, old, new: json.dumps({"gen": 1, "assign": {"0": [0, 1]}}).encode())
+            lambda key, old, new: json.dumps({"gen": 1, "assign": {"0": [6, 7]}}).encode())
     got = chain_of(position, link, store).sync(3, 3, [entry0], 3, [0], past.append)
     assert [e["gen"] for e in got] == [0, 1] and past == [0] and len(link.shared) == 1
     implied = chain_of(position, link, store)

@@ -77,7 +77,7 @@ def test_watch_a_run_with_a_kill(corpus: Path, tmp_path: Path,
                                  capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
     # Replica 0 computes every step's share 2x slower (equal quotas): time to look.
-    launch = Launch(out, *BASE, "--steps", "8", "--replicas", "4", "--no-speed-aware",
+    launch = Launch(out, *BASE, "--steps", "8", "--replicas", "4",
                     "--http-port", "0", "--fault", "slow:replica=0,factor=2", "--fault",
                     f"kill:replica={KILLED},step={AT}", data=corpus, report=True)
     try:

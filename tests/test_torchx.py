@@ -80,6 +80,7 @@ def _end(proc: subprocess.Popen) -> None:
         proc.wait(timeout=10)
 
 
+@pytest.mark.slow
 def test_local_cwd_replica_restarts_and_rejoins(ref4: Run, corpus: Path, tmp_path: Path) -> None:
     pytest.importorskip("torchx", reason="torchx is not installed (pip install -e '.[torchx]')")
     out, port = tmp_path / "run", two_free_ports()
@@ -154,8 +155,14 @@ def test_slurm_script(tmp_path: Path) -> None:
 def test_kubernetes_manifests() -> None:
     docs = list(yaml.safe_load_all(cluster.kubernetes_manifests(JOB, name="r7")))
     assert [(d["kind"], d["metadata"]["name"]) for d in docs] == [
-        ("Service", "r7-coordinator"), ("Job", "r7-coordinator"), ("Job", "r7-replicas")]
-    service, coord, reps = docs
+        ("Service", "r7-coordinator"), ("NetworkPolicy", "r7-job-only"),
+        ("Job", "r7-coordinator"), ("Job", "r7-replicas")]
+    service, policy, coord, reps = docs
+    # Only the job's pods reach any of its pods (the store, liveness and gloo ports).
+    assert policy["spec"]["podSelector"]["matchLabels"] == {"app": "r7"}
+    job_pods = {"podSelector": {"matchLabels": {"app": "r7"}}}
+    assert policy["spec"]["ingress"] == [{"from": [job_pods]}]
+    assert service["spec"]["selector"]["app"] == "r7"
     assert [p["port"] for p in service["spec"]["ports"]] == [31000, 31001]
     assert service["spec"]["selector"] == coord["spec"]["template"]["metadata"]["labels"]
     assert coord["spec"]["backoffLimit"] == 0  # a new coordinator would be a new run
@@ -171,9 +178,14 @@ def test_kubernetes_manifests() -> None:
     [c] = spec["template"]["spec"]["containers"]
     assert c["command"] == ["bash", "-c",
                             cluster.worker_loop(JOB, "r7-coordinator", "$(RECOVER_REPLICA)")]
-    [env] = c["env"]
+    env, token = c["env"]
     assert env["name"] == "RECOVER_REPLICA"
     assert "job-completion-index" in env["valueFrom"]["fieldRef"]["fieldPath"]
+    # The run token comes from a Secret, in every pod, never from the shared volume.
+    secret = {"name": "RECOVER_RUN_TOKEN", "valueFrom": {"secretKeyRef": {"name": "r7-token",
+                                                                           "key": "token"}}}
+    assert token == secret
+    assert coord["spec"]["template"]["spec"]["containers"][0]["env"] == [secret]
 
 
 def test_component_commands() -> None:

@@ -67,6 +67,7 @@ class Join:
 
     def __init__(self, store: TCPStore, token: str = TOKEN) -> None:
         self.store, self.token, self.epoch, self.failed = store, token, 1, 0
+        self.donated: list[tuple[int, int]] = []  # what the donor told the coordinator
         self.lock = threading.Lock()
 
     def member(self, replica: int) -> _Member:
@@ -97,6 +98,9 @@ class _Member:
 
     def report_ready(self, epoch: int) -> None:
         self._ready, self.joining = True, False
+
+    def report_donated(self, epoch: int, replica: int) -> None:
+        self._join.donated.append((epoch, replica))
 
 
 def _get(store: TCPStore, key: str, timeout_s: float = 20.0) -> bytes:
@@ -252,6 +256,7 @@ def test_a_reader_of_the_donors_port_gets_nothing() -> None:
     donor.join(20)
     assert len(stolen) <= len(channel.MAGIC) + channel.NONCE, len(stolen)  # the nonce at most
     assert step == 5 and got > 0 and join.failed == 0
+    assert join.donated == [(1, 1)]  # the donor's half of the admission, once the joiner said ok
     assert _same(_state(joiner_m, joiner_o), _state(donor_m, donor_o))
 
 
@@ -283,6 +288,7 @@ def test_a_swapped_address_is_refused_and_the_next_donor_serves() -> None:
     took = time.monotonic() - t0
     donor.join(20)
     assert join.failed == 1 and step == 7 and got > 0
+    assert join.donated == [(2, 1)]  # the given-up epoch's donor confirmed nothing
     assert _same(_state(joiner_m, joiner_o), _state(donor_m, donor_o))
     with bad:  # nobody connected to the intruder
         assert not _was_reached(bad, 0.2)
@@ -298,7 +304,7 @@ def test_without_a_token_no_state_moves() -> None:
         rejoin.receive(join.member(1), 0, joiner_m, joiner_o, {}, None, 5)
     donor_m, donor_o = _model(0)
     rejoin.serve(join.member(0), 0, 3, {"epoch": 1, "replica": 1}, donor_m, donor_o, {}, None)
-    assert keys.try_get(join.store, keys.donor_key(1, 0)) is None
+    assert keys.try_get(join.store, keys.donor_key(1, 0)) is None and join.donated == []
 
 
 def test_another_runs_token_is_refused_both_ways() -> None:

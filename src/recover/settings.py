@@ -153,11 +153,16 @@ class FaultTolerance:
     # Backstop of one cross-replica reduction, and of each of the step protocol's waits.
     reduce_timeout_s: float = bounded(60.0, SECONDS)
     join_timeout_s: float = bounded(120.0, SECONDS)  # how long members wait for each other to join
-    # > 0: members keep their state this long for a coordinator that died to come back.
-    coordinator_wait_s: float = bounded(0.0, Bounds(0.0, MAX_WAIT_S))
+    # > 0: members keep their state this long for a coordinator that died to come back (an own
+    # loop's `Replica.step` rejoins it by itself, as `recover train` does); 0: a death is final.
+    coordinator_wait_s: float = bounded(60.0, Bounds(0.0, MAX_WAIT_S))
     # Below this many live replicas the run stops (BelowMinReplicas).
     min_replicas: int = bounded(1, Bounds(1))
-    speed_aware: bool = True  # quotas follow measured replica speed
+    # Quotas follow measured replica speed. Off by default: following the clock regroups the N
+    # microbatches, and fp32 sums of another grouping differ in their last bits, so a
+    # failure-free run would not repeat bitwise (MEASUREMENTS.md, "Repeatable failure-free
+    # runs"). With exact numerics any grouping sums to the same bits: on is free there.
+    speed_aware: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -269,6 +274,9 @@ def parse_address(text: str, name: str) -> tuple[str, int]:
     return host, int(port)
 
 
+INIT_CHECKS = ("check", "adopt", "off")  # ReplicaConfig.init
+
+
 @dataclass(frozen=True)
 class ReplicaConfig:
     """Where a replica's ranks join, who they say they are, and the settings they run with.
@@ -285,6 +293,27 @@ class ReplicaConfig:
     ft: FaultTolerance = field(default_factory=FaultTolerance)
     numerics: Numerics = field(default_factory=Numerics)
     launch: LaunchEnv | None = None
+    # What `Replica` enforces of the invariant by default (docs/porting.md), each with its opt-out:
+    # the run's seed: each `compute(id, j)` runs on the RNG id_seed(seed, id, stream 1) (CPU and
+    # the current CUDA device's), restored after; `id_rng=False`: the caller seeds itself.
+    seed: int = bounded(0, Bounds(0))
+    id_rng: bool = True
+    # At join, this rank's initial model state is compared with the first replica's (a digest
+    # per entry): "check" refuses a mismatch naming the first differing entry; "adopt" takes a
+    # running replica's state instead (DDP's broadcast; a state transfer, needs the token);
+    # "off" skips it.
+    init: str = "check"
+    # How long a replica tries to reach its coordinator before one line naming the address.
+    connect_timeout_s: float = bounded(30.0, SECONDS)
+    # SIGTERM (where the process has no handler of its own) is a planned leave at the next
+    # step boundary: `Replica.step` then leaves and ends the process with exit code 0.
+    sigterm_leaves: bool = True
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.init not in INIT_CHECKS:
+            raise ConfigError(f"init {self.init!r} is not one of "
+                              f"{', '.join(map(repr, INIT_CHECKS))}")
 
     def resolved(self) -> ReplicaConfig:
         """This config with every default taken from the launch environment; ValueError when the

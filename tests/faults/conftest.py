@@ -35,7 +35,7 @@ def fault_args(*faults: str, replicas: int = 4, static: bool = True) -> list[str
     # Static (equal) quotas make "which replica computes which ids" predictable for the
     # scenarios that aim a fault at a replica's k-th microbatch.
     args = [*BASE, *CKPT, "--replicas", str(replicas), "--dump-final-params"]
-    args += ["--no-speed-aware"] if static else []
+    args += [] if static else ["--speed-aware"]
     for f in faults:
         args += ["--fault", f]
     return args

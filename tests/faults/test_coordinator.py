@@ -30,8 +30,8 @@ def test_coordinator_killed_and_restarted(ref4: Run, corpus: Path, tmp_path: Pat
                        "which held no state, is healed by transfer and admitted")
     run = faulty(tmp_path, corpus, "kill:replica=2,step=3,phase=backward",
                  "restart:replica=2,step=6", "coordinator:replica=0,step=6,phase=donate",
-                 "coordinator:replica=1,step=10,phase=backward",
-                 extra=("--store-shards", "2"))  # each coordinator hosts its own shards
+                 "coordinator:replica=1,step=10,phase=backward",  # shards: each coordinator's
+                 extra=("--store-shards", "2", "--tensorboard", "auto"))
     events = [json.loads(x) for x in (run.out / "coordinator.jsonl").read_text().splitlines()]
     resumed = [e for e in events if e["event"] == "resumed"]
     starts = [e["time"] for e in events if e["event"] == "start"]

@@ -128,14 +128,14 @@ def test_straggler_and_rejoin_during_fault(ref: Run, corpus: Path, tmp_path: Pat
                                            record: Row) -> None:
     record.scenario = "straggler (3x slow) not fenced; a crash and its replacement rejoining"
     record.expected = "straggler stays a member; replica 2 rejoins, 4 live at the end"
-    # The run's views ride on this run (a kill and a rejoin): TensorBoard (on by default), W&B
+    # The run's views ride on this run (a kill and a rejoin): TensorBoard (the default, auto), W&B
     # offline (no network; its files under tmp_path), the launcher's piped output.
     wandb_dir = tmp_path / "wandb"
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir),
            "WANDB_CONFIG_DIR": str(wandb_dir / "config"), "WANDB_CACHE_DIR": str(wandb_dir)}
     run = faulty(tmp_path, corpus, "slow:replica=1,factor=3", "kill:replica=2,step=4,"
                  "phase=backward", "restart:replica=2,step=7", static=False,
-                 extra=("--wandb", "recover-tests"), env=env)
+                 extra=("--wandb", "recover-tests", "--tensorboard", "auto"), env=env)
     record.measured = measure(run)
     recs = check_run(run, ref, [0, 1, 2, 3])
     assert all(1 in r["members"] for r in recs), "a straggler must not be fenced"
@@ -192,6 +192,7 @@ def check_views(run: Run, recs: list[dict], fault: int, join: int, wandb_dir: Pa
     assert_timestamped_steps(run.stderr, STEP_LINE, len(recs))
 
 
+@pytest.mark.slow
 def test_deadlock_fenced_in_time(ref: Run, corpus: Path, tmp_path: Path, record: Row) -> None:
     record.scenario = ("deadlocks between steps (the optimizer) and in reduce (main thread "
                        "stuck, heartbeats alive), the reduce timeout the default 60 s")

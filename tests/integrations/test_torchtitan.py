@@ -62,6 +62,7 @@ def coordinator(out: Path, replicas: int, env: dict[str, str]) -> subprocess.Pop
         env=env, stdout=open(out / "coord.log", "w"), stderr=subprocess.STDOUT)
 
 
+@pytest.mark.slow
 def test_kill_and_restart_keeps_the_trajectory(tmp_path: Path, tokenizer_dir: Path,
                                                corpus: Path) -> None:
     run_and_check(tmp_path, tokenizer_dir, corpus, ranks=2, device="cpu")

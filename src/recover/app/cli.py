@@ -86,7 +86,7 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
         shown = [repr(c) if "," in c else c for c in f.metadata["choices"] if c]
         metavar = f.metadata["metavar"] or ("{" + ",".join(shown) + "}" if shown else
                                             flag.lstrip("-").replace("-", "_").upper())
-        if typ is bool:  # a switch: stores the field's `const` (--no-speed-aware: False)
+        if typ is bool:  # a switch: stores the field's `const` (--speed-aware: True)
             g.add_argument(flag, dest=dest, action="store_const", const=f.metadata["const"],
                            default=None, help=hlp)
         elif typing.get_origin(typ) is list:  # repeatable: --fault A --fault B
@@ -237,7 +237,43 @@ def cmd_train(args: argparse.Namespace, preempt: threading.Event | None = None) 
         print(f"final_params_bitwise_equal={str(equal).lower()} final_params_rel_l2={rel_l2:.3e}")
         # Exactly zero is printed as 0: exact mode's promise is that, not a small number.
         print(f"max_rel_loss_diff={diff:.3e}" if diff else "max_rel_loss_diff=0", flush=True)
+        if not cfg.compute.exact and not _measure_band(console, ref_cfg):
+            return 1
+        return _verdict(Path(cfg.run.out), Path(ref_cfg.run.out))
     return 0
+
+
+def _measure_band(console: Any, ref_cfg: Any) -> bool:
+    """The default mode's band: the reference against a failure-free run that groups the same
+    N microbatches over one replica fewer (one more for a single replica), kept as
+    REF/band.json (`recover.app.verify`). False (said) if that run failed."""
+    from recover.app.train.launch import launch
+    from recover.app.verify import write_band
+
+    replicas = ref_cfg.layout.replicas
+    other = replicas - 1 if replicas > 1 else 2
+    band_cfg = ref_cfg.replace(layout={"replicas": other},
+                               run={"out": str(Path(ref_cfg.run.out) / "band"),
+                                    "tensorboard": "none"})
+    console.print(f"recover: measuring the band: the reference regrouped over {other} "
+                  "replica(s) ...", highlight=False, soft_wrap=True)
+    band = launch(band_cfg, console, quiet=True)
+    if not band.ok:
+        print(f"recover train: the band's run failed: {band.message}", file=sys.stderr)
+        return False
+    write_band(Path(ref_cfg.run.out), Path(band_cfg.run.out))
+    return True
+
+
+def _verdict(run: Path, ref: Path) -> int:
+    """`recover verify RUN REF`'s lines and verdict, under the comparison above."""
+    from recover.app.verify import verify
+
+    v = verify(run, ref)
+    for line in v.lines:
+        print(line)
+    print("verdict: pass" if v.ok else f"verdict: fail ({v.failure})", flush=True)
+    return 0 if v.ok else 1
 
 
 def _write_report(console: Any, out: Path) -> None:
@@ -300,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("status", help="print a run's state: step, ETA, replicas, faults")
     sub.add_parser("watch", help="show a run's state, refreshed until it ends")
     sub.add_parser("report", help="write a run's Markdown report and plots (DIR/report)")
+    sub.add_parser("verify", help="check a run against a failure-free run of its config, from "
+                   "their metrics lines (bitwise with --exact, else within the band)")
     return ap
 
 
@@ -319,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         return usage_line("recover", f"--log-level {level!r}: choose from {', '.join(LOG_LEVELS)}")
     logs.setup(level or "info", export=True)  # worker processes inherit the level
     if rest and rest[0] in ("coordinator", "simulate", "bench", "prepare", "sample", "export",
-                            "status", "watch", "report"):
+                            "status", "watch", "report", "verify"):
         return _run_tool(rest[0], rest[1:])
     args = build_parser().parse_args(argv)
     logs.setup(args.log_level, export=True)  # `recover train --log-level L` may override
@@ -340,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_tool(cmd: str, argv: list[str]) -> int:
     """The commands that parse their own arguments: coordinator, simulate, bench, prepare,
-    sample, export, status, watch, report."""
+    sample, export, status, watch, report, verify."""
     if cmd == "coordinator":
         return cmd_coordinator(argv)
     if cmd == "sample":
@@ -355,6 +393,10 @@ def _run_tool(cmd: str, argv: list[str]) -> int:
         from recover.app.statusview import run_cli as status_cli
 
         return status_cli(cmd, argv)
+    if cmd == "verify":
+        from recover.app.verify import run_cli as verify_cli
+
+        return verify_cli(argv)
     if cmd == "report":
         from recover.app.report import run_cli as report_cli
 

@@ -102,7 +102,7 @@ def slurm_script(job: ClusterJob) -> str:
     return SLURM.format(
         replicas=job.replicas, ranks=job.ranks, grace=job.grace_s, retries=job.max_retries,
         coordinator=shlex.join(coordinator_argv(job)), worker=worker,
-        ports=f"{job.port} and {job.port + 1}")
+        ports=f"{job.port} and {job.port + 1}", out=job.out)
 
 
 SLURM = """\
@@ -119,7 +119,12 @@ SLURM = """\
 #SBATCH --open-mode=append
 #SBATCH --output=recover-%j.out
 # One replica per node ({ranks} rank(s) each); the coordinator shares the first node (--overlap).
-# It listens on ports {ports}; replicas reach each other on ephemeral ports.
+# It listens on ports {ports} of every interface; replicas reach each other on ephemeral ports.
+# Who can reach them: any process that reaches those ports can stall the job, and without the
+# run token nothing more (docs/DESIGN.md, "Trust"); the data paths (gloo) are trusted as in
+# torch.distributed. So keep the job's nodes' ports to the job (the cluster's private network or
+# a firewall), and {out}/run.token (0600, made by the coordinator) readable by the job's user
+# only; or set RECOVER_RUN_TOKEN in the job's environment from a secret store instead.
 set -u
 
 # After a requeue (preemption, a node lost) the coordinator resumes from DIR's latest checkpoint.
@@ -152,11 +157,14 @@ exit "$code"
 
 
 def kubernetes_manifests(job: ClusterJob, name: str = "recover") -> str:
-    """A Service with the coordinator's stable address, the coordinator's Job, and one Indexed
-    Job whose index i is replica i, each index retried on its own (backoffLimitPerIndex)."""
+    """A Service with the coordinator's stable address, a NetworkPolicy that admits only the
+    job's pods to its pods, the coordinator's Job, and one Indexed Job whose index i is replica
+    i, each index retried on its own (backoffLimitPerIndex); every pod takes the run token from
+    the Secret `{name}-token`."""
     service = f"{name}-coordinator"
     return KUBERNETES.format(
         name=name, service=service, port=job.port, liveness=job.port + 1, image=job.image,
+        secret=f"{name}-token",
         replicas=job.replicas, retries=job.max_retries, grace=job.grace_s, claim=f"{name}-shared",
         coordinator=_yaml_list(coordinator_argv(job)),
         worker=_yaml_list(["bash", "-c", worker_loop(job, service, "$(RECOVER_REPLICA)")]))
@@ -175,6 +183,12 @@ KUBERNETES = """\
 # Kubernetes 1.33 (batch/v1 Indexed Jobs with backoffLimitPerIndex, GA there); checked here as
 # YAML only (yaml.safe_load_all and the fields tests/test_torchx.py names), never applied.
 # The run directory lives on a ReadWriteMany volume, the PersistentVolumeClaim `{claim}`.
+# The run token lives in the Secret `{secret}`, never on that volume; make it once per run:
+#   kubectl create secret generic {secret} --from-literal=token="$(openssl rand -hex 32)"
+# Every pod reads it as RECOVER_RUN_TOKEN. The NetworkPolicy admits only this job's pods to any
+# of its pods' ports: the coordinator's store and liveness ports, and the replicas' gloo ports
+# (trusted as in torch.distributed: docs/DESIGN.md, "Trust"); it needs a network plugin that
+# enforces NetworkPolicy.
 apiVersion: v1
 kind: Service
 metadata:
@@ -188,6 +202,21 @@ spec:
       port: {port}
     - name: liveness
       port: {liveness}
+---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata:
+  name: {name}-job-only
+spec:
+  podSelector:
+    matchLabels:
+      app: {name}
+  policyTypes: [Ingress]
+  ingress:
+    - from:
+        - podSelector:
+            matchLabels:
+              app: {name}
 ---
 apiVersion: batch/v1
 kind: Job
@@ -206,6 +235,12 @@ spec:
       containers:
         - name: coordinator
           image: {image}
+          env:
+            - name: RECOVER_RUN_TOKEN
+              valueFrom:
+                secretKeyRef:
+                  name: {secret}
+                  key: token
           command: {coordinator}
           ports:
             - containerPort: {port}
@@ -245,6 +280,11 @@ spec:
               valueFrom:
                 fieldRef:
                   fieldPath: metadata.annotations['batch.kubernetes.io/job-completion-index']
+            - name: RECOVER_RUN_TOKEN
+              valueFrom:
+                secretKeyRef:
+                  name: {secret}
+                  key: token
           command: {worker}
           volumeMounts:
             - name: shared

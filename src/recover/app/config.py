@@ -236,8 +236,10 @@ class FaultToleranceConfig:
 
     min_replicas: int = setting(1, "stop (with a checkpoint) below this many replicas",
                                 bounds=Bounds(1, MAX_REPLICAS))
-    speed_aware: bool = setting(True, "equal quotas instead of quotas that follow measured "
-                                "replica speed", flag="--no-speed-aware", const=False)
+    # Off by default: quotas that follow the clock regroup microbatches, so the run repeats
+    # bitwise only with --exact (recover.settings.FaultTolerance.speed_aware says why).
+    speed_aware: bool = setting(False, "quotas that follow measured replica speed instead of "
+                                "equal ones (bitwise repeatable with --exact only)")
     # "recover" (in-step recovery, batch stays N) or "shrink-batch" (baseline,
     # recover.recovery.shrink: the faulted step is discarded, the batch shrinks). It changes
     # which gradients are applied, so it is part of the trajectory.

@@ -5,9 +5,11 @@ facts in the Prometheus text format, written by prometheus_client from its own r
 Invariant: the endpoint only reads the run directory, at each request (it holds no state of the
 run, so it cannot drift from `recover status`); it binds only the address it is given; it
 answers GET (and HEAD) on those two paths, 404 on any other path and 405 to every write method,
-changing nothing; it serves no token, no config secret, nothing but the status model. Each
-connection's socket operations are bounded (`TIMEOUT_S`); the server runs in a daemon thread
-that `close()` shuts down at the end of the run.
+changing nothing; it serves no token, no config secret, nothing but the status model. No client
+can hold the launcher's descriptors or threads: at most `MAX_CONNECTIONS` are served at once (one
+more is closed as it is accepted, logged rate-limited), each socket operation is bounded
+(`TIMEOUT_S`) and so is a whole connection (`REQUEST_S`: a client that trickles a byte per read
+is cut there). The server runs in a daemon thread that `close()` shuts down at the end of the run.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import logging
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -29,6 +32,13 @@ from recover.errors import ConfigError, RecoverError
 log = logging.getLogger(__name__)
 
 TIMEOUT_S = 5.0  # a client silent this long mid-request is dropped
+# A whole connection (one request: HTTP/1.0, no keep-alive) is cut after this long, however it
+# trickles; a scrape of a run directory's files takes milliseconds.
+REQUEST_S = 10.0
+# Connections served at once; more are closed as they are accepted. Each holds a thread and a
+# descriptor for at most REQUEST_S: slow clients cost the launcher these, never all of its own.
+MAX_CONNECTIONS = 32
+_REFUSED_LOG_S = 10.0  # at most one line per this many seconds about refused connections
 # Histogram buckets of a fault's recovery time: in-step recovery takes tens of milliseconds to
 # a few seconds (a heartbeat timeout); a restart-from-checkpoint takes minutes.
 RECOVERY_BUCKETS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
@@ -155,6 +165,52 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True  # a slow client never holds the launcher's exit
     run_dir: Path
     registry: Any
+    max_connections = MAX_CONNECTIONS
+    request_s = REQUEST_S
+
+    def server_activate(self) -> None:
+        self._live: dict[Any, float] = {}  # connection -> its deadline (monotonic)
+        self._live_lock = threading.Lock()
+        self._refused, self._refused_logged = 0, 0.0
+        super().server_activate()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Serve it in a thread, unless `max_connections` are being served: then close it."""
+        with self._live_lock:
+            full = len(self._live) >= self.max_connections
+            if not full:
+                self._live[request] = time.monotonic() + self.request_s
+        if full:
+            self._refuse(client_address)
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._live_lock:
+            self._live.pop(request, None)
+        super().shutdown_request(request)
+
+    def service_actions(self) -> None:
+        """Every poll interval (serve_forever's loop): cut connections past their deadline; the
+        handler's blocked read or write then ends and its thread with it."""
+        now = time.monotonic()
+        with self._live_lock:
+            late = [r for r, deadline in self._live.items() if deadline < now]
+        for r in late:
+            try:
+                r.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed by its own thread
+
+    def _refuse(self, client_address: Any) -> None:
+        self._refused += 1
+        now = time.monotonic()
+        if now - self._refused_logged >= _REFUSED_LOG_S:
+            self._refused_logged = now
+            log.warning("http: %d connection(s) refused (%d served at once; the latest from "
+                        "%s)", self._refused, self.max_connections, client_address[0])
+            self._refused = 0
 
 
 class _Server6(_Server):

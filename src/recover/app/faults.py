@@ -56,6 +56,9 @@ KIND_HELP = {
                "the step and leaves at its boundary (a second SIGTERM: a crash)",
     "coordinator": "this replica SIGKILLs the coordinator's process (a local run: recover train "
                    "restarts it)",
+    "drop": "test-only: this replica silently skips its local microbatch J of step S (no "
+            "gradient, no loss) while the step still counts it: the data loss `recover verify` "
+            "must catch",
 }
 KINDS = tuple(KIND_HELP)
 
@@ -77,6 +80,8 @@ class Fault:
             return f"{self.kind}:replica={self.replica},step={self.step}{at}"
         if self.kind == "slow":
             return f"slow:replica={self.replica},factor={self.factor},step={self.step}{at}"
+        if self.kind == "drop":
+            return f"drop:replica={self.replica},step={self.step},microbatch={self.microbatch}{at}"
         extra = f",seconds={self.seconds}" if self.kind == "hang" else ""
         return (f"{self.kind}:replica={self.replica},step={self.step},phase={self.phase},"
                 f"microbatch={self.microbatch}{extra}{at}")
@@ -100,7 +105,8 @@ ALLOWED = {"kill": {"replica", "step", "phase", "microbatch", "rank"},
            "partition": {"replica", "step", "rank"},
            "restart": {"replica", "step"},
            "preempt": {"replica", "step", "phase", "microbatch", "rank"},
-           "coordinator": {"replica", "step", "phase", "microbatch", "rank"}}
+           "coordinator": {"replica", "step", "phase", "microbatch", "rank"},
+           "drop": {"replica", "step", "microbatch", "rank"}}
 REQUIRED = {"hang": {"replica", "step", "seconds"}, "slow": {"replica", "factor"}}
 REQUIRED.update({k: {"replica", "step"} for k in KINDS if k not in REQUIRED})
 EXAMPLES = ("kill:replica=1,step=10,phase=backward", "hang:replica=2,step=5,seconds=3")
@@ -216,13 +222,22 @@ class FaultInjector:
         """Whether this rank's cross-replica traffic is cut at `step` (a `partition` fault)."""
         return any(f.kind == "partition" and step >= f.step for f in self.faults)
 
+    def drops(self, step: int, j: int) -> bool:
+        """Whether this rank skips its local microbatch `j` of `step` (a `drop` fault), once."""
+        for idx, f in enumerate(self.faults):
+            if f.kind == "drop" and idx not in self.fired and (f.step, f.microbatch) == (step, j):
+                self.fired.add(idx)
+                log.warning(f"injecting {f} (pid {os.getpid()})")
+                return True
+        return False
+
     def slow_factor(self, step: int) -> float:
         return max([f.factor for f in self.faults if f.kind == "slow" and step >= f.step],
                    default=1.0)
 
     def at(self, phase: str, step: int, j: int = 0) -> None:
         for idx, f in enumerate(self.faults):
-            if idx in self.fired or f.kind in ("slow", "partition", "restart") or \
+            if idx in self.fired or f.kind in ("slow", "partition", "restart", "drop") or \
                     f.step != step or f.phase != phase:
                 continue
             if phase in ("forward", "backward") and f.microbatch != j:

@@ -9,21 +9,31 @@ bad vocabulary size, a missing optional dependency) is one line and exit 2.
 
 The val split is the corpus's last `--val-fraction` of tokens (a document may straddle it). Each
 document ends with the tokenizer's end-of-text token when it has one (meta.json's `eos_id`).
+
+Memory is bounded by a piece, not a document: a text file is read in blocks, and a document
+longer than `PIECE_CHARS` is tokenised in pieces cut just before a whitespace that precedes a
+word (where a byte-level pre-tokenizer splits anyway: the same tokens as whole; with no such
+whitespace in reach, a hard cut, where a tokenizer may merge differently); bytes are exact at any
+cut. A JSONL line longer than `MAX_LINE_BYTES` is refused unread (one line naming file, line and
+limit), as is a line that is not UTF-8, not JSON (or nested past the parser's depth), or whose
+field is not a string.
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
 import hashlib
 import importlib
 import json
 import logging
 import multiprocessing
 import os
+import re
 import shutil
 import sys
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +50,14 @@ SUFFIXES = (*TEXT_SUFFIXES, ".jsonl", ".parquet")
 DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # save_to_disk's
 EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")  # GPT-2, Llama 3, Llama 2...
 CHUNK_CHARS = 1 << 20  # text per task handed to a worker process
+# The longest text tokenised at once: a tokenizer holds ~200 bytes per character of it (the
+# tokens' strings, offsets, the pre-tokenizer's splits: measured 1.28 GB peak for one 7.3 MiB
+# JSONL line before pieces), so a document is never handed over whole.
+PIECE_CHARS = 1 << 18
+READ_BYTES = 1 << 20  # a text file is read and decoded this much at a time
+# A JSONL line is parsed whole (its text field is one JSON string): past this it is refused, not
+# read. Peak memory is then about 4x this (the line, its text) plus a piece's tokenising.
+MAX_LINE_BYTES = 128 << 20
 WAIT_S = 600.0  # the longest one chunk of text may take to tokenise before we give up
 MAX_VOCAB = 1 << 32  # uint32 token ids
 MIN_TRAINED_VOCAB = 257  # the 256 bytes of byte-level BPE + <|endoftext|>
@@ -97,40 +115,150 @@ def find_sources(inputs: list[str]) -> list[Source]:
     return out
 
 
-def documents(sources: list[Source], text_field: str) -> Iterator[str]:
-    """Every document's text, in order: a text file is one document, a JSONL line or a Parquet /
-    dataset row is one (its `text_field`). Empty documents are skipped."""
+Piece = tuple[str, bool]  # (text, whether it ends its document)
+
+
+def documents(sources: list[Source], text_field: str) -> Iterator[Piece]:
+    """Every document's text, in order, in pieces of at most `PIECE_CHARS` characters (see the
+    module): a text file is one document, a JSONL line or a Parquet / dataset row is one (its
+    `text_field`). Empty documents are skipped."""
     for src in sources:
         try:
-            yield from _DOCS[src.kind](src.path, text_field)
+            for doc in _DOCS[src.kind](src.path, text_field):
+                yield from _ends_marked(_pieces(doc))
         except OSError as e:
             raise DataError(f"cannot read input {src.path}: {e.strerror or e}") from None
 
 
-def _text_docs(path: Path, _field: str) -> Iterator[str]:
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"input {path} is not UTF-8 text (byte {e.start})") from None
-    if text:
-        yield text
+def texts(sources: list[Source], text_field: str) -> Iterator[str]:
+    """The pieces' texts alone (a tokenizer's training reads words; a cut is at a whitespace)."""
+    return (text for text, _ in documents(sources, text_field))
+
+
+def _ends_marked(pieces: Iterator[str]) -> Iterator[Piece]:
+    """Each piece with whether it is its document's last (one piece of look-ahead)."""
+    prev: str | None = None
+    for p in pieces:
+        if prev is not None:
+            yield prev, False
+        prev = p
+    if prev:
+        yield prev, True
+
+
+def _pieces(doc: str | Iterator[str]) -> Iterator[str]:
+    """A document (a string, or its text in blocks) as pieces of at most PIECE_CHARS (`_cut`),
+    sliced by position: no copy of what is left of it per piece."""
+    if isinstance(doc, str):
+        rest = yield from _split(doc)
+        if rest:
+            yield rest
+        return
+    buf = ""
+    for block in doc:
+        buf = yield from _split(buf + block if buf else block)
+    if buf:
+        yield buf
+
+
+def _split(text: str) -> Generator[str, None, str]:
+    """Yield the whole pieces at the start of `text`; return what is left (<= PIECE_CHARS)."""
+    pos = 0
+    while len(text) - pos > PIECE_CHARS:
+        cut = _cut(text, pos)
+        yield text[pos:cut]
+        pos = cut
+    return text[pos:]
+
+
+_BEFORE_WORD = re.compile(r"\s(?=\S)")
+
+
+def _cut(text: str, pos: int) -> int:
+    """Where the piece that starts at `pos` ends (len(text) - pos > PIECE_CHARS): before the last
+    whitespace that precedes a non-space in its second half (`text[cut:]` starts " word", the
+    pre-tokenizer's own boundary), else (none in reach) at PIECE_CHARS."""
+    lo, hi = pos + PIECE_CHARS // 2, pos + PIECE_CHARS
+    last = -1
+    for m in _BEFORE_WORD.finditer(text, lo, hi + 1):  # +1: the look-ahead sees text[hi]
+        last = m.start()
+    return last if last > pos else hi
+
+
+def _text_docs(path: Path, _field: str) -> Iterator[Iterator[str]]:
+    blocks = _decoded_blocks(path)
+    first = next(blocks, None)
+    if first is not None:
+        yield _chain_first(first, blocks)
+
+
+def _chain_first(first: str, rest: Iterator[str]) -> Iterator[str]:
+    yield first
+    yield from rest
+
+
+def _decoded_blocks(path: Path) -> Iterator[str]:
+    """A text file's text, READ_BYTES at a time (non-empty blocks); one line if not UTF-8."""
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    at = 0
+    with open(path, "rb") as f:
+        while True:
+            raw = f.read(READ_BYTES)
+            try:
+                text = decoder.decode(raw, final=not raw)
+            except UnicodeDecodeError as e:
+                raise DataError(f"input {path} is not UTF-8 text (byte {at + e.start})") from None
+            at += len(raw)
+            if text:
+                yield text
+            if not raw:
+                return
 
 
 def _jsonl_docs(path: Path, field_: str) -> Iterator[str]:
-    with open(path, encoding="utf-8", errors="strict") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        n = 0
+        while True:
+            raw = f.readline(MAX_LINE_BYTES + 1)
+            if not raw:
+                return
+            n += 1
+            if len(raw) > MAX_LINE_BYTES:
+                limit = (f"{MAX_LINE_BYTES >> 20} MiB" if MAX_LINE_BYTES >= 1 << 20 else
+                         f"{MAX_LINE_BYTES:,} bytes")
+                raise DataError(f"input {path} line {n} is longer than {limit} (recover "
+                                "prepare's limit for one JSONL line): split the document, or "
+                                "give it as a text file")
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"input {path} line {n} is not UTF-8 (byte {e.start} of the "
+                                "line)") from None
+            del raw
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
+            except RecursionError:
+                raise DataError(f"input {path} line {n} is JSON nested too deeply to read"
+                                ) from None
             except ValueError:
                 raise DataError(f"input {path} line {n} is not JSON") from None
+            del line
             text = row.get(field_) if isinstance(row, dict) else None
             if not isinstance(text, str):
-                raise DataError(f"input {path} line {n} has no string field {field_!r} "
-                                "(choose the field with --text-field)")
+                got = "missing" if not isinstance(row, dict) or field_ not in row else \
+                    f"a JSON {_json_kind(text)}"
+                raise DataError(f"input {path} line {n} has no string field {field_!r} ({got}; "
+                                "choose the field with --text-field)")
+            del row
             if text:
                 yield text
+
+
+def _json_kind(v: Any) -> str:
+    return {dict: "object", list: "array", bool: "boolean", type(None): "null"}.get(
+        type(v), "number")
 
 
 def _check_column(path: Path, columns: list[str], field_: str) -> None:
@@ -175,13 +303,14 @@ _DOCS = {"text": _text_docs, "jsonl": _jsonl_docs, "parquet": _parquet_docs,
          "dataset": _dataset_docs}
 
 
-def chunks(docs: Iterator[str]) -> Iterator[list[str]]:
-    """Documents grouped into tasks of about CHUNK_CHARS characters (a task ends at a document)."""
-    chunk: list[str] = []
+def chunks(docs: Iterator[Piece]) -> Iterator[list[Piece]]:
+    """Pieces grouped into tasks of about CHUNK_CHARS characters (a task may end mid-document:
+    its last piece then says so, and `ShardWriter.add` carries the document on)."""
+    chunk: list[Piece] = []
     size = 0
     for d in docs:
         chunk.append(d)
-        size += len(d)
+        size += len(d[0])
         if size >= CHUNK_CHARS:
             yield chunk
             chunk, size = [], 0
@@ -198,18 +327,46 @@ def _start_worker(tokenizer_json: str | None, eos: int | None) -> None:
         _need("tokenizers").Tokenizer.from_str(tokenizer_json)
 
 
-def encode(chunk: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, tokens per document) of a task, each document followed by the end-of-text token
-    where the tokenizer has one. Runs in the worker processes (and in-process with one)."""
+def encode(chunk: list[Piece]) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(tokens, tokens per document or part of one, whether the last is left open) of a task,
+    each document's last piece followed by the end-of-text token where the tokenizer has one.
+    Runs in the worker processes (and in-process with one)."""
+    texts_ = [text for text, _ in chunk]
     if _TOKENIZER is None:
-        ids = [np.frombuffer(d.encode("utf-8"), dtype=np.uint8) for d in chunk]
-    else:
-        ids = [np.asarray(e.ids, dtype=np.int64)
-               for e in _TOKENIZER.encode_batch(chunk, add_special_tokens=False)]
+        ids = [np.frombuffer(d.encode("utf-8"), dtype=np.uint8) for d in texts_]
+    else:  # a batch of at most PIECE_CHARS at a time: the tokenizer's memory is per character
+        ids = []
+        for batch in _batches(texts_):
+            ids += [np.asarray(e.ids, dtype=np.int64)
+                    for e in _TOKENIZER.encode_batch(batch, add_special_tokens=False)]
     if _EOS is not None:
-        ids = [np.append(i, _EOS) for i in ids]
-    lengths = np.array([len(i) for i in ids], dtype=np.int64)
-    return (np.concatenate(ids).astype(np.int64) if ids else np.zeros(0, np.int64)), lengths
+        ids = [np.append(i, _EOS) if ends else i for i, (_, ends) in zip(ids, chunk, strict=True)]
+    lengths: list[int] = []
+    run = 0  # tokens of the document (part) being summed
+    for i, (_, ends) in zip(ids, chunk, strict=True):
+        run += len(i)
+        if ends:
+            lengths.append(run)
+            run = 0
+    open_end = bool(chunk) and not chunk[-1][1]
+    if open_end:
+        lengths.append(run)
+    tokens = np.concatenate(ids).astype(np.int64) if ids else np.zeros(0, np.int64)
+    return tokens, np.array(lengths, dtype=np.int64), open_end
+
+
+def _batches(texts_: list[str]) -> Iterator[list[str]]:
+    """Consecutive texts, grouped up to PIECE_CHARS characters a group (one piece at least)."""
+    batch: list[str] = []
+    size = 0
+    for t in texts_:
+        if batch and size + len(t) > PIECE_CHARS:
+            yield batch
+            batch, size = [], 0
+        batch.append(t)
+        size += len(t)
+    if batch:
+        yield batch
 
 
 @dataclass
@@ -232,19 +389,26 @@ class ShardWriter:
     def __init__(self, folder: Path, dtype: str, shard_tokens: int) -> None:
         self.folder, self.dtype, self.shard_tokens = folder, DTYPES[dtype], shard_tokens
         self.shards: list[Shard] = []
+        self._open = False  # the last document added goes on in the next `add`
 
-    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        """Append whole documents (`lengths` tokens each), starting a shard when one is full."""
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, open_end: bool = False) -> None:
+        """Append documents (`lengths` tokens each), starting a shard when one is full. The first
+        length continues the document the previous call left open (it stays in its shard: a
+        document is never cut, so a long one makes its shard longer); with `open_end` the last
+        one goes on in the next call."""
         ends = np.cumsum(lengths)
-        done = 0  # documents written
+        done = 0  # documents (parts) written
         shard = self.shards[-1] if self.shards else None
         while done < len(lengths):
+            carried = done == 0 and self._open and shard is not None
             if shard is None:
                 shard = Shard(self.folder / f"train_{len(self.shards):05d}.bin", "train")
                 self.shards.append(shard)
             base = int(ends[done - 1]) if done else 0
             upto = int(np.searchsorted(ends, base + self.shard_tokens - shard.tokens, "right"))
-            if upto <= done:  # the next document does not fit
+            if carried:
+                upto = max(upto, 1)
+            elif upto <= done:  # the next document does not fit
                 if shard.tokens:
                     shard = None
                     continue
@@ -252,9 +416,15 @@ class ShardWriter:
             with open(shard.path, "ab") as f:
                 f.write(tokens[base:int(ends[upto - 1])].astype(self.dtype).tobytes())
             shard.tokens += int(ends[upto - 1]) - base
-            shard.documents += upto - done
-            shard.lengths.append(lengths[done:upto])
+            part = np.array(lengths[done:upto], dtype=np.int64)
+            if carried:  # the open document's tokens: counted in its own entry
+                shard.lengths[-1][-1] += part[0]
+                part = part[1:]
+            shard.documents += len(part)
+            if len(part):
+                shard.lengths.append(part)
             done = upto
+        self._open = open_end
 
     @property
     def tokens(self) -> int:
@@ -377,7 +547,7 @@ def tokenize_into(sources: list[Source], text_field: str, tz: Tokenization,
         with tqdm(total=total, unit="B", unit_scale=True, desc="tokenising", disable=None) as bar:
             for chunk in docs:
                 writer.add(*encode(chunk))
-                bar.update(sum(map(len, chunk)))
+                bar.update(sum(len(text) for text, _ in chunk))
         return
     # Inherited by the workers: each encodes one document batch at a time, on one thread.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -389,7 +559,8 @@ def tokenize_into(sources: list[Source], text_field: str, tz: Tokenization,
             tqdm(total=total, unit="B", unit_scale=True, desc="tokenising", disable=None) as bar:
         pending: deque = deque()
         for chunk in docs:
-            pending.append((pool.apply_async(encode, (chunk,)), sum(map(len, chunk))))
+            pending.append((pool.apply_async(encode, (chunk,)),
+                            sum(len(text) for text, _ in chunk)))
             while len(pending) >= 2 * workers:
                 _take(pending, writer, bar)
         while pending:
@@ -420,7 +591,7 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
             tz = load_tokenizer(args.tokenizer, tmp)
         elif args.train_tokenizer:
             log.info("training a byte-level BPE of %d tokens on the corpus", args.train_tokenizer)
-            tz = train_tokenizer(args.train_tokenizer, documents(sources, args.text_field), tmp)
+            tz = train_tokenizer(args.train_tokenizer, texts(sources, args.text_field), tmp)
         else:
             tz = BYTES
         writer = ShardWriter(tmp, token_dtype(tz.vocab_size), args.shard_tokens)

@@ -19,28 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from recover.app.rundir import read_jsonl
 from recover.errors import ConfigError
 
 RECENT = 20  # steps the step time, the throughput and the ETA are averaged over
 CLEAN = "left cleanly"
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every complete JSON object line of `path` ([] if absent); a line still being written (or
-    torn by a crash) is skipped, not an error: the run may be writing this file right now."""
-    try:
-        text = path.read_text(errors="replace")
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in text.splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
 
 
 def _read_json(path: Path) -> Any:

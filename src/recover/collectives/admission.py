@@ -155,6 +155,7 @@ class Join:
     epoch: int = -1
     ranks: set[int] = field(default_factory=set)
     ready: set[int] = field(default_factory=set)
+    donated: set[int] = field(default_factory=set)  # ranks whose donor confirmed (`donated`)
     since: float = field(default_factory=time.monotonic)
     at: int = 0  # not before this step boundary
 

@@ -48,8 +48,11 @@ class CoordinatorConfig:
 
     replicas: int = field(metadata=_flag("--replicas", "replicas expected to join", int,
                                          Bounds(1, MAX_REPLICAS)))
-    host: str = field(default="0.0.0.0", metadata=_flag(
-        "--host", "address the store and the liveness listener bind"))
+    # Loopback unless told: a store reachable from the network is a choice (docs/cli.md, "What is
+    # exposed where"), and one without a token is refused unless --no-token says so (`main`).
+    host: str = field(default="127.0.0.1", metadata=_flag(
+        "--host", "address the store and the liveness listener bind (0.0.0.0 or :: for every "
+        "interface: then a token, or --no-token)"))
     port: int = field(default=29600, metadata=_flag("--port", "store port (0 = any free port)",
                                                     int, PORT))
     # None: store port + 1 for a fixed store port (predictable for firewalls), else any.
@@ -73,7 +76,10 @@ class CoordinatorConfig:
         "--exit-when-done", "exit once every replica has left or been lost"))
     token_file: str | None = field(default=None, metadata=_flag(
         "--token-file", "the run's secret: members must show it (default: env RECOVER_RUN_TOKEN; "
-        "none: any member is accepted)"))
+        "none: any member is accepted, on a loopback --host only unless --no-token)"))
+    no_token: bool = field(default=False, metadata=_flag(
+        "--no-token", "serve a --host other hosts can reach without a token: any process that "
+        "reaches the ports is admitted and can forge the control plane (docs/DESIGN.md, Trust)"))
     # The run's config fingerprint (None: the first member's defines it).
     fingerprint: str | None = field(default=None, metadata=_flag(
         "--fingerprint", "the run's config fingerprint members must match (default: the first "

@@ -5,11 +5,15 @@ Invariants: the coordinator runs in its own process, so the store survives any w
 (docs/DESIGN.md, "Processes and roles"). Every line read from a liveness connection is parsed
 here and handed to the membership as one call; nothing but an accepted hello is heard from a
 connection that has not been accepted, a malformed line is logged and ignored (a stranger sending
-one is cut), and no input crashes the loop. It pings every liveness connection at least every
-PING_S (and every stale_s / 4), so a member that hears nothing for 3 x stale_s knows it is cut off
-(recover.collectives.member); time the loop itself was stalled is not counted as a member's
-silence. Ports: the store's, and the liveness listener's (store port + 1 when the store port is
-fixed, so a firewall can be opened for both ahead of time).
+one is cut), and no input crashes the loop. With a run token every connection is first sent a
+challenge, and once its hello proves the token over it every line each way is sealed
+(collectives/session.py): one that is not is logged and ignored. Its parameters in the store are
+sealed and put back within REASSERT_S of a rewrite; its event log never stops it (`EventLog`).
+It pings every liveness connection at least every PING_S (and every stale_s / 4), so a member
+that hears nothing for 3 x stale_s knows it is cut off (recover.collectives.member); time the
+loop itself was stalled is not counted as a member's silence. Ports: the store's, and the
+liveness listener's (store port + 1 when the store port is fixed, so a firewall can be opened
+for both ahead of time).
 
 A connection that has not said an accepted hello (a stranger) costs the coordinator a descriptor
 and nothing else, and not for long: it is dropped HELLO_S after it was accepted, and strangers
@@ -39,12 +43,13 @@ from pathlib import Path
 
 from torch.distributed import TCPStore
 
-from recover.collectives import keys, listen, shards
+from recover.collectives import keys, listen, netif, sealed, session, shards
 from recover.collectives.admission import Hello, proof
 from recover.collectives.coordconfig import CoordinatorConfig
 from recover.collectives.membership import DEBOUNCE_S, Membership
+from recover.collectives.session import Session
 from recover.collectives.storecount import CountedStore, Tally
-from recover.errors import ExitCode, RecoverError, UsageParser, usage_line
+from recover.errors import ConfigError, ExitCode, RecoverError, UsageParser, usage_line
 from recover.settings import LaunchEnv
 
 log = logging.getLogger(__name__)
@@ -52,6 +57,9 @@ log = logging.getLogger(__name__)
 HB_CHECK_S = 0.05  # judge silence at most this often (heartbeats are lines on the socket)
 STATS_S = 2.0  # the store-request figure (`stats_path`) is rewritten at most this often
 STALL_S = 0.5  # a gap between two turns of the loop longer than this is the coordinator's own
+# How often the coordinator's parameters in the store are checked and put back (`_reassert`):
+# two requests a turn, against a starting member's wait for authentic ones (member.py).
+REASSERT_S = 0.25
 PING_S = 0.25  # longest gap between two bytes to a member (members fence after 3 x stale_s)
 MAX_LINE = 4096  # a longer line is not ours: the connection is closed
 # A member sends its hello in the same call that connects (recover.collectives.member): a
@@ -59,7 +67,12 @@ MAX_LINE = 4096  # a longer line is not ours: the connection is closed
 HELLO_S = 10.0
 # Events worth a line in the process's log (every event goes to the JSON event log, --log).
 _NOTABLE = {"start", "generation", "refused", "join", "join-failed", "resumed", "resume-failed",
-            "join-timeout", "all-left", "malformed", "stranger-dropped"}
+            "join-timeout", "all-left", "malformed", "stranger-dropped", "suppressed"}
+# Events a peer causes by what it sends (junk, a refused hello): kept at most NOISY_BURST per
+# NOISY_WINDOW_S per (kind, peer address) (`EventLog`).
+_NOISY = {"malformed", "stranger-dropped", "refused"}
+NOISY_BURST = 20
+NOISY_WINDOW_S = 10.0
 
 
 @dataclass
@@ -73,21 +86,65 @@ class _Conn:
     heard: float = field(default_factory=time.monotonic)
     since: float = field(default_factory=time.monotonic)  # accepted by the listener
     requests: int = 0  # the member's main-store requests so far, as its last heartbeat said
+    challenge: str = ""  # the nonce its hello must prove the token over (a run with a token)
+    session: Session | None = None  # its sealed lines, once its hello's proof verified
 
 
 class EventLog:
-    """One JSON line per event appended to `path` (none: not kept), and the notable ones logged."""
+    """One JSON line per event appended to `path` (none: not kept), and the notable ones logged.
+
+    Neither can stop the coordinator nor fill its disk on a stranger's behalf: an append that
+    fails (a full disk) is reported once per episode and the events meanwhile are counted, not
+    kept; the events a peer causes by sending junk (`_NOISY`) are kept at most NOISY_BURST per
+    NOISY_WINDOW_S per (kind, peer), the rest counted in one `suppressed` event per window."""
 
     def __init__(self, path: str | None) -> None:
         self.path = path
+        self._failing: str | None = None  # why appends fail, while they do
+        self._lost = 0  # events not kept while they failed
+        self._noise: dict[tuple[str, str], list[float]] = {}  # (kind, peer) -> [since, kept, cut]
 
     def __call__(self, rec: dict) -> None:
+        if rec.get("event") in _NOISY and not self._admit(rec):
+            return
         rec = {"time": round(time.time(), 4), **rec}
         line = json.dumps(rec)
         if self.path:
-            with open(self.path, "a") as f:
-                f.write(line + "\n")
+            self._append(line)
         log.log(logging.INFO if rec.get("event") in _NOTABLE else logging.DEBUG, "%s", line)
+
+    def _append(self, line: str) -> None:
+        try:
+            with open(self.path, "a") as f:  # type: ignore[arg-type]
+                f.write(line + "\n")
+        except OSError as e:
+            if self._failing is None:
+                log.warning("cannot append to the event log %s (%s): events are not kept until "
+                            "it works again; the coordinator goes on", self.path, e.strerror or e)
+            self._failing, self._lost = str(e), self._lost + 1
+            return
+        if self._failing is not None:
+            log.warning("the event log %s takes appends again; %d event(s) were not kept",
+                        self.path, self._lost)
+            self._failing, self._lost = None, 0
+
+    def _admit(self, rec: dict) -> bool:
+        """Whether a noisy event is kept (see the class docstring)."""
+        now = time.monotonic()
+        key = (str(rec.get("event")), str(rec.get("peer", rec.get("replica"))))
+        entry = self._noise.get(key)
+        if entry is None or now - entry[0] > NOISY_WINDOW_S:
+            cut = int(entry[2]) if entry else 0
+            if len(self._noise) > 4096:  # many peers: forget the oldest windows' counts
+                self._noise.clear()
+            self._noise[key] = entry = [now, 0, 0]
+            if cut:  # not noisy itself: no recursion
+                self({"event": "suppressed", "kind": key[0], "peer": key[1], "count": cut})
+        if entry[1] < NOISY_BURST:
+            entry[1] += 1
+            return True
+        entry[2] += 1
+        return False
 
 
 class Coordinator:
@@ -161,21 +218,30 @@ class Coordinator:
         self._listener.setblocking(False)
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         lport = self.liveness_port = self._listener.getsockname()[1]
-        # Before LIVENESS_ADDR: a member that sees the address can read the fence bound's base.
-        self.client.set(keys.COORD_STALE_S, repr(self.stale_s))
-        self.client.set(keys.REPLICAS, str(self.expected))
-        # Before LIVENESS_ADDR too: a member reads the shards once it has seen the address.
         for k in range(self.store_shards):
             want = self.port + 2 + k if fixed else 0
             self.shards.append(keys.serve_store(self.host, want))
         if self.shards:
-            shards.publish(self.client, [int(s.port) for s in self.shards])
-            self.top = shards.TreeTop(self.client, self.shards)
-        self.client.set(keys.COORD_PID, str(os.getpid()))
-        self.client.set(keys.RUN_PROOF, proof(self.config.token, keys.RUN_PURPOSE))
-        self.client.set(keys.LIVENESS_ADDR, f"{socket.gethostname()}:{lport}")
+            self.top = shards.TreeTop(self.client, self.shards, self.config.token)
+        token = self.config.token
+        # Sealed with the run's token (a stranger's rewrite is absent to a reader, and put back
+        # by `_reassert`). A member reads only LIVENESS_ADDR (it needs it to say hello); the
+        # rest reach it in its welcome (`Membership.params`) and stay here for tools.
+        plain = {keys.COORD_STALE_S: repr(self.stale_s), keys.REPLICAS: str(self.expected),
+                 keys.SHARDS: json.dumps([int(s.port) for s in self.shards]),
+                 keys.LIVENESS_ADDR: f"{socket.gethostname()}:{lport}"}
+        self._params = {k: sealed.seal(token, k, v.encode()) for k, v in plain.items()}
+        # Not sealed: the launcher's fault injection reads the pid; `coord/run` is a proof.
+        self._params |= {keys.COORD_PID: str(os.getpid()).encode(),
+                         keys.RUN_PROOF: proof(token, keys.RUN_PURPOSE).encode()}
+        self._params[keys.LIVENESS_ADDR] = self._params.pop(keys.LIVENESS_ADDR)  # written last
+        for key, value in self._params.items():
+            self.client.set(key, value)
+        self._reasserted = time.monotonic()
         self.membership = Membership(self.config, self.client, self, self._log,
                                      started=time.monotonic())
+        # A member takes these from its welcome (sealed by its session), not from the store.
+        self.membership.shard_ports = [int(s.port) for s in self.shards]
         self._log({"event": "start", "pid": os.getpid(), "port": self.store.port,
                    "liveness_port": lport,
                    "expected": self.expected,
@@ -231,6 +297,8 @@ class Coordinator:
                     self._read(key.data)
             now = time.monotonic()
             self._drop_silent_strangers(now)
+            if now - self._reasserted >= REASSERT_S:
+                self._reassert(now)
             if now - self._pinged >= self.ping_s:
                 self._pinged = now
                 # The generation published last rides on the ping: a member that missed its
@@ -253,6 +321,27 @@ class Coordinator:
         m.flush_exits(final=True)
         self.write_stats(time.monotonic(), force=True)
         return 0
+
+    def _reassert(self, now: float) -> None:
+        """Put back any of this coordinator's parameters that a stranger rewrote or deleted (one
+        store request while none was): a member reads them once, when it starts, and waits
+        (bounded) for an authentic one, so a rewrite costs a starting member at most
+        REASSERT_S, never its start (DESIGN.md, "Trust")."""
+        self._reasserted = now
+        # The newest generations' members too: one rewritten after its publication stranded a
+        # joiner that read it (every rebuild after failed) until the job's bound.
+        want = {**self._params, **(self.membership.recent_members if self.membership else {})}
+        names = list(want)
+        try:
+            held = self.client.multi_get(names) if self.client.check(names) else []
+        except Exception as e:  # the store is this process's own: an error is logged, not fatal
+            log.warning("could not read back the coordinator's parameters: %s", e)
+            return
+        wrong = [k for k, v in zip(names, held, strict=True) if v != want[k]] \
+            if held else names
+        for key in wrong:
+            sealed.rejected(key, "rewritten by someone else; put back")
+            self.client.set(key, want[key])
 
     def store_requests(self) -> int:
         """Requests of the main store so far: this process's, and every member's as its last
@@ -295,6 +384,9 @@ class Coordinator:
         self._conns[fd] = conn
         self._strangers[fd] = conn
         self._sel.register(sock, selectors.EVENT_READ, conn)
+        if self.config.token:  # the hello must prove the token over this (collectives/session)
+            conn.challenge = session.nonce()
+            self._send(conn, f"challenge {conn.challenge}\n")
 
     def _drop_silent_strangers(self, now: float) -> None:
         """Drop the connections that said no accepted hello within HELLO_S (oldest first, so
@@ -327,16 +419,25 @@ class Coordinator:
             self.heard[fd] = conn
         while b"\n" in conn.buf:
             line, conn.buf = conn.buf.split(b"\n", 1)
+            if conn.session is not None:
+                opened = conn.session.open(line)
+                if opened is None:  # not sealed for this session: a relay's, or a replay
+                    self._log({"event": "malformed", "line": line[:200].decode(errors="replace"),
+                               "error": "not sealed for this connection's session",
+                               "replica": self._replica(fd), "peer": conn.addr})
+                    continue
+                line = opened
             try:
                 self._message(fd, conn, line.decode(errors="replace").split())
             except (ValueError, IndexError) as e:  # malformed: ignored, and a stranger is cut
                 self._log({"event": "malformed", "line": line[:200].decode(errors="replace"),
-                           "error": str(e)[:200], "replica": self._replica(fd)})
+                           "error": str(e)[:200], "replica": self._replica(fd), "peer": conn.addr})
                 if not conn.accepted:
                     self._drop_conn(conn)
                     return
         if len(conn.buf) > MAX_LINE:
-            self._log({"event": "malformed", "line": "(overlong)", "replica": self._replica(fd)})
+            self._log({"event": "malformed", "line": "(overlong)", "replica": self._replica(fd),
+                       "peer": conn.addr})
             self._closed(conn)
 
     def _replica(self, fd: int) -> int | None:
@@ -355,6 +456,12 @@ class Coordinator:
             h = Hello.parse(words)
             if conn.accepted:
                 raise ValueError("a second hello on one connection")
+            token = self.config.token
+            if token:  # proved over this connection's challenge, or not at all
+                good = session.proof_ok(token, conn.challenge, words)
+                h = dataclasses.replace(h, token=proof(token) if good else "-")
+                if good:  # its answer is sealed already
+                    conn.session = session.Session(token, conn.challenge, words[5], "c")
             if m.hello(fd, h):
                 conn.accepted = True
                 self._strangers.pop(fd, None)
@@ -387,6 +494,8 @@ class Coordinator:
             m.bye(fd, " ".join(rest[:1]))  # the reason: "preempted"; none: the run ended
         elif kind == "ready":  # ready <epoch>: a joiner's rank holds its verified state
             m.ready(fd, int(words[1]))
+        elif kind == "donated":  # donated <epoch> <replica>: its rank's state reached the joiner
+            m.donated(fd, int(words[1]), int(words[2]))
         elif kind == "joinfail":  # joinfail <epoch>: its donor went away; try another
             m.donor_gone(fd, int(words[1]))
         elif kind == "counted" and self.top is not None:
@@ -440,6 +549,8 @@ class Coordinator:
             self._send(c, msg)
 
     def _send(self, conn: _Conn, msg: str) -> None:
+        if conn.session is not None:
+            msg = conn.session.seal(msg)
         try:
             conn.sock.sendall(msg.encode())
         except OSError:
@@ -474,6 +585,11 @@ def main(argv: list[str] | None = None) -> int:
         config = CoordinatorConfig.from_args(ap.parse_args(argv))  # validated as it is built
         config.check_outputs()
         token = config.file_token() if config.token_file else LaunchEnv.from_env().token
+        if not token and not config.no_token and not _loopback_only(config.host):
+            raise ConfigError(
+                f"--host {config.host} is reachable from other hosts and no token is set: give "
+                "--token-file FILE (or RECOVER_RUN_TOKEN) and the same token to the workers, or "
+                "--no-token to admit any process that reaches the ports")
     except RecoverError as e:
         return usage_line(ap.prog, e)
     config = dataclasses.replace(config, token=token)
@@ -496,6 +612,16 @@ def main(argv: list[str] | None = None) -> int:
     log.info("recover coordinator: store on port %d, liveness on port %s", port,
              coord.liveness_port)
     return coord.serve(lambda: stop["flag"])
+
+
+def _loopback_only(host: str) -> bool:
+    """Whether `host` binds a loopback address only (a name is resolved as `listen` would; one
+    that does not resolve is left to `start`, which names it)."""
+    try:
+        _, addr = listen.resolve(host, 0)
+    except listen.ListenError:
+        return True
+    return netif.is_loopback(str(addr[0]))
 
 
 def _log_to_stderr() -> None:

@@ -10,13 +10,14 @@ written anywhere else, so the layout can be read (and changed) in one sitting:
     step/{t}/chain/{k}              ownership chain of step t (entry k written once); a step run
                                     again (exact mode, after an overflow) uses t = "{t}.{round}";
                                     entry 0 is absent when it was implied (recovery/chain.py)
-    step/{t}/g{g}/ev{s}             ranks of generation s with a verified result of that
+    step/{t}/g{g}/ev{s}[/tag]       ranks of generation s with a verified result of that
                                     attempt (counted when the membership changed mid-decision)
-    step/{t}/g{g}/count             verified results of that attempt, counted
+    step/{t}/g{g}/count[/tag]       verified results of that attempt, counted (tag: with a token,
+                                    64 bits only the token gives: a counter cannot be sealed)
     step/{t}/g{g}/decision          the commit decision of that attempt (written once): commit,
                                     commit-plan, commit@{s} (on evidence) or redo
     coord/replicas                  R, the replicas the job was started with
-    coord/shards                    the ports of the coordinator's store shards (JSON; absent
+    coord/shards                    the ports of the coordinator's store shards (JSON; `[]`
                                     without shards): a step's count and decision there too
     join/{e}/donor/{rank}           where the donor's rank serves join e's state
     join/info/{replica}             how its latest transfer went (metrics)
@@ -26,16 +27,22 @@ written anywhere else, so the layout can be read (and changed) in one sitting:
 Invariant: generation `g`'s member list is written exactly once (by the coordinator, with
 compare-and-set) and published, by a push to every member and by incrementing `gen/count`, only
 after it is written; so a reader told of g either way can always read generation g's members.
+With a run token, the values the protocol decides by (members, chain entries, decisions, the
+coordinator's parameters) are sealed (`collectives.sealed`): `put_once`, `read` and `set_sealed`
+write and read them; a value that does not verify (a stranger's) is absent to every reader, and
+a write-once writer that finds one replaces it by compare-and-set (DESIGN.md, "Trust").
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+from collections.abc import Callable
 
 from torch.distributed import TCPStore
 
-from recover.collectives import listen
+from recover.collectives import listen, sealed
+from recover.settings import MAX_REPLICAS
 
 GEN_COUNT = "gen/count"
 LIVENESS_ADDR = "coord/liveness"
@@ -44,8 +51,10 @@ RUN_STOPPED = "run/stopped"
 # Set by the launcher before it passes a SIGTERM on to every replica: the whole job is preempted,
 # so the replicas that leave checkpoint (the leader) instead of handing their work to others.
 JOB_PREEMPTED = "run/preempted"
+# The coordinator's R, --stale-s and shard ports, for tools: a member takes them from its sealed
+# welcome (`Membership.params`), never from here.
 REPLICAS = "coord/replicas"
-COORD_STALE_S = "coord/stale_s"  # the coordinator's --stale-s: members derive their fence bound
+COORD_STALE_S = "coord/stale_s"
 COORD_PID = "coord/pid"  # the coordinator's process id (a `coordinator` fault kills it)
 SHARDS = "coord/shards"  # JSON [port, ...] of the store shards (collectives/shards.py)
 COORD_EXITS = "coord/exits"  # JSON {replica: how the coordinator saw it end} (launcher summary)
@@ -79,7 +88,22 @@ def encode_members(members: list[int]) -> bytes:
 
 
 def decode_members(raw: bytes) -> list[int]:
-    return [int(m) for m in json.loads(raw)]
+    """The members in a stored value, its seal (if any) dropped unverified: for tools and tests
+    that show a value; the protocol reads members with `generation_members` (verified)."""
+    head, sep, tag = raw.rpartition(b"|")
+    return [int(m) for m in json.loads(head if sep and len(tag) == 32 else raw)]
+
+
+def valid_members(raw: bytes) -> bool:
+    """Whether an opened members value is one the coordinator writes: a sorted JSON list of
+    distinct replica ids, within MAX_REPLICAS."""
+    try:
+        members = json.loads(raw)
+    except ValueError:
+        return False
+    return (isinstance(members, list) and len(members) <= MAX_REPLICAS
+            and all(type(m) is int and 0 <= m < MAX_REPLICAS for m in members)
+            and members == sorted(set(members)))
 
 
 # The push that tells members of a generation carries it as a change to the one before, so a
@@ -118,19 +142,21 @@ def chain_key(step: int | str, k: int) -> str:
     return f"step/{step}/chain/{k}"
 
 
-def evidence_key(step: int | str, g: int, seen: int) -> str:
+def evidence_key(step: int | str, g: int, seen: int, token: str | None = None) -> str:
     """Ranks of generation `seen` (and of g) that hold a verified result of step t's attempt in
-    generation g, counted (`add`) once each after the membership changed (recovery/decide.py)."""
-    return f"step/{step}/g{g}/ev{seen}"
+    generation g, counted (`add`) once each after the membership changed (recovery/decide.py);
+    with a token its name carries a tag only the token gives (`sealed.hidden`)."""
+    return sealed.hidden(token, f"step/{step}/g{g}/ev{seen}")
 
 
 def decision_key(step: int | str, g: int) -> str:
     return f"step/{step}/g{g}/decision"
 
 
-def count_key(step: int | str, g: int) -> str:
-    """Verified results of step t's reduce in generation g, counted (`add`) by each rank."""
-    return f"step/{step}/g{g}/count"
+def count_key(step: int | str, g: int, token: str | None = None) -> str:
+    """Verified results of step t's reduce in generation g, counted (`add`) by each rank; with a
+    token its name carries a tag only the token gives (`sealed.hidden`)."""
+    return sealed.hidden(token, f"step/{step}/g{g}/count")
 
 
 COMMIT, REDO = b"commit", b"redo"  # decisions
@@ -238,13 +264,82 @@ def try_get(store: TCPStore, key: str) -> bytes | None:
     return None if v == _ABSENT.encode() else v
 
 
-def generation_members(store: TCPStore, g: int) -> list[int] | None:
-    """Generation g's members, or None if it was never published."""
-    raw = try_get(store, members_key(g))
-    return None if raw is None else decode_members(raw)
+def generation_members(store: TCPStore, g: int, token: str | None = None) -> list[int] | None:
+    """Generation g's members, or None if it was never published (or what is stored there is
+    not the coordinator's: absent, logged)."""
+    raw = read(store, token, members_key(g), valid_members)
+    return None if raw is None else [int(m) for m in json.loads(raw)]
 
 
-def newest_members(store: TCPStore) -> list[int] | None:
-    """The newest published generation's members, or None before the first one."""
+def newest_members(store: TCPStore, token: str | None = None) -> list[int] | None:
+    """The newest published generation's members, or None before the first one (or when
+    `gen/count` names one whose members are not the coordinator's: a forged count or value)."""
     count = store_int(store, GEN_COUNT)
-    return decode_members(store.get(members_key(count - 1))) if count > 0 else None
+    if count <= 0:
+        return None
+    if token:
+        return generation_members(store, count - 1, token)
+    raw = try_get(store, members_key(count - 1))
+    try:
+        return None if raw is None else decode_members(raw)
+    except ValueError:
+        sealed.rejected(members_key(count - 1), "not a member list")
+        return None
+
+
+# -- sealed values (collectives/sealed.py) -----------------------------------------------------
+Check = Callable[[bytes], bool]
+_REPLACE_TRIES = 16  # a stranger racing every replacement can stall a writer this many rounds
+
+
+def _opened(token: str | None, key: str, raw: bytes | None, valid: Check | None
+            ) -> bytes | None:
+    value = sealed.open_value(token, key, raw)
+    if value is not None and valid is not None and not valid(value):
+        sealed.rejected(key, f"not a valid value: {value[:80]!r}")
+        return None
+    return value
+
+
+def read(store: TCPStore, token: str | None, key: str, valid: Check | None = None
+         ) -> bytes | None:
+    """`key`'s value if it is present, authentic (sealed with the run's token) and `valid`;
+    else None (a stranger's value is logged, rate-limited)."""
+    return _opened(token, key, try_get(store, key), valid)
+
+
+Accept = Callable[[bytes], "bytes | None"]
+
+
+def opener(token: str | None, key: str, valid: Check | None = None) -> Accept:
+    """What a blocking reader (`KeyWaiter.get`) applies to each value it reads: None keeps it
+    waiting for an authentic, valid one."""
+    return lambda raw: _opened(token, key, raw, valid)
+
+
+def set_sealed(store: TCPStore, token: str | None, key: str, value: bytes | str) -> None:
+    """`set` a value that readers open with `read` (or `opener`)."""
+    store.set(key, sealed.seal(token, key, value.encode() if isinstance(value, str) else value))
+
+
+def put_once(store: TCPStore, token: str | None, key: str, value: bytes | str,
+             valid: Check | None = None) -> bytes:
+    """Write `key` once (compare-and-set against ""), sealed; return the value that won, opened.
+
+    A stored value that is not authentic or not `valid` never wins: it is replaced by
+    compare-and-set against exactly it (so an honest writer racing us still wins once), a
+    bounded number of times; a stranger who keeps rewriting it past that gets a ValueError,
+    which callers handle as the store's failure. Without a token only invalid values can be
+    told from honest ones (a tokenless run has no authenticated control plane)."""
+    plain = value.encode() if isinstance(value, str) else value
+    mine = sealed.seal(token, key, plain)
+    expected: bytes | str = ""
+    for _ in range(_REPLACE_TRIES):
+        stored = store.compare_set(key, expected, mine)
+        if stored == mine:
+            return plain
+        opened = _opened(token, key, stored, valid)
+        if opened is not None:
+            return opened
+        expected = stored  # a stranger's: replace exactly it
+    raise ValueError(f"{key}: a stranger rewrote it {_REPLACE_TRIES} times over ours")

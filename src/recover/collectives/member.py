@@ -9,6 +9,9 @@ pings, for `fence_after_s` = 3 x its --stale-s) exits with `ExitCode.PARTITIONED
 background thread: TCPStore calls have no timeout on a silent link (measured: an `add` blocked for
 the whole 25 s outage), so no thread that waits on the store or the socket may be the one to fence.
 The coordinator drops a silent member after --stale-s, well before the member gives up on it.
+The coordinator's parameters (--stale-s, R, its store shards' ports) are taken from the answer to
+this process's hello (`welcome`/`joining`, sealed by the session in a run with a token), never
+from the store; only the liveness address, needed to say hello at all, is read there (sealed).
 What a process shows at its hello (`Identity`) is given by its caller; nothing here reads the
 environment.
 """
@@ -16,7 +19,9 @@ environment.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
+import math
 import os
 import select
 import socket
@@ -26,13 +31,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from recover.collectives import keys, shards
+from recover.collectives import keys, sealed, session, shards
 from recover.collectives.admission import proof
 from recover.collectives.netif import is_loopback
 from recover.collectives.progress import ProgressWatch
 from recover.collectives.storecount import CountedStore, Tally
 from recover.errors import ExitCode
-from recover.settings import FaultTolerance
+from recover.settings import MAX_REPLICAS, FaultTolerance
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +102,7 @@ class Member:
         ft, identity = ft or FaultTolerance(), identity or Identity()
         handlers = handlers or FenceHandlers()
         self.host, self.port = host, port
-        self.token = identity.token  # None: no token; shown as proof(token) only, never sent
+        self.token = identity.token  # None: no token; only proofs of it travel (session.py)
         self.fingerprint = identity.fingerprint
         self.join_at = identity.join_at
         self.refused: str | None = None  # the coordinator's reason, if it refused this process
@@ -120,14 +125,16 @@ class Member:
         self.watch = ProgressWatch()
         self._on_stuck = handlers.stuck or exit_stuck
         self._welcomed = threading.Event()  # the coordinator answered our hello
+        self._bad_answer = False  # an answer without well-formed parameters was logged
         self._hb_paused = False
         self._admit_after = -1
         self.replica, self.rank, self.nranks = replica, rank, nranks
         # timeout_s bounds the store connects and the join
         self.heartbeat_s, self.timeout_s = ft.heartbeat_s, ft.join_timeout_s
         self._on_fenced = handlers.fenced or exit_fenced
-        # None: FENCE_STALE_FACTOR x the coordinator's --stale-s, read at join.
+        # None: FENCE_STALE_FACTOR x the coordinator's --stale-s, from its welcome.
         self.fence_after_s = fence_after_s
+        self._fence_given = fence_after_s is not None
         self._on_partitioned = handlers.partitioned or exit_partitioned
         self._heard = time.monotonic()  # last byte from the coordinator on the liveness socket
         # This host's address on its path to the coordinator (the liveness socket's local end),
@@ -153,6 +160,10 @@ class Member:
         # total: the coordinator's `store_requests`); the communicator's rendezvous and gloo use
         # the plain client (collectives/storecount.py says why).
         self.plain_store = keys.connect_store(host, port, self.timeout_s)
+        # The liveness session (collectives/session.py): set at the hello in a run with a token.
+        self._session: session.Session | None = None
+        self._send_lock = threading.Lock()
+        self._rbuf = b""  # what came after the challenge line, for the reader
         self.requests = Tally()
         self.store = CountedStore(self.plain_store, self.requests, "main")
 
@@ -161,14 +172,14 @@ class Member:
         """Connect the liveness socket, start heartbeats, wait for the first generation."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        addr = self._wait_key(keys.LIVENESS_ADDR, deadline).decode()
-        self.replicas = int(self._wait_key(keys.REPLICAS, deadline))  # R the job started with
-        lport = self.live_port = int(addr.rsplit(":", 1)[1])
-        # Published before LIVENESS_ADDR: the store shards' ports (none: one store).
-        self.shard_ports = shards.ports(self.store)
-        if self.fence_after_s is None:  # published before LIVENESS_ADDR: present by now
-            stale = keys.try_get(self.store, keys.COORD_STALE_S)
-            self.fence_after_s = FENCE_STALE_FACTOR * (float(stale) if stale else 2.0)
+        self._check_run(deadline)
+        # The liveness address: needed before the hello, so read from the store, authentic
+        # (sealed with the run's token) and well formed, or waited for (the coordinator puts
+        # back one a stranger rewrote within 0.25 s). A wrong one could only cost the join: the
+        # answer to the hello is sealed by a session only the token's holder can key.
+        addr = self._wait_key(keys.LIVENESS_ADDR, deadline,
+                              lambda v: _port_of(v) is not None).decode()
+        lport = self.live_port = _port_of(addr.encode()) or 0
         # The background threads' store clients connect before the hello: the coordinator times
         # this member's silence from its hello, and a connect to a busy store server can take
         # tens of seconds (SYN retries when its accept queue is full: 128 ranks at once here).
@@ -181,10 +192,14 @@ class Member:
         self._sock.settimeout(READ_TICK_S)
         self._heard = time.monotonic()
         # A replacement may ask not to be admitted before a step (the `restart` fault's step).
-        hello = (f"hello {self.replica} {self.rank} {self.nranks} {os.getpid()} "
-                 f"{proof(self.token)} {self.fingerprint} {max(0, int(self.join_at))} "
-                 f"{self.applied} {self.last_generation}\n")
-        self._sock.sendall(hello.encode())
+        words = ["hello", str(self.replica), str(self.rank), str(self.nranks), str(os.getpid()),
+                 "-", self.fingerprint, str(max(0, int(self.join_at))), str(self.applied),
+                 str(self.last_generation)]
+        if self.token:  # the session (collectives/session.py)
+            challenge = self._challenge(deadline)
+            words[session.PROOF_AT] = session.hello_proof(self.token, challenge, words)
+            self._session = session.Session(self.token, challenge, words[session.PROOF_AT], "m")
+        self._sock.sendall((" ".join(words) + "\n").encode())
         for target, name in ((self._heartbeat_loop, "recover-heartbeat"),
                              (self._reader_loop, "recover-liveness"),
                              (self._watchdog_loop, "recover-watchdog"),
@@ -192,7 +207,7 @@ class Member:
             threading.Thread(target=target, name=name, daemon=True).start()
         while True:
             with self._lock:
-                if self._gen >= 0:
+                if self._gen >= 0:  # learned after the welcome, which carried the parameters
                     return self._gen
             if self._welcomed.is_set() and not self.refused:
                 self._refresh(self.store)  # after the answer: joining or not decides fencing
@@ -222,8 +237,8 @@ class Member:
         try:
             # bye <main-store requests so far> [<reason>]: its last count, as a heartbeat
             # carries it, and why it leaves
-            self._sock.sendall(f"bye {self.requests.total('main')} {reason}".strip().encode()
-                               + b"\n")
+            self._send(f"bye {self.requests.total('main')} {reason}".strip() + "\n",
+                       raising=True)
             # shutdown() sends the FIN at once; a bare close() would not while the reader thread
             # is blocked in recv() on this socket, and the coordinator would see the rank go
             # silent (heartbeat stale, 1 s later) instead of leaving cleanly.
@@ -273,6 +288,12 @@ class Member:
     def report_ready(self, epoch: int) -> None:
         """A joiner's rank holds its verified state: admit it (`epoch` of the join)."""
         self._send(f"ready {epoch}\n")
+
+    def report_donated(self, epoch: int, replica: int) -> None:
+        """This rank streamed its state to the same rank of joining `replica` (join `epoch`),
+        and the joiner acknowledged it verified: the coordinator admits a joiner only on its
+        ranks' `ready` and its donors' word (a `ready` alone could be anyone's)."""
+        self._send(f"donated {epoch} {replica}\n")
 
     def report_join_failed(self, epoch: int) -> None:
         """A joiner's rank could not get its state (its donor died): try another one."""
@@ -340,17 +361,64 @@ class Member:
             raise CoordinatorLost("the coordinator is unreachable")
 
     # -- background ----------------------------------------------------------------------
-    def _send(self, msg: str) -> None:
+    def _send(self, msg: str, raising: bool = False) -> None:
+        """One or more lines to the coordinator, sealed in a session: the lock keeps the wire's
+        order the order they were numbered in (several threads send)."""
         try:
-            self._sock.sendall(msg.encode())
+            with self._send_lock:
+                if self._session is not None:
+                    msg = self._session.seal(msg)
+                self._sock.sendall(msg.encode())
         except TimeoutError:
             pass  # a full buffer: the link is silent, and the watchdog decides about silence
         except OSError:
+            if raising:  # the caller handles it (`leave`: the coordinator is gone anyway)
+                raise
             self.coordinator_lost = True
 
-    def _wait_key(self, key: str, deadline: float) -> bytes:
+    def _check_run(self, deadline: float) -> None:
+        """Stop here, as a refusal, unless the coordinator holds this process's token (its
+        `coord/run` proves it; "-" for none): a worker of another run (or without the run's
+        token) could read none of the run's sealed values, and must not wait for them. A value a
+        stranger rewrote is put back within the coordinator's REASSERT_S (0.25 s): a mismatch is
+        waited past for three of those."""
+        want = proof(self.token, keys.RUN_PURPOSE).encode()
+        until = min(deadline, time.monotonic() + 0.75)
         while True:
-            v = keys.try_get(self.store, key)
+            got = keys.try_get(self.store, keys.RUN_PROOF)
+            if got is not None and hmac.compare_digest(got, want):
+                return
+            if time.monotonic() > (deadline if got is None else until):
+                if got is None:
+                    raise TimeoutError(f"coordinator did not publish {keys.RUN_PROOF!r} in time")
+                self.refused = ("wrong run token (the coordinator proves another token: another "
+                                "run's, or RECOVER_RUN_TOKEN is not this run's)")
+                raise CoordinatorLost(f"the coordinator refused this process: {self.refused}")
+            time.sleep(0.01)
+
+    def _challenge(self, deadline: float) -> str:
+        """The coordinator's challenge: the first line it sends a connection, with a token."""
+        buf = b""
+        while b"\n" not in buf:
+            if time.monotonic() > deadline or len(buf) > 4096:
+                raise TimeoutError("no challenge from the coordinator in time")
+            try:
+                data = self._sock.recv(4096)
+            except TimeoutError:
+                continue
+            if not data:
+                raise CoordinatorGone("the coordinator closed the connection before its challenge")
+            buf += data
+        line, self._rbuf = buf.split(b"\n", 1)
+        words = line.decode(errors="replace").split()
+        if len(words) != 2 or words[0] != "challenge" or len(words[1]) != session.NONCE_HEX:
+            raise CoordinatorLost(f"not a challenge from the coordinator: {line[:100]!r}")
+        return words[1]
+
+    def _wait_key(self, key: str, deadline: float, valid: keys.Check) -> bytes:
+        """The coordinator's authentic, `valid` value of `key`, waited for (bounded)."""
+        while True:
+            v = keys.read(self.store, self.token, key, valid)
             if v is not None:
                 return v
             if time.monotonic() > deadline:
@@ -367,7 +435,7 @@ class Member:
         with self._lock:
             known = self._gen
         for g in range(max(known + 1, self._floor), count):
-            members = keys.generation_members(store, g)
+            members = keys.generation_members(store, g, self.token)
             if members is None or not self._learn(g, members):
                 return
 
@@ -423,7 +491,7 @@ class Member:
                 return
 
     def _reader_loop(self) -> None:
-        buf = b""
+        buf, self._rbuf = self._rbuf, b""
         while not self._stop.is_set():
             try:
                 data = self._sock.recv(4096)
@@ -442,6 +510,15 @@ class Member:
             if b"\n" in buf:
                 *lines, buf = buf.split(b"\n")
                 for line in lines:
+                    if self._session is not None:
+                        opened = self._session.open(line)
+                        # Before the answer to our hello, a refusal comes bare (our proof did
+                        # not verify there: no key to seal it with).
+                        if opened is None and not (line.startswith(b"refused") and
+                                                   not self._welcomed.is_set()):
+                            sealed.rejected("liveness", "a line not sealed for this session")
+                            continue
+                        line = line if opened is None else opened
                     upto = self._pushed(line.decode(errors="replace").split())
                     if upto is None:
                         continue  # pings and join notes, or a generation the push carried
@@ -466,22 +543,24 @@ class Member:
                     behind = int(words[1]) > self._gen
                 if behind and self._welcomed.is_set():
                     return int(words[1])  # its push was lost: read it from the store
-            elif words[:1] == ["welcome"]:  # welcome [<first generation of this coordinator>]
-                self._floor = int(words[1]) if len(words) > 1 else 0
-                self._welcomed.set()
+            elif words[:1] == ["welcome"]:  # welcome <floor> <params>: Membership.params
+                if self._take_params(words[2:]):
+                    self._floor = int(words[1])
+                    self._welcomed.set()
             elif words[:1] == ["join"]:  # join <replica> <epoch> <step>: a joiner waits for a donor
                 self.join_requests[int(words[1])] = (int(words[2]), int(words[3]))
             elif words[:1] == ["joinend"]:  # joinend <epoch>: admitted or given up
                 for r, (epoch, _) in list(self.join_requests.items()):
                     if epoch == int(words[1]):
                         self.join_requests.pop(r, None)
-            elif words[:1] == ["joining"]:  # joining <epoch> <generation now> [<floor>]
+            elif words[:1] == ["joining"]:  # joining <epoch> <generation now> <floor> <params>
                 # We are the joiner. Generations up to now may hold our earlier incarnation:
                 # only a later one that includes us admits us.
-                self._admit_after = int(words[2])
-                self._floor = int(words[3]) if len(words) > 3 else 0
-                self.joining, self.join_epoch = True, int(words[1])
-                self._welcomed.set()
+                if self._take_params(words[4:]):
+                    self._admit_after = int(words[2])
+                    self._floor = int(words[3])
+                    self.joining, self.join_epoch = True, int(words[1])
+                    self._welcomed.set()
             elif words[:1] == ["over"]:  # every member left: nothing is left to join
                 self.run_over = True
                 self._welcomed.set()
@@ -493,6 +572,22 @@ class Member:
             pass
         return None
 
+    def _take_params(self, words: list[str]) -> bool:
+        """Take the coordinator's parameters from its answer to our hello (`<stale_s>
+        <replicas> <shard ports or ->`: `Membership.params`); False (logged, the answer ignored)
+        when they are not well formed."""
+        got = _params_of(words)
+        if got is None:
+            if not self._bad_answer:  # once: only the coordinator's sealed answer gets here
+                log.warning("ignored an answer to the hello without well-formed parameters: "
+                            "%r", " ".join(words)[:80])
+            self._bad_answer = True
+            return False
+        stale, self.replicas, self.shard_ports = got
+        if not self._fence_given:
+            self.fence_after_s = FENCE_STALE_FACTOR * stale
+        return True
+
     def _watchdog_loop(self) -> None:
         """Fence this process once the coordinator has been silent for `fence_after_s`.
 
@@ -501,9 +596,10 @@ class Member:
         (SIGSTOP, load): the reader gets one more bound to handle them (and to fence on a newer
         generation) before this fences anyway (the reader may be stuck in a store call).
         """
-        bound = float(self.fence_after_s or FENCE_STALE_FACTOR * 2.0)
         unread_since: float | None = None
         while not self._stop.wait(READ_TICK_S):
+            # Until the welcome brings --stale-s, a default bound (the join has its own).
+            bound = float(self.fence_after_s or FENCE_STALE_FACTOR * 2.0)
             now = time.monotonic()
             overdue = self.watch.overdue(now)
             if overdue is not None:
@@ -568,3 +664,33 @@ def _exit_with(code: ExitCode, why: str) -> None:
     # peer; logging's stream handlers flush each record, so the reason is written first.
     log.error("%s", why)
     os._exit(int(code))
+
+
+# What a member accepts of the coordinator's parameters (anything else is a stranger's: absent).
+def _port_of(addr: bytes) -> int | None:
+    """The port of a `host:port` liveness address; None when it is not one."""
+    host, sep, port = addr.decode(errors="replace").rpartition(":")
+    return int(port) if sep and host and port.isdigit() and 0 < int(port) < 65536 else None
+
+
+def _params_of(words: list[str]) -> tuple[float, int, list[int]] | None:
+    """(stale_s, replicas, shard ports) from a welcome's parameters; None when malformed."""
+    if len(words) != 3 or not _stale_of(words[0].encode()) or \
+            not _replicas_of(words[1].encode()):
+        return None
+    ports = [] if words[2] == "-" else shards.parse_ports(f"[{words[2]}]".encode())
+    if ports is None:
+        return None
+    return float(words[0]), int(words[1]), ports
+
+
+def _replicas_of(raw: bytes) -> bool:
+    return raw.isdigit() and 0 < int(raw) <= MAX_REPLICAS
+
+
+def _stale_of(raw: bytes) -> bool:
+    try:
+        stale = float(raw)
+    except ValueError:
+        return False
+    return math.isfinite(stale) and 0 < stale <= 86400

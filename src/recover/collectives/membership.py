@@ -25,8 +25,12 @@ Invariants:
   every member whose main thread stalls meanwhile for over WAIT_SLOWER x the waiter's own last
   span between steps, until it withdraws (`arrived`).
 - A joiner becomes a member only in a new generation published after every one of its ranks
-  reported a verified state from a donor (`ready`); a join given up publishes a generation too, so
-  whoever paused a step for it goes on.
+  reported a verified state from a donor (`ready`) and, for every one of them, a rank of a member
+  confirmed it donated that state and the joiner acknowledged it (`donated`): a `ready` alone,
+  even a token holder's, admits nobody. A join given up publishes a generation too, so whoever
+  paused a step for it goes on.
+- The answer to a hello that lets it in (`welcome`, `joining`) carries the coordinator's
+  parameters (`params`): a member takes them from there, sealed by its session, not the store.
 - A restarted coordinator (`recover`) publishes its first generation only from what the
   re-registered replicas hold (`admission.resume_plan`): the run resumes at the highest step a
   replica holds whole, numbered after every generation any rank knew; every other replica is
@@ -36,12 +40,13 @@ Invariants:
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from recover.collectives import keys
+from recover.collectives import keys, sealed
 from recover.collectives.admission import (
     Hello,
     Join,
@@ -53,7 +58,11 @@ from recover.collectives.admission import (
 )
 from recover.collectives.coordconfig import CoordinatorConfig
 
+log = logging.getLogger(__name__)
 DEBOUNCE_S = 0.02  # collect simultaneous failures into one generation
+# Generations whose members the coordinator keeps in the store against a rewrite: a member (or a
+# joiner) reads at most the one before the newest it is told of (a push names its base).
+RECENT_GENERATIONS = 4
 # A member others wait for is evicted once its main thread has stalled this many times as long as
 # they spent between their last two steps (`waiting`): a deadlock, not a straggler at the same work.
 WAIT_SLOWER = 3.0
@@ -105,6 +114,8 @@ class Membership:
         self.peers: dict[int, Peer] = {}  # conn -> its accepted hello
         self.generation = -1
         self.members: list[int] = []
+        # The newest generations' members as stored (sealed): put back if rewritten.
+        self.recent_members: dict[str, bytes] = {}
         self.member_since: dict[int, int] = {}  # member -> the generation that admitted it
         self.replicas: dict[int, Registration] = {}
         self.joins: dict[int, Join] = {}  # replica -> its admission in progress
@@ -130,6 +141,7 @@ class Membership:
         self.gen_count = 0  # the store's GEN_COUNT
         self.published: int | None = None  # the last generation this coordinator published
         self._exits_due = False  # the exits changed; written with the pending publication
+        self.shard_ports: list[int] = []  # the coordinator's store shards (set by its transport)
 
     # -- what a connection says ------------------------------------------------------------------
     def hello(self, conn: int, h: Hello) -> bool:
@@ -160,7 +172,7 @@ class Membership:
             return True
         if self.generation < 0 or (replica in self.members and replica not in self.lost):
             self.replicas.setdefault(replica, Registration(nranks)).ranks.add(rank)
-            self.wire.send(conn, f"welcome {self.floor}\n")
+            self.wire.send(conn, f"welcome {self.floor} {self.params()}\n")
             return True
         if self.all_left:
             # A replacement that says hello after every member left (`everyone_left`) has
@@ -178,7 +190,8 @@ class Membership:
         if len(join.ranks) == join.nranks and join.epoch < 0 and replica not in self.members:
             self._announce_join(replica, join)
         elif join.epoch >= 0:
-            self.wire.send(conn, f"joining {join.epoch} {self.generation} {self.floor}\n")
+            self.wire.send(conn, f"joining {join.epoch} {self.generation} {self.floor} "
+                                 f"{self.params()}\n")
         return True
 
     def heartbeat(self, conn: int, stalled_s: float) -> None:
@@ -253,6 +266,12 @@ class Membership:
         self.peers[conn].said_bye = True
         self.peers[conn].bye_reason = reason[:40]
 
+    def params(self) -> str:
+        """What a member needs of this coordinator, as the last words of its `welcome` or
+        `joining`: `<stale_s> <replicas> <shard ports, comma-separated, or ->`."""
+        ports = ",".join(str(p) for p in self.shard_ports) or "-"
+        return f"{self.stale_s!r} {self.expected} {ports}"
+
     def ready(self, conn: int, epoch: int) -> None:
         """`ready <epoch>`: a joiner's rank holds its verified state."""
         peer = self.peers[conn]
@@ -260,8 +279,25 @@ class Membership:
         if join is None or join.epoch != epoch:
             return
         join.ready.add(peer.rank)
-        if len(join.ready) == join.nranks:
-            replica = peer.replica
+        self._admit(peer.replica, join)
+
+    def donated(self, conn: int, epoch: int, replica: int) -> None:
+        """`donated <epoch> <replica>`: this member's rank streamed its state to the same rank
+        of joining `replica`, which verified and acknowledged it (`rejoin.serve`). Only a
+        member's word counts (not the joiner's own, nor one being evicted)."""
+        peer = self.peers[conn]
+        join = self.joins.get(replica)
+        if (join is None or join.epoch != epoch or peer.replica == replica
+                or peer.replica not in self.members or peer.replica in self.lost):
+            return
+        join.donated.add(peer.rank)
+        self._admit(replica, join)
+
+    def _admit(self, replica: int, join: Join) -> None:
+        """Admit `replica` once every rank said `ready` and a donor confirmed each one."""
+        whole = set(range(join.nranks))
+        if join.ready >= whole and join.donated >= whole:
+            epoch = join.epoch
             del self.joins[replica]
             self.replicas[replica] = Registration(join.nranks, set(join.ranks))
             self._set_exit(replica, "running")
@@ -441,10 +477,12 @@ class Membership:
     def _announce_join(self, replica: int, join: Join) -> None:
         self.epochs += 1
         join.epoch, join.ready, join.since = self.epochs, set(), time.monotonic()
+        join.donated = set()
         self.log({"event": "join", "replica": replica, "epoch": join.epoch})
         for conn, p in list(self.peers.items()):
             if p.replica == replica:
-                self.wire.send(conn, f"joining {join.epoch} {self.generation} {self.floor}\n")
+                self.wire.send(conn, f"joining {join.epoch} {self.generation} {self.floor} "
+                                     f"{self.params()}\n")
             elif p.replica in self.members:
                 self.wire.send(conn, f"join {replica} {join.epoch} {join.at}\n")
 
@@ -494,7 +532,7 @@ class Membership:
         self.generation = self.floor - 1  # _publish makes floor
         for conn, p in list(self.peers.items()):
             if p.replica in members:
-                self.wire.send(conn, f"welcome {self.floor}\n")
+                self.wire.send(conn, f"welcome {self.floor} {self.params()}\n")
         self._publish(members, f"coordinator restarted: resuming at step {step}; replicas "
                                f"{heal} are healed by state transfer")
         self.log({"event": "resumed", "step": step, "members": members, "heal": heal,
@@ -516,8 +554,18 @@ class Membership:
     def _publish(self, members: list[int], reason: str) -> None:
         g = self.generation + 1
         value = keys.encode_members(members)
-        stored = self.store.compare_set(keys.members_key(g), "", value)
-        if stored != value:  # only possible if two coordinators share a store: refuse loudly
+        key = keys.members_key(g)
+        # This coordinator is the only writer of a generation's members: a value already there
+        # that is not authentic (a stranger's, written ahead; without a token, any other) is
+        # replaced, and neither decides a membership nor stops this one (DESIGN.md, "Trust").
+        foreign = keys.valid_members if self.token else (lambda v: False)
+        try:
+            stored = keys.put_once(self.store, self.token, key, value, foreign)
+        except ValueError as e:  # rewritten as fast as we replaced it: ours is set regardless
+            log.warning("generation %d: %s; set anyway", g, e)
+            keys.set_sealed(self.store, self.token, key, value)
+            stored = value
+        if stored != value:  # authentic: two coordinators with this run's token share a store
             raise RuntimeError(f"generation {g} already has members {stored!r}")
         # Stored: push it now, as a change to the one published last (members know it: no store
         # read for them), then write what nobody waits for (the reason; the fallback's count).
@@ -525,6 +573,10 @@ class Membership:
         push = keys.gen_push(g, base, self.members, members)
         self.member_since = {r: self.member_since.get(r, g) for r in members}
         self.generation, self.members, self.published = g, sorted(members), g
+        if self.token:  # kept to put back (`Coordinator._reassert`): a rewrite must not strand a
+            self.recent_members[key] = sealed.seal(self.token, key, value)  # reader of g
+            for old in list(self.recent_members)[:-RECENT_GENERATIONS]:
+                del self.recent_members[old]
         self.lost, self.pending_since, self.accusations, self.accused_since = {}, None, {}, None
         self.waiters = {}
         self.cuts, self.cut_reporters, self.cut_since = {}, [], None

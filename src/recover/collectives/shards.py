@@ -64,15 +64,18 @@ def totals(members: Iterable[int], positions: int, shards: int) -> dict[int, int
     return out
 
 
-def publish(store: Any, ports: list[int]) -> None:
-    """The coordinator says where its shard servers listen (on its own host)."""
-    store.set(keys.SHARDS, json.dumps(ports))
-
-
-def ports(store: Any) -> list[int]:
-    """The shard servers' ports; [] when the coordinator hosts none (one store does it all)."""
-    raw = keys.try_get(store, keys.SHARDS)
-    return [int(p) for p in json.loads(raw)] if raw else []
+def parse_ports(raw: bytes) -> list[int] | None:
+    """The ports in an opened `coord/shards` value (the coordinator writes `[]` for none, so a
+    member tells "no shards" from a stranger's value, absent to it); None when it is not a
+    list of ports."""
+    try:
+        ports = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(ports, list) or len(ports) > 4096 or \
+            not all(type(p) is int and 0 < p < 65536 for p in ports):
+        return None
+    return ports
 
 
 class ShardTotals:
@@ -115,8 +118,8 @@ class TreeTop:
     `main` is the coordinator's main-store client, `servers` its shard servers (each one's own
     client is used: no new connection). Every call is on the coordinator's loop thread."""
 
-    def __init__(self, main: Any, servers: list[Any]) -> None:
-        self.main, self.servers = main, servers
+    def __init__(self, main: Any, servers: list[Any], token: str | None = None) -> None:
+        self.main, self.servers, self.token = main, servers, token
         # (tag, g) -> (shards heard, any said commit-plan), oldest first
         self._open: OrderedDict[tuple[str, int], tuple[set[int], bool]] = OrderedDict()
 
@@ -139,7 +142,8 @@ class TreeTop:
                 self._open.popitem(last=False)
             return None
         dkey = keys.decision_key(tag, g)
-        decided = self.main.compare_set(dkey, "", keys.COMMIT_PLAN if plan else keys.COMMIT)
+        decided = keys.put_once(self.main, self.token, dkey,
+                                keys.COMMIT_PLAN if plan else keys.COMMIT, keys.is_decision)
         for k in sorted(used):
-            self.servers[k].set(dkey, decided)
+            keys.set_sealed(self.servers[k], self.token, dkey, decided)
         return decided

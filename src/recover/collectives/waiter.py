@@ -8,7 +8,7 @@ arrives, or its timeout) and is then reused; meanwhile another helper serves the
 `close()` ends the helpers (a busy one once its get returns), so a caller that is done with the
 waiter leaves no thread or store connection behind.
 
-Invariant: `get()` returns the key's value, or None once `generation` is superseded, the
+Invariant: `get()` returns the key's (accepted) value, or None once `generation` is superseded, the
 coordinator is lost, or `timeout_s` passes; it never returns a stale result of an earlier wait.
 """
 
@@ -24,6 +24,9 @@ from typing import Any
 from recover.collectives.member import Member
 from recover.collectives.spare import SpareClient
 
+Accept = Callable[[bytes], "bytes | None"]
+FORGED_POLL_S = 0.05  # how often a value that is not accepted is read again
+
 
 class _Helper:
     def __init__(self, connect: Callable[[], Any]) -> None:
@@ -33,8 +36,8 @@ class _Helper:
         stalled main thread and evicted (bench/soak.py --seed 50, run 149)."""
         self.connect = connect
         self.store: Any = None
-        self.requests: queue.SimpleQueue[tuple[str, float, dict[str, Any], threading.Event]] = (
-            queue.SimpleQueue())
+        self.requests: queue.SimpleQueue[tuple[str, float, Accept | None, dict[str, Any],
+                                               threading.Event]] = queue.SimpleQueue()
         self.busy = False
         self.dead = False
         self.closing = False
@@ -46,12 +49,12 @@ class _Helper:
             if request is None:  # close(): end the thread; its client closes with it
                 self.dead = True
                 return
-            key, timeout_s, box, done = request
+            key, timeout_s, accept, box, done = request
             deadline = time.monotonic() + timeout_s
             try:
                 if self.store is None:
                     self.store = self.connect()
-                value = b""
+                value: bytes | None = b""
                 while not value:
                     # A blocked get also wakes when another client compare_sets the missing key
                     # without setting it (a `try_get`), and then returns b"" (measured, torch
@@ -61,6 +64,10 @@ class _Helper:
                         raise TimeoutError(f"{key!r} not set within {timeout_s:.0f}s")
                     self.store.set_timeout(datetime.timedelta(seconds=left))
                     value = self.store.get(key)
+                    if value and accept is not None:
+                        value = accept(value)
+                        if value is None:  # not the run's (a stranger's): its writer replaces
+                            time.sleep(min(FORGED_POLL_S, max(0.0, left)))  # it; poll for that
                 box["value"] = value
             except Exception as e:  # a timeout, or the store is gone
                 # The server may still answer the timed-out wait later, on this connection: a
@@ -92,14 +99,17 @@ class KeyWaiter:
         self._spare = SpareClient(self.store.clone)
 
     def get(self, key: str, generation: int, timeout_s: float,
-            meanwhile: Callable[[], None] | None = None) -> bytes | None:
+            meanwhile: Callable[[], None] | None = None,
+            accept: Accept | None = None) -> bytes | None:
         """The key's value (see the module's invariant); `meanwhile()` runs once on the
-        caller's thread while the request is out."""
+        caller's thread while the request is out. `accept(raw)` (`keys.opener`: a sealed value)
+        gives the value to return, or None for one that is not (a stranger's): it is waited
+        past, polled every FORGED_POLL_S, until an accepted one replaces it."""
         self.gets += 1
         helper = self._idle()
         box: dict[str, Any] = {}
         done = threading.Event()
-        helper.requests.put((key, timeout_s, box, done))
+        helper.requests.put((key, timeout_s, accept, box, done))
         self.member.notify_on_change(done)  # a newer generation wakes us too
         deadline = time.monotonic() + timeout_s
         try:

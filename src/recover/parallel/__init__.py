@@ -2,7 +2,8 @@
 
 A replica is plain (one process), an FSDP2 shard group (`hsdp`), a tensor-parallel group (`tp`), a
 pipeline (`pp`), or both (`tp,pp`). Public API: `Replica` (join, `step`, `clip_grad_norm_`,
-`leave`) for any layout; `ShardedGrads` (local gradient shards of DTensor/stage parameters);
+`leave`; `epochs`: an epoch-style loop over its steps, `Epochs`) for any layout; `ShardedGrads`
+(local gradient shards of DTensor/stage parameters);
 `FlatGrads`, `flat_grad_buffer` (plain); `init_replica_group`, `replica_mesh`,
 `ranks_per_replica`; `connect_rank` (`recover.parallel.rank`: the one wiring of a rank's
 member, communicator and step engine). Model-agnostic layout pieces: `recover.parallel.hsdp`
@@ -20,11 +21,11 @@ from typing import Any
 
 from recover.parallel.plain import FlatGrads, flat_grad_buffer
 
-_LAZY = {"Replica": "replica", "ShardedGrads": "grads", "LAYOUTS": "mesh",
+_LAZY = {"Replica": "replica", "Epochs": "epochs", "ShardedGrads": "grads", "LAYOUTS": "mesh",
          "RankStack": "rank", "connect_rank": "rank", "new_member": "rank",
          "init_replica_group": "mesh", "ranks_per_replica": "mesh", "replica_mesh": "mesh"}
 
-__all__ = ["LAYOUTS", "FlatGrads", "RankStack", "Replica", "ShardedGrads", "connect_rank",
+__all__ = ["LAYOUTS", "Epochs", "FlatGrads", "RankStack", "Replica", "ShardedGrads", "connect_rank",
            "flat_grad_buffer", "init_replica_group", "new_member", "ranks_per_replica",
            "replica_mesh"]
 

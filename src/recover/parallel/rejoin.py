@@ -10,6 +10,10 @@ the step engine when step t's plan says "join". Both sides key the transfer by t
 (`recover.parallel.channel`): a joiner never uses a state that a token holder did not send it in
 this join, and a donor sends nothing to a peer that did not prove the token. Without a token
 there is no join: the joiner raises `TokenRequired`, a donor logs it and serves nothing.
+Admission needs both ends' word, each over its own sealed liveness session: the joiner's rank
+says `ready` once it verified the state, and the donor rank says `donated` once its stream
+completed and the joiner acknowledged it (`transfer.send`'s `ok`, sealed by this transfer's
+channel); so no `ready` from a process that received nothing admits it.
 """
 
 from __future__ import annotations
@@ -101,6 +105,7 @@ def serve(member: Member, rank: int, step: int, join: dict, module: nn.Module,
             if hooks is not None:
                 hooks.phase("donate", step)  # fault injection: the donor dies mid-transfer
             sent = transfer.send(session, state.tensors, state.meta)
+        member.report_donated(epoch, replica)  # the joiner's `ok` came: the coordinator's half
         log.info(f"donated {sent / 1e6:.1f} MB of state at step {step} to replica "
                  f"{replica} rank {rank} in {time.monotonic() - t0:.2f}s")
     except (OSError, TokenRequired, channel.ChannelError, transfer.TransferError) as e:

@@ -12,15 +12,29 @@ the mean microbatch loss whatever the layout. If any intra-replica operation fai
 rank died) the rank reports its replica lost and waits to be fenced (exit code 3); the survivors
 recover the step. A planned leave (`leave_when`) is agreed in the step's closing intra-replica sum,
 so every rank of the replica sees `leaving` after the same step, whichever of them was asked.
+
+What a loop of the user's own gets by default (`ReplicaConfig`'s opt-outs; `parallel.invariant`):
+each `compute(id, j)` runs on RNG state derived from (seed, id), restored after; a process whose
+run identity or initial state is not the run's is refused in one line before its hello; one that
+cannot reach its coordinator within `connect_timeout_s` gets one line naming the address; a
+coordinator that dies mid-step is waited for (`coordinator_wait_s`) and the step runs again with
+its restarted successor; a SIGTERM (where the process has no handler) is a planned leave at the
+next step boundary, ending the process with exit code 0; one that comes after its run ended
+(`RunOver`: the coordinator said so, or its last generation fenced it before the answer was
+read) ends with one line and exit code 0. `next_step` is the step this replica's state goes
+on with (`epochs`, `recover.parallel.epochs`, numbers an epoch loop's steps from it).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import math
 import os
+import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -32,18 +46,42 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import DistError
 from torch.distributed.device_mesh import DeviceMesh
 
-from recover.collectives import CoordinatorGone, CoordinatorLost, Member
-from recover.parallel import rejoin
+from recover.collectives import CoordinatorGone, CoordinatorLost, Member, RunOver, keys
+from recover.collectives.member import exit_fenced
+from recover.errors import RecoverError
+from recover.parallel import invariant, rejoin
+from recover.parallel.epochs import Epochs
 from recover.parallel.grads import ShardedGrads, is_dtensor, local_tensor
+from recover.parallel.invariant import CoordinatorUnreachable, JoinRefused
 from recover.parallel.link import IntraReplicaLink
 from recover.parallel.plain import FlatGrads
 from recover.parallel.rank import connect_rank, new_member
-from recover.recovery import ExactGrads, GradAccess, StepResult, StepStrategy
+from recover.recovery import BelowMinReplicas, ExactGrads, GradAccess, StepResult, StepStrategy
 from recover.settings import Hooks, ReplicaConfig
 
 log = logging.getLogger(__name__)
+
+__all__ = ["CoordinatorGoneForGood", "CoordinatorUnreachable", "JoinRefused", "Replica",
+           "Resumed"]
+
+
+class CoordinatorGoneForGood(RecoverError):
+    """The coordinator went away mid-run and none came back (or none was waited for): this
+    replica stops; one line says where it was and how to wait for a restarted one."""
+
+
+class Resumed(CoordinatorLost):
+    """A restarted coordinator resumed the run at another step than the one this replica was in
+    (it was one step behind or ahead when the old one died), and this replica received that
+    state: the module and optimizer now hold `step` applied steps. Go on with `rep.step(step)`."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"the restarted coordinator resumed the run at step {step}: this "
+                         f"replica now holds that state; continue the loop from step {step}")
+        self.step = step
 
 
 def _coord(mesh: DeviceMesh | None, dim: str) -> tuple[int, int]:
@@ -63,18 +101,33 @@ class Replica:
     `config`: where to join and the protocol's settings (default: `ReplicaConfig()`, whose
     coordinator and replica come from the env `RECOVER_COORDINATOR` and `RECOVER_REPLICA`).
     `hooks`: fault injection (tests, `recover train --fault`). `strategy`: the reaction to a lost
-    replica (default: in-step recovery).
+    replica (default: in-step recovery). `data`: the run's `IdBatches`, if the loop uses one: its
+    identity (items, microbatch size, seed, sampling) is checked at join like N and the model's.
+    Raises `JoinRefused` (another run's identity or initial state) or `CoordinatorUnreachable`,
+    each one line; uncaught, either ends the process with that line alone (`invariant`).
     """
 
     def __init__(self, module: nn.Module, microbatches: int, *, mesh: DeviceMesh | None = None,
                  tied: Sequence[nn.Parameter] = (), optimizer: torch.optim.Optimizer | None = None,
                  state: Mapping[str, Any] | None = None, config: ReplicaConfig | None = None,
-                 hooks: Hooks | None = None, strategy: StepStrategy | None = None) -> None:
+                 hooks: Hooks | None = None, strategy: StepStrategy | None = None,
+                 data: Any = None) -> None:
+        invariant.one_line_errors()
         self.module, self.mesh, self.n = module, mesh, microbatches
         self.optimizer, self.user_state = optimizer, dict(state or {})
+        self.data = data  # the run's IdBatches (or None): its identity, and `epochs`' lengths
+        # The step this replica's state goes on with (`epochs`): start_step after joining, step
+        # + 1 after each step, a `Resumed`'s step; and how many `step` calls it has seen.
+        self.next_step, self.steps_taken = 0, 0
         self.config = (config or ReplicaConfig()).resolved()
         self.hooks, self.strategy = hooks or Hooks(), strategy
         self._left = False
+        # A coordinator that dies mid-step is waited for inside `step` (the app's loop does it
+        # itself, to offer its records again, and turns this off).
+        self.auto_reconnect = True
+        self._exit_on_leave = False  # our own SIGTERM handler asked: `step` ends the process
+        self._troubled = False  # a reduce failed here once: end without teardown (`_at_exit`)
+        invariant.record_exit_code()
         # a planned leave (a scheduler's SIGTERM): asked on any rank, agreed by all after a step
         self._leave_asked: threading.Event | None = None
         self._leave_agreed = False
@@ -111,8 +164,132 @@ class Replica:
         # part-way: the state is then no run state (a hello claims no step, nothing is saved)
         # until a transfer completes (recover.parallel.transfer).
         self.holds_state = True
-        self._connect()
-        atexit.register(self.leave)  # a clean exit says goodbye even without an explicit leave()
+        # The run's identity: an own loop's hello shows its fingerprint (a user's or the app's
+        # own fingerprint stays theirs), and the store check names the field that differs.
+        self._identity = invariant.identity(module, microbatches, self.config.seed,
+                                            self.config.fingerprint, data)
+        if self.config.fingerprint == "-":
+            self.config = replace(self.config,
+                                  fingerprint=invariant.run_fingerprint(self._identity))
+        adopt = self._check_join()
+        self._join()
+        if adopt and not self.joined:
+            self._adopt()
+        self.next_step = self.start_step
+        self._install_sigterm()
+        # A clean exit says goodbye even without an explicit leave(), and keeps gloo's groups
+        # from being destroyed by the interpreter's teardown (`_at_exit`).
+        atexit.register(self._at_exit)
+
+    def _at_exit(self) -> None:
+        """At interpreter exit: leave; then, if any reduce of this process ever failed (its gloo
+        groups may hold a departed peer's half-done operation), end the process here with the
+        exit code it was ending with (`invariant.exit_code`), before the interpreter's teardown.
+        Why: destroying such a group there aborts the process ("terminate called without an
+        active exception", exit -6: seen after a replica adopted state, with every step
+        applied); the app's worker ends with os._exit for the same reason. Skipped with it:
+        the atexit handlers registered before this replica was made."""
+        self.leave()
+        from recover.collectives import reaper
+
+        if self._troubled or reaper.held():
+            logging.shutdown()
+            for f in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    f.flush()
+            os._exit(invariant.exit_code())
+
+    def _check_join(self) -> bool:
+        """Before the hello: reach the coordinator within `connect_timeout_s` (else one line
+        naming its address), then compare this rank's identity and initial state with the
+        run's (`invariant.check_join`). True: this replica takes a running one's state
+        (`init="adopt"`, agreed by its ranks)."""
+        cfg = self.config
+        host, port = cfg.host_port()
+        deadline = time.monotonic() + cfg.connect_timeout_s
+        while not _accepts(host, port):
+            if time.monotonic() > deadline:
+                raise CoordinatorUnreachable(
+                    f"cannot reach the recover coordinator at {host}:{port} within "
+                    f"{cfg.connect_timeout_s:g}s (nothing accepts connections there): start "
+                    "`recover coordinator --replicas R --port P` first, or fix "
+                    "RECOVER_COORDINATOR")
+            time.sleep(0.1)
+        store = keys.connect_store(host, port, cfg.connect_timeout_s)
+        assert cfg.replica is not None  # resolved()
+        adopt = invariant.check_join(store, cfg.token, self.rank, cfg.replica, self._identity,
+                                     None if cfg.init == "off" else self.module,
+                                     cfg.init == "adopt")
+        if self.nranks > 1:  # a replica joins whole: one rank's other state makes all adopt
+            t = torch.tensor([float(adopt)], device=self.grads.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            adopt = bool(t.item())
+        if adopt and not cfg.token:
+            raise JoinRefused(f"replica {cfg.replica}: init='adopt' takes a running replica's "
+                              "state by the authenticated transfer, keyed by the run token: give "
+                              "every process the same RECOVER_RUN_TOKEN")
+        return adopt
+
+    def _adopt(self) -> None:
+        """Leave the first generation cleanly and join again as a joiner: a running replica's
+        state (parameters, optimizer, step, RNG) replaces this one's before any step here, by
+        the authenticated state transfer. The others lose nothing (this replica computed
+        nothing; a step planned with it recovers its share)."""
+        self._troubled = True
+        self.engine.close()
+        self.member.leave("adopt")
+        self.comm.close()
+        deadline = time.monotonic() + self.config.ft.join_timeout_s
+        while True:
+            try:
+                self._connect()
+                break
+            except (RunOver, CoordinatorGone):
+                raise
+            except CoordinatorLost as e:  # our goodbye not yet seen there: "already connected"
+                if "already connected" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        if not self.joined:
+            raise JoinRefused(f"replica {self.replica}: init='adopt' found no running replica "
+                              "to take the state from")
+        log.info(f"replica {self.replica} rank {self.rank}: adopted a running replica's state "
+                 f"at step {self.start_step} ({self.transfer_s:.2f}s transfer)")
+
+    def _join(self) -> None:
+        """Join; a coordinator that dies meanwhile is waited for (`coordinator_wait_s`)."""
+        until = time.monotonic() + self.restart_wait_s
+        while True:
+            try:
+                self._connect()
+                return
+            except RunOver:
+                raise
+            except CoordinatorGone:
+                if time.monotonic() >= until:
+                    raise
+                time.sleep(0.2)
+
+    def _install_sigterm(self) -> None:
+        """SIGTERM as a planned leave at the next step boundary, where the process has no
+        handler of its own (and only from the main thread: `signal` allows no other). A second
+        SIGTERM takes the default action (the process ends, as killed)."""
+        if (not self.config.sigterm_leaves or self._leave_asked is not None
+                or threading.current_thread() is not threading.main_thread()
+                or signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)):
+            return
+        asked = threading.Event()
+
+        def handle(signum: int, frame: Any) -> None:  # flags only: it runs between bytecodes
+            if asked.is_set():
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            asked.set()
+
+        signal.signal(signal.SIGTERM, handle)
+        self._leave_asked, self._exit_on_leave = asked, True
+        self._sigterm_handler = handle
 
     def _connect(self, applied: int = -1, last_generation: int = -1,
                  join_timeout_s: float | None = None) -> None:
@@ -136,8 +313,20 @@ class Replica:
                     cfg.ft.join_timeout_s, self.hooks, cfg.launch.join_at)
                 self.holds_state = True
 
+        made: list[Member] = []
+
+        def fenced(why: str) -> None:
+            # A hello answered "over" (the run ended before this replica was admitted) may see
+            # the run's last generation, without it, before the main thread sees the answer:
+            # that is the end of a run this replica came too late for, not a fence.
+            if made and made[0].run_over:
+                invariant.run_over_exit(RunOver(f"replica {cfg.replica}: the run ended before "
+                                                "it was admitted"))
+            exit_fenced(why)
+
         member = new_member(cfg, self.rank, self.nranks, applied=applied,
-                            last_generation=last_generation)
+                            last_generation=last_generation, on_fenced=fenced)
+        made.append(member)
         # A multi-rank replica's rank 0 speaks for it to the store; its ranks agree through
         # their own group (recovery/speaker.py). The bound: what a speaker learns for them takes
         # at most 2 x 3 reduce timeouts (a decision: its wait, then the evidence's; a chain
@@ -200,25 +389,29 @@ class Replica:
         as it made them (with more than one backward per microbatch, set `bucket_mb=0`).
         `prefetch(next_step, ids)`, if given, runs while the commit decision travels, with the ids
         this rank most likely computes in the next step: load their data there (a guess; nothing
-        may be applied there, and `compute` must not rely on it)."""
+        may be applied there, and `compute` must not rely on it).
+
+        Each `compute(id, j)` runs on the RNG state of (config.seed, id), restored after
+        (`ReplicaConfig.id_rng=False`: the caller's own). A coordinator that dies is waited for
+        up to `coordinator_wait_s` and the step runs again with its restarted successor (raises
+        `Resumed` where that one resumed the run at another step, `CoordinatorLost` where none
+        came back). After a SIGTERM handled by the replica's own handler, the call at the next
+        step boundary leaves the run (planned) and ends the process with exit code 0."""
+        self._may_step(step)
         self.engine.prefetch = prefetch
         self.grads.zero()
-        w = self.loss_weight
         # Inside the step the main thread must keep making progress (every wait in the protocol
         # reports it); a deadlocked one fences itself. The bound grows with slow microbatches.
         in_step = self._in_step_bound()
         self.member.watch.arm(in_step)
-
-        def weighted(i: int, j: int) -> float:
-            self.member.watch.progress()
-            with self.guard():
-                loss = w * compute(i, j)
-            self.member.watch.progress()
-            if self.exact is not None:  # into the fixed-point sum, before the next microbatch
-                self.exact.fold(loss)
-            return loss
-
-        res = self.engine.run(step, weighted)
+        weighted = self._weighted(compute)
+        self.steps_taken += 1
+        try:
+            res = self._run(step, weighted)
+        except Resumed as e:  # this state holds another step now: an epoch loop goes on there
+            self.next_step = e.step
+            raise
+        self._troubled |= res.attempts > 1
         round_ = 0
         while res.redo:  # exact mode: some microbatch outgrew the fixed point; wider, again
             round_ += 1
@@ -226,7 +419,7 @@ class Replica:
             if self.nranks > 1:  # the commit moved each rank's own microbatch time: agree again
                 with self.guard():
                     self._agree(0.0)
-            res = self.engine.run(step, weighted, round_)
+            res = self._run(step, weighted, round_)
         if self.exact is not None:
             res.loss = self.exact.loss / self.n
         # Between steps (the optimizer, the caller's own code) the main thread must be back in
@@ -242,7 +435,109 @@ class Replica:
             with self.guard():
                 self._sum_tied()
                 res.loss = self._agree(res.loss, self._asked())
+        self.next_step = step + 1
         return res
+
+    def _may_step(self, step: int) -> None:
+        """Refuse a step after `leave()`; after a SIGTERM the replica's own handler took, leave
+        at this step boundary (planned) and end the process with exit code 0."""
+        if self._left:
+            raise RuntimeError(f"replica {self.member.replica} left the run (leave()): it "
+                               "computes no more steps")
+        if self._exit_on_leave and self.leaving:
+            log.warning(f"SIGTERM: replica {self.member.replica} leaves the run at the step "
+                        f"boundary before step {step} (planned; the others take its share)")
+            self.leave("preempted")
+            raise SystemExit(0)
+
+    def _weighted(self, compute: Callable[[int, int], float]) -> Callable[[int, int], float]:
+        """`compute` as the engine calls it: on the id's RNG (unless `id_rng=False`), its loss
+        weighted by this rank's share, watched for progress, folded in exact mode."""
+        w = self.loss_weight
+        devices = invariant.rng_devices() if self.config.id_rng else None
+        seed = self.config.seed
+
+        def weighted(i: int, j: int) -> float:
+            self.member.watch.progress()
+            with self.guard():
+                if devices is None:
+                    loss = w * compute(i, j)
+                else:
+                    with invariant.id_rng(seed, i, devices):
+                        loss = w * compute(i, j)
+            self.member.watch.progress()
+            if self.exact is not None:  # into the fixed-point sum, before the next microbatch
+                self.exact.fold(loss)
+            return loss
+
+        return weighted
+
+    def epochs(self, count: int, steps_per_epoch: int | None = None) -> Epochs:
+        """An epoch-style loop over this run's steps, for a loop ported from a `DataLoader`:
+        `for epoch, steps in rep.epochs(E):` then `for step in steps: rep.step(step, compute)`.
+        It starts at this replica's `next_step` (a joiner's `start_step`), and the code after an
+        epoch's last step runs with the watchdog paused (`recover.parallel.epochs`). The epoch's
+        length comes from `data=IdBatches` (every item once), else `steps_per_epoch`."""
+        return Epochs(self, count, steps_per_epoch)
+
+    def pause_watchdog(self) -> None:
+        """Until the next `step`: this process's main thread is in work of its own that is
+        bounded on its own (`busy()` without a `with`; the next step arms the watchdog again)."""
+        self.member.watch.disarm()
+
+    def _run(self, step: int, fn: Callable[[int, int], float], round_: int = 0) -> StepResult:
+        """One attempt series of the engine; a coordinator's death is waited for and the step
+        runs again with its restarted successor (`auto_reconnect`, `coordinator_wait_s` > 0)."""
+        while True:
+            try:
+                return self.engine.run(step, fn, round_)
+            except (BelowMinReplicas, RunOver):
+                raise
+            except (CoordinatorLost, DistError) as e:
+                if not self.auto_reconnect or isinstance(e, RecoverError):
+                    raise
+                if not isinstance(e, CoordinatorLost) and not self._coordinator_died(1.0):
+                    raise  # a store error while the coordinator's connection stays up: not ours
+                if self.restart_wait_s <= 0:
+                    host, port = self.config.host_port()
+                    raise CoordinatorGoneForGood(
+                        f"the coordinator at {host}:{port} is unreachable in step {step} "
+                        f"({_first_line(e)}): this replica stops; FaultTolerance("
+                        "coordinator_wait_s=60) keeps its state for a restarted one "
+                        "(`recover coordinator ... --recover`)") from None
+                self._troubled = True
+                self._rejoin_coordinator(step, e)
+                self.grads.zero()  # the step runs again from nothing with the new engine
+                self.member.watch.arm(self._in_step_bound())  # the new member's watchdog
+
+    def _coordinator_died(self, within_s: float) -> bool:
+        """Whether the coordinator's liveness connection closed (its process died), waiting up
+        to `within_s` for the socket to say so: a store error can be seen first."""
+        deadline = time.monotonic() + within_s
+        while not self.member.coordinator_lost:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def _rejoin_coordinator(self, step: int, e: Exception) -> None:
+        """Keep this state (`step` applied steps) and join the coordinator's successor."""
+        host, port = self.config.host_port()
+        why = _first_line(e)
+        wait_s = self.restart_wait_s
+        log.warning(f"the coordinator at {host}:{port} is unreachable ({why}); keeping the state "
+                    f"of step {step} and waiting up to {wait_s:g}s for it to restart")
+        try:
+            back = self.reconnect(step, wait_s)
+        except CoordinatorLost as refused:  # the restarted one refused this replica: final
+            raise CoordinatorGoneForGood(f"the restarted coordinator at {host}:{port} refused "
+                                         f"this replica: {_first_line(refused)}") from None
+        if not back:
+            raise CoordinatorGoneForGood(f"no coordinator came back at {host}:{port} within "
+                                         f"{wait_s:g}s ({why})") from None
+        if self.joined and self.start_step != step:
+            raise Resumed(self.start_step)
+        log.info(f"the restarted coordinator resumed the run at step {step}")
 
     def _in_step_bound(self) -> float:
         """The watchdog's bound inside a step: the fence's, plus 10 of this replica's
@@ -262,8 +557,12 @@ class Replica:
         """Leave at a step boundary once `asked` is set (e.g. by a SIGTERM handler) on any rank
         of this replica: `leaving` turns True on every rank after the same step (the caller
         then calls `leave(reason)`). Why agreed: ranks are signalled at different moments, and
-        one that went on into the next step alone would lose the whole replica as a crash."""
-        self._leave_asked = asked
+        one that went on into the next step alone would lose the whole replica as a crash.
+        Replaces the replica's own SIGTERM handler, if it installed one."""
+        if self._exit_on_leave and signal.getsignal(signal.SIGTERM) is getattr(
+                self, "_sigterm_handler", None):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        self._leave_asked, self._exit_on_leave = asked, False
 
     def _agree(self, loss: float, asked: bool = False) -> float:
         """Sum the ranks' weighted losses, and give every rank of the replica the same seconds
@@ -463,6 +762,10 @@ def _check_exact(mesh: DeviceMesh | None) -> None:
     # Not its filling of every new tensor with NaN, a debugging aid for code that reads memory
     # it never wrote (no torch kernel does): 2-3 % of a small-preset forward + backward on CPU.
     torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0][:160] if str(e).strip() else type(e).__name__
 
 
 def _accepts(host: str, port: int) -> bool:

@@ -13,6 +13,12 @@ Invariants:
   join is pending writes `commit-plan` (`commit_value`).
 - What an entry assigns is the `StepStrategy`'s answer, a pure function of the chain before it,
   the members and the speeds, so whoever writes it, everyone would have written the same.
+- An entry read from the store is checked against the step's definition before it is used
+  (`entry_problem`): ids of `step_ids(t, N)` only, each at most once in the entry, owners that
+  are replica ids, and (for a strategy that keeps work) every id of the step owned exactly once
+  once the chain holds a plan. With a run token it is also sealed (collectives/sealed.py). An
+  entry that fails either is absent: readers wait past it, the proposer replaces it; it never
+  decides what is trained (the attack in issue #50: a forged entry naming step 0's ids).
 """
 
 from __future__ import annotations
@@ -23,12 +29,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from recover.collectives import Member, keys
+from recover.collectives import Member, keys, sealed
 from recover.collectives.waiter import KeyWaiter
 from recover.recovery.failures import RecoveryError
 from recover.recovery.speaker import ReplicaLink, speak
 from recover.recovery.strategy import Chain, StepStrategy
-from recover.settings import FaultTolerance, Hooks
+from recover.settings import MAX_REPLICAS, FaultTolerance, Hooks
+from recover.workload import step_ids
 
 
 class OwnershipChain:
@@ -50,6 +57,7 @@ class OwnershipChain:
         self.me, self.position, self.positions = member.replica, position, positions
         self.timeout_s, self.speed_aware = ft.reduce_timeout_s, ft.speed_aware
         self.hooks = hooks  # fault injection's scheduled joins (replica -> step)
+        self.token = getattr(member, "token", None)  # seals the entries (collectives/sealed)
         self.shared_speeds = positions == 1
         self.speeds: dict[int, float] = {}
         self._proposed: set[int] = set()  # join epochs this rank proposed an admission for
@@ -118,10 +126,40 @@ class OwnershipChain:
             else:
                 past()
                 raw = self.link.share(None)  # its speaker's entry: it asks the store nothing
-            return [*chain, json.loads(raw)]
+            return [*chain, self._decoded(step, chain, raw)]
         while not chain or chain[-1]["gen"] < g:
-            chain.append(json.loads(learn()))
+            chain.append(self._decoded(step, chain, learn()))
         return chain
+
+    def _decoded(self, step: int, chain: Chain, raw: bytes) -> dict:
+        """An entry `_read` (or a speaker) returned: checked already, but a speaker's sibling
+        checks again what its link carried (one more parse, no request)."""
+        entry, why = self._parsed(step, chain, raw)
+        if why is not None:  # unreachable for what `_read` returned
+            raise RecoveryError(f"step {step} chain entry {len(chain)}: {why}")
+        return entry
+
+    def _parsed(self, step: int, chain: Chain, raw: bytes) -> tuple[dict, str | None]:
+        """`raw` as entry len(chain) of step `step`'s chain, and why it is not one (None: it is)."""
+        try:
+            entry = json.loads(raw)
+        except ValueError:
+            entry = None
+        return entry, entry_problem(entry, step, self.n, chain, self._replicas(),
+                                    self.strategy.keeps_work)
+
+    def _replicas(self) -> int:
+        return getattr(self.member, "replicas", 0) or MAX_REPLICAS
+
+    def _valid(self, step: int, chain: Chain, key: str) -> keys.Check:
+        """Whether an opened value is a well-formed entry len(chain) of step `step`'s chain (at
+        `key`, named when it is not)."""
+        def valid(raw: bytes) -> bool:
+            why = self._parsed(step, chain, raw)[1]
+            if why is not None:
+                sealed.rejected(key, why)
+            return why is None
+        return valid
 
     def _read(self, step: int, tag: int | str, chain: Chain, g: int, members: list[int],
               deadline: float) -> tuple[bytes, int, list[int]]:
@@ -129,13 +167,18 @@ class OwnershipChain:
         waiting for it; with the generation and members it was read at (the membership may
         change meanwhile: then we may propose it)."""
         key = keys.chain_key(tag, len(chain))
+        token, valid = self.token, self._valid(step, chain, key)
         while True:
             proposer = bool(chain) or (self.position == 0 and self.me == min(members))
             if proposer:
-                raw = self.store.compare_set(key, "", json.dumps(self._propose(step, chain, g,
-                                                                               members)))
+                mine = json.dumps(self._propose(step, chain, g, members))
+                try:  # a stranger's value there is replaced (keys.put_once), never used
+                    raw = keys.put_once(self.store, token, key, mine, valid)
+                except ValueError as e:
+                    raise RecoveryError(f"step {step}: {e}") from None
                 return raw, g, members
-            raw = self.waiter.get(key, g, max(0.0, deadline - time.monotonic()))
+            raw = self.waiter.get(key, g, max(0.0, deadline - time.monotonic()),
+                                  accept=keys.opener(token, key, valid))
             if raw is not None:
                 return raw, g, members
             self.member.check()  # the membership changed meanwhile: maybe we propose now
@@ -155,7 +198,7 @@ class OwnershipChain:
             self.member.wait_newer(g - 1, 3 * self.timeout_s)
             with contextlib.suppress(KeyError):
                 return self.member.members(g)
-        members = keys.generation_members(self.store, g)
+        members = keys.generation_members(self.store, g, self.token)
         if members is None:
             raise RecoveryError(f"generation {g}'s members are not in the store")
         return members
@@ -222,3 +265,42 @@ class OwnershipChain:
                     return
                 self.member.watch.progress()
                 time.sleep(0.01)
+
+
+def entry_problem(entry: Any, step: int, n: int, chain: Chain, replicas: int,
+                  keeps_work: bool) -> str | None:
+    """Why `entry` cannot be entry len(chain) of step `step`'s chain (None: it can).
+
+    What any honest writer's entry satisfies, whoever wrote it: `gen` a generation; `assign`
+    maps replica ids (< `replicas`) to ids of `step_ids(step, n)`, none twice in the entry; a
+    join admission only as entry 0, assigning nothing; and, for a strategy that keeps work
+    (recover's), once the chain holds a plan every id of the step has exactly one owner (the
+    plan names each once; a later entry only hands some to other replicas). So a chain that
+    passes makes the reduce's expected ids exactly the step's (recovery/step.py)."""
+    if not isinstance(entry, dict) or type(entry.get("gen")) is not int or entry["gen"] < 0:
+        return "not a chain entry"
+    assign = entry.get("assign")
+    if not isinstance(assign, dict):
+        return "no assignment"
+    lo, hi = step * n, step * n + n  # step_ids(step, n), as a range
+    seen: set[int] = set()
+    for owner, ids in assign.items():
+        if not (isinstance(owner, str) and owner.isdigit() and int(owner) < replicas):
+            return f"owner {owner!r} is not a replica id"
+        if not isinstance(ids, list) or not all(type(i) is int and lo <= i < hi for i in ids):
+            return f"replica {owner}'s ids are not ids of step {step}"
+        if seen & set(ids) or len(set(ids)) != len(ids):
+            return "an id is assigned twice"
+        seen |= set(ids)
+    if "join" in entry:
+        join = entry["join"]
+        if chain or assign or not isinstance(join, dict) or \
+                not all(type(join.get(k)) is int and join[k] >= 0
+                        for k in ("replica", "epoch", "donor")):
+            return "not a join admission"
+        return None
+    if keeps_work:
+        owned = {i for e in chain for v in e["assign"].values() for i in v} | seen
+        if owned != set(step_ids(step, n)):
+            return f"does not leave every id of step {step} owned exactly once"
+    return None

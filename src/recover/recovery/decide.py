@@ -1,11 +1,13 @@
 """The commit decision of one attempt of a step: the engine's agreement through the store.
 
 Invariant: an attempt's decision (`step/{t}/g{g}/decision`) is written once, on the main store,
-by compare-and-set; `commit` only when every position of every surviving member of g holds a
-verified result. A store shard's decision key (collectives/shards.py) only ever holds a copy of
-it. Failure-free this costs each counting rank two round trips (with store shards too: the
-coordinator tops the count tree); after a membership change the survivors decide on evidence
-(their written outcomes) instead.
+by compare-and-set, sealed with the run's token (a value there that is not authentic is
+replaced and never read as a decision: `keys.put_once`, `keys.opener`); `commit` only when
+every position of every surviving member of g holds a verified result. A store shard's
+decision key (collectives/shards.py) only ever holds a copy of it. Failure-free this costs
+each counting rank two round trips (with store shards too: the coordinator tops the count
+tree); after a membership change the survivors decide on evidence (their written outcomes)
+instead.
 
 A multi-rank replica given a `ReplicaLink` has one speaker (position 0): its positions first
 agree inside the replica (one intra-replica collective) that every one of them verified its
@@ -58,6 +60,7 @@ class CommitDecision:
         self.member, self.store, self.waiter = member, store, waiter
         self.me, self.position, self.positions = member.replica, position, positions
         self.timeout_s, self.commit_value = timeout_s, commit_value
+        self.token = getattr(member, "token", None)  # seals the decisions (collectives/sealed)
         self.link = link if positions > 1 else None
         at, counters, self.weight = counting(position, positions, self.link is not None)
         self.counts = self.link is None or position == 0  # this rank talks to the store
@@ -115,10 +118,22 @@ class CommitDecision:
     def _redo(self, dkey: str) -> bytes:
         """Decide `redo` (whatever was decided first is returned) and copy it to our shard,
         where its ranks may be waiting."""
-        decided = self.store.compare_set(dkey, "", keys.REDO)
+        decided = self._put(dkey, keys.REDO)
         if self.shard is not None:
-            self.shard.set(dkey, decided)
+            keys.set_sealed(self.shard, self.token, dkey, decided)
         return decided
+
+    def _put(self, dkey: str, value: bytes) -> bytes:
+        """Write the decision once (sealed; a stranger's value there is replaced, never taken:
+        `keys.put_once`); the decision that won."""
+        try:
+            return keys.put_once(self.store, self.token, dkey, value, keys.is_decision)
+        except ValueError as e:
+            raise RecoveryError(str(e)) from None
+
+    def _accept(self, dkey: str) -> keys.Accept:
+        """What a blocked read of the decision takes: an authentic decision value."""
+        return keys.opener(self.token, dkey, keys.is_decision)
 
     def decide(self, step: int, tag: int | str, g: int, ok: bool,
                meanwhile: Callable[[], None] | None = None) -> bytes:
@@ -164,8 +179,8 @@ class CommitDecision:
         if self.shard is not None:
             return self._decide_sharded(step, tag, g, dkey, meanwhile)
         total = len(self.member.members(g)) * self.positions
-        if self.store.add(keys.count_key(tag, g), self.weight) == total:
-            return self.store.compare_set(dkey, "", self.commit_value(step, g))
+        if self.store.add(keys.count_key(tag, g, self.token), self.weight) == total:
+            return self._put(dkey, self.commit_value(step, g))
         return self._await_decision(self.waiter, step, tag, g, dkey, meanwhile=meanwhile)
 
     def _decide_sharded(self, step: int, tag: int | str, g: int, dkey: str,
@@ -177,7 +192,8 @@ class CommitDecision:
         we are."""
         assert self.shard_waiter is not None
         per_shard = self.shard_totals.of(g, self.member.members(g))
-        if self.shard.add(keys.count_key(tag, g), self.weight) == per_shard[self.shard_index]:
+        counted = self.shard.add(keys.count_key(tag, g, self.token), self.weight)
+        if counted == per_shard[self.shard_index]:
             self.member.tell(shards.counted_line(tag, g, self.shard_index, sorted(per_shard),
                                                  self.shard_totals.shards,
                                                  self.commit_value(step, g)))
@@ -193,7 +209,7 @@ class CommitDecision:
                         ) -> bytes:
         """Block on the decision; if the membership changes first, decide on evidence (and
         copy that decision into `copy_to`, a shard, if given)."""
-        decided = waiter.get(dkey, g, 3 * self.timeout_s, meanwhile)
+        decided = waiter.get(dkey, g, 3 * self.timeout_s, meanwhile, self._accept(dkey))
         if keys.is_decision(decided):
             return decided
         if decided is not None:
@@ -201,7 +217,7 @@ class CommitDecision:
                         "reading it again", tag, g, decided)
         decided = self._decide_on_evidence(step, tag, g, dkey)
         if copy_to is not None:
-            copy_to.set(dkey, decided)
+            keys.set_sealed(copy_to, self.token, dkey, decided)
         return decided
 
     def _decide_on_evidence(self, step: int, tag: int | str, g: int, dkey: str) -> bytes:
@@ -222,15 +238,15 @@ class CommitDecision:
             if seen > counted:
                 counted = seen
                 live = set(self.member.members(seen)) & set(self.member.members(g))
-                if self.store.add(keys.evidence_key(tag, g, seen), self.weight) == \
+                if self.store.add(keys.evidence_key(tag, g, seen, self.token),
+                                  self.weight) == \
                         len(live) * self.positions:
-                    return self.store.compare_set(dkey, "",
-                                                  self._evidence_value(step, g, seen))
+                    return self._put(dkey, self._evidence_value(step, g, seen))
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RecoveryError(f"no commit decision for step {tag} within "
                                     f"{3 * self.timeout_s:.0f}s")
-            decided = self.waiter.get(dkey, seen, left)
+            decided = self.waiter.get(dkey, seen, left, accept=self._accept(dkey))
             if keys.is_decision(decided):
                 return decided
             if decided is not None:

@@ -95,7 +95,8 @@ def first_on_shard(members: list[int], positions: int, n_shards: int, shard: int
     return None
 
 
-def protocol_keys(old: Committed, newest: int, counts: bool = True) -> list[str]:
+def protocol_keys(old: Committed, newest: int, counts: bool = True,
+                  token: str | None = None) -> list[str]:
     """The main store's keys of commit `old`; evidence counters up to generation `newest`
     (counted while a decision waited: none in a failure-free step). `counts`: the counts too
     (not with store shards: the ranks count on their shards, the coordinator tops the tree in
@@ -103,17 +104,17 @@ def protocol_keys(old: Committed, newest: int, counts: bool = True) -> list[str]
     first = 1 if old.implied else 0
     out = [keys.chain_key(old.tag, k) for k in range(first, len(old.chain))]
     for g in sorted({int(e["gen"]) for e in old.chain}):
-        out += [keys.count_key(old.tag, g)] if counts else []
+        out += [keys.count_key(old.tag, g, token)] if counts else []
         out += [keys.decision_key(old.tag, g)]
-        out += [keys.evidence_key(old.tag, g, s) for s in range(g + 1, newest + 1)]
+        out += [keys.evidence_key(old.tag, g, s, token) for s in range(g + 1, newest + 1)]
     return out
 
 
-def shard_keys(old: Committed) -> list[str]:
+def shard_keys(old: Committed, token: str | None = None) -> list[str]:
     """A store shard's keys of commit `old`: its count and its copy of each decision."""
     out = []
     for g in sorted({int(e["gen"]) for e in old.chain}):
-        out += [keys.count_key(old.tag, g), keys.decision_key(old.tag, g)]
+        out += [keys.count_key(old.tag, g, token), keys.decision_key(old.tag, g)]
     return out
 
 
@@ -127,6 +128,7 @@ class KeyLifetime:
     def __init__(self, member: Member, position: int, positions: int,
                  stats: dict[str, float], speaker: bool = False) -> None:
         self.member, self.position = member, position
+        self.token = getattr(member, "token", None)  # names the counters (keys.count_key)
         self.me = member.replica
         self.stats = stats
         self.n_shards = len(member.shard_ports)
@@ -169,10 +171,11 @@ class KeyLifetime:
             # written by a rank that learned a newer generation in the same instant as the
             # decision is left behind (a key per event, not per step: see above).
             newest = c.generation if old.newest < 0 else min(old.newest, c.generation)
-            self._queue("main", protocol_keys(old, newest, counts=not self.n_shards))
+            self._queue("main", protocol_keys(old, newest, counts=not self.n_shards,
+                                              token=self.token))
         if self.n_shards and self.shard_deleter and first_on_shard(
                 both, self.positions, self.n_shards, self.shard) == (self.me, self.at):
-            self._queue("shard", shard_keys(old))
+            self._queue("shard", shard_keys(old, self.token))
 
     def close(self) -> None:
         """Stop the deletion thread once the jobs already queued are done, waiting for them up

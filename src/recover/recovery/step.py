@@ -47,7 +47,7 @@ from recover.recovery.speaker import ReplicaLink
 from recover.recovery.strategy import Chain, InStepRecovery, StepStrategy
 from recover.recovery.trailer import MAX_REPLICAS, Trailer, carries
 from recover.settings import FaultTolerance, Hooks, Numerics
-from recover.workload import id_checksum
+from recover.workload import id_checksum, step_ids
 
 log = logging.getLogger(__name__)
 
@@ -453,7 +453,9 @@ class StepEngine:
             return out, tail, False
         trailer = self.trailer.decode(tail)
         size = len(self.member.members(g))
-        expect = (len(expect_ids), id_checksum(expect_ids), (step + 1) * size)
+        # Against the step's own ids (its definition), not only the chain read from the store.
+        want = step_ids(step, self.n) if self.strategy.keeps_work else expect_ids
+        expect = (len(want), id_checksum(want), (step + 1) * size)
         got = tuple(int(x) for x in trailer[:3].tolist())
         if got != expect:
             self.member.report_fail(g)  # a wrong count is never committed; rebuild and redo

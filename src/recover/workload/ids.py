@@ -18,8 +18,8 @@ def step_ids(step: int, n: int) -> list[int]:
 def id_seed(seed: int, mb_id: int, stream: int = 0) -> int:
     """A 63-bit seed for microbatch `mb_id` (splitmix64 of the run seed, id and stream).
 
-    `stream` separates independent uses (0 = sampling windows, 1 = dropout) so they never share
-    random numbers.
+    `stream` separates independent uses (0 = sampling windows, 1 = dropout, 11 = the parameter
+    digest's projections, `recover.parallel.digest`) so they never share random numbers.
     """
     z = (seed * 0x9E3779B97F4A7C15 + mb_id * 0xBF58476D1CE4E5B9 + stream * 0x94D049BB133111EB)
     z &= _MASK64

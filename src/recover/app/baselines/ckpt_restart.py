@@ -11,7 +11,6 @@ holds one line per committed step; work redone after a rollback is counted as lo
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import time
@@ -22,6 +21,7 @@ from recover.app.baselines.runs import Attempt, SystemRun, config_for
 from recover.app.baselines.schedule import remap
 from recover.app.config import RunConfig
 from recover.app.faults import Fault
+from recover.app.rundir import read_jsonl
 from recover.app.runtoken import run_token
 from recover.app.train.checkpoint import latest_checkpoint
 from recover.app.train.launch import launch
@@ -76,7 +76,7 @@ def restart_costs(run: SystemRun) -> list[dict[str, Any]]:
     out = []
     losses = run.loss_times()
     log = Path(run.cfg.run.out) / "coordinator.jsonl"
-    events = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    events = read_jsonl(log)
     for i in range(1, len(run.attempts)):
         prev, cur = run.attempts[i - 1], run.attempts[i]
         times = cur.commit_times()

@@ -9,7 +9,6 @@ total wall time (that is kept apart, in `wall_s`, only to compare the prediction
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 
 from recover.app.baselines.runs import SystemRun
 from recover.app.faults import Fault
+from recover.app.rundir import read_jsonl
 from recover.app.train.reference import max_rel_loss_diff
 
 
@@ -175,7 +175,7 @@ def _own_step_times(run: SystemRun, pooled: dict[int, float], allreduce: float, 
 
 def _detect_s(log: Path) -> float:
     """recover: first evidence of a loss -> the new generation published (median)."""
-    events = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    events = read_jsonl(log)
     out, t = [], None
     for e in events:
         if e["event"] == "evidence" and "left cleanly" not in e["reason"] and t is None:

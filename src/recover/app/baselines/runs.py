@@ -23,6 +23,7 @@ import torch
 
 from recover.app.config import RunConfig
 from recover.app.faults import Fault
+from recover.app.rundir import read_jsonl
 from recover.app.train.checkpoint import save_checkpoint
 from recover.app.train.launch import RunResult, launch
 from recover.app.train.metrics import read_metrics
@@ -106,8 +107,7 @@ def _lost_evidence(log: Path) -> list[float]:
     if not log.exists():
         return []
     out, seen = [], set()
-    for line in log.read_text().splitlines():
-        e = json.loads(line) if line.strip() else {}
+    for e in read_jsonl(log):
         if e.get("event") == "start":
             seen = set()
         elif (e.get("event") == "evidence" and e.get("replica") is not None
@@ -167,17 +167,3 @@ def dump_runs(path: Path, runs: list[SystemRun]) -> None:
                            "aborted": a.result.aborted, "records": a.result.records}
                           for a in s.attempts]} for s in runs]
     path.write_text(json.dumps(data) + "\n")
-
-
-def load_runs(path: Path) -> dict[str, SystemRun]:
-    """The inverse of `dump_runs`."""
-    out = {}
-    for d in json.loads(path.read_text()):
-        run = SystemRun(d["name"], RunConfig.from_dict(d["config"]), records=d["records"],
-                        extra=d["extra"])
-        for a in d["attempts"]:
-            res = RunResult(ok=not a["aborted"], out=Path(run.cfg.run.out), records=a["records"],
-                            aborted=a["aborted"], t_abort=a["t_abort"], t_start=a["t_start"])
-            run.attempts.append(Attempt(a["replicas"], a["start_step"], a["t_call"], res))
-        out[run.name] = run
-    return out

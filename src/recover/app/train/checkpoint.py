@@ -9,8 +9,10 @@ folder, and the replica's rank 0 publishes it once DCP's final collective says e
 A save the storage refuses (a full disk, no permission, an I/O error), on any rank, fails on every
 rank of the replica alike, publishes nothing and leaves no temp folder: the caller decides what a
 failed save means (the trainer logs it and goes on). Loading verifies the manifest (HMAC with the
-run token) and every file's sha256 before DCP reads anything, refuses another layout, and
-continues training bitwise as if never stopped. Any problem is a `CheckpointError` with one line
+run token) and every file's sha256 before DCP reads anything, reads DCP's pickles with an
+unpickler that builds nothing but its metadata (`checkpoint_safe`: the HMAC proves nothing about
+a received directory, which brings its own token), refuses another layout, and continues training
+bitwise as if never stopped. Any problem is a `CheckpointError` with one line
 naming the path.
 """
 
@@ -41,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from recover.app.train import checkpoint_safe
 from recover.app.train import ckpt_files as files
 from recover.app.train.ckpt_files import FORMAT, find_latest
 from recover.errors import CheckpointError
@@ -200,13 +203,14 @@ def verify_checkpoint(path: Path, key: bytes) -> dict[str, Any]:
     return files.verify(Path(path), key)
 
 
-def _dcp(op: Any, state: dict[str, Any], path: Path, group: Any) -> None:
-    """DCP save or load: collective over `group`, or this process alone."""
+def _dcp(op: Any, state: dict[str, Any], path: Path, group: Any, **how: Any) -> None:
+    """DCP save or load: collective over `group`, or this process alone; `how`: a load's reader
+    and planner (`checkpoint_safe.load_kwargs`)."""
     if group is None:
         with _quiet_no_dist():
-            op(state, checkpoint_id=path, no_dist=True)
+            op(state, checkpoint_id=path, no_dist=True, **how)
     else:
-        op(state, checkpoint_id=path, process_group=group)
+        op(state, checkpoint_id=path, process_group=group, **how)
 
 
 def _cause(e: BaseException) -> str:
@@ -262,11 +266,9 @@ def _checked(path: Path, model: nn.Module, key: bytes, scope: str,
     check_layout(path, meta, layout or PLAIN)
     if bool(meta.get("scoped")) != bool(scope):
         raise CheckpointError(f"checkpoint {path} was written by another layout")
-    try:
-        md = dcp.FileSystemReader(path).read_metadata()  # a pickle: only after the checks above
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {path} has unreadable DCP metadata: {_cause(e)}"
-                              ) from None
+    # A pickle, read last and by an unpickler that builds only DCP's metadata records: the HMAC
+    # above is keyed by the directory's own token, which a received directory brings along.
+    md = checkpoint_safe.read_metadata(path)
     _check_shapes(path, md, model, scope)
     return meta
 
@@ -303,7 +305,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     optimizer.zero_grad(set_to_none=True)
     state = _state_for(model, optimizer, meta["optimizer_state"], scope)
     try:
-        _dcp(dcp.load, state, path, group)
+        _dcp(dcp.load, state, path, group, **checkpoint_safe.load_kwargs(path))
     except (Exception, CheckpointException) as e:
         # CheckpointException derives from BaseException, so `except Exception` alone misses it.
         raise CheckpointError(f"cannot load checkpoint {path}: {_cause(e)}") from None

@@ -200,6 +200,9 @@ def _sizes_ok(data_dir: Path, meta: dict[str, Any]) -> bool:
         return False
 
 
+_SCAN_TOKENS = 1 << 24  # tokens checked at a time by check_token_ids
+
+
 @dataclass
 class Corpus:
     """Prepared token splits, each a list of read-only memory-mapped shards."""
@@ -229,6 +232,19 @@ def load_data(data_dir: Path) -> Corpus:
                       shape=(meta["n_train"],))
     val = np.memmap(data_dir / "val.bin", dtype=_TOKEN_DTYPE, mode="r", shape=(meta["n_val"],))
     return Corpus(train=[train], val=[val], vocab_size=meta["vocab_size"], meta=meta)
+
+
+def check_token_ids(corpus: Corpus, vocab_size: int) -> None:
+    """DataError (one line) when a token id of the corpus is outside the model's vocabulary:
+    training would index past the embedding in every replica at once (once read as a fault)."""
+    for split, shards in (("train", corpus.train), ("val", corpus.val)):
+        for k, shard in enumerate(shards):
+            for lo in range(0, len(shard), _SCAN_TOKENS):  # a bounded slice of the memory map
+                top = int(np.max(shard[lo:lo + _SCAN_TOKENS]))
+                if top >= vocab_size:
+                    raise DataError(f"token id {top} in the {split} split (shard {k}) is outside "
+                                    f"the model's vocabulary of {vocab_size}: the tokens and "
+                                    "their meta.json disagree; prepare the data again")
 
 
 def _shards(tokens: np.ndarray | list[np.ndarray]) -> list[np.ndarray]:

@@ -9,7 +9,8 @@ subprocesses with `RECOVER_FORKSERVER=0`), and every one of them is ended by PID
 ends, whatever happened. What a user reads (the run's header, how replicas exited, a coordinator
 restart, what `--resume` chose) goes to the console the CLI passes in; the rest to logging. The
 metrics sink's progress view and writers (TensorBoard, W&B) are closed before the processes are
-ended, whatever happened.
+ended, whatever happened. The launcher lifts its open-files limit to the hard one; a file system
+that refuses its writes costs a console line (metrics.jsonl's: held and retried), never the run.
 """
 
 from __future__ import annotations
@@ -33,19 +34,21 @@ from recover.app.faults import validate_faults
 from recover.app.runtoken import resume_token, run_token
 from recover.app.train import foreign
 from recover.app.train.ckpt_files import write_atomic
-from recover.app.train.data import prepare_data
+from recover.app.train.data import check_token_ids, load_data, prepare_data
 from recover.app.train.metrics import MetricsSink, truncate_metrics
 from recover.app.train.progress import ProgressView
 from recover.app.train.worker import COORDINATOR_FAILED, COORDINATOR_PORT
 from recover.app.train.writers import check as check_writers
 from recover.app.train.writers import open_writers
 from recover.collectives import CoordinatorConfig, connect_store, keys, try_get
+from recover.collectives.coordinator import raise_descriptor_limit
 from recover.errors import CheckpointError, ConfigError, ExitCode, RecoverError
 from recover.procs import Process, Spawner, stop_all, wait_exit
 from recover.settings import LaunchEnv
 
 log = logging.getLogger(__name__)
 
+MAX_REASON = 500  # bytes of a stop reason read from the store that the launcher shows
 # After the last replica process exits, how long the launcher waits for the coordinator to have
 # taken every replica off the membership (ms on a quiet machine) before it reads the exit records.
 SETTLE_S = 2.0
@@ -115,6 +118,7 @@ def prepare_run(cfg: RunConfig, console: Console | None = None) -> tuple[RunConf
     if meta["vocab_size"] > cfg.model.vocab_size:
         cfg.model.vocab_size = int(meta["vocab_size"])
     foreign.check_fits(cfg.model, int(meta["vocab_size"]))
+    check_token_ids(load_data(out / "data"), cfg.model.vocab_size)
     tmp = out / "config.json.tmp"
     tmp.write_text(cfg.to_json())
     os.replace(tmp, out / "config.json")
@@ -150,6 +154,7 @@ def _resume_point(cfg: RunConfig, out: Path, console: Console) -> int:
     if ckpt is None:
         raise CheckpointError(f"--resume: no checkpoint found in {out / 'ckpt'}"
                               + (" that verifies" if skipped else ""))
+    _refuse_code_in(ckpt)
     saved = RunConfig.load(out / "config.json")
     old, new = flatten(saved.trajectory_key()), flatten(cfg.trajectory_key())
     # The vocabulary grows to fit the data when it is prepared (below), after this check.
@@ -173,9 +178,24 @@ def _resume_point(cfg: RunConfig, out: Path, console: Console) -> int:
     return start
 
 
+def _refuse_code_in(ckpt: Path) -> None:
+    """--resume reads the checkpoint's DCP metadata (a pickle) here, by the unpickler that builds
+    nothing but DCP's records (`checkpoint_safe`), so one naming anything else is refused in one
+    line before any process starts: its HMAC, keyed by the directory's own token, proves nothing
+    about a directory someone else wrote."""
+    from recover.app.train.checkpoint_safe import read_metadata
+
+    read_metadata(ckpt)
+
+
 def _say(console: Console, line: str) -> None:
-    """One line of `recover train`'s own output, as written (no markup, no wrapping)."""
-    console.print(line, highlight=False, markup=False, soft_wrap=True)
+    """One line of `recover train`'s own output, as written (no markup, no wrapping). A console
+    whose file refuses it (a full disk under a scheduler's output file, a closed pipe) loses the
+    line, never the run."""
+    try:
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
+    except OSError as e:
+        log.debug("console line lost (%s): %s", e.strerror or e, line)
 
 
 def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
@@ -196,6 +216,7 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
     records are written, and the result says `preempted`.
     """
     console = console or Console(stderr=True)
+    raise_descriptor_limit()
     # Before the fork server starts: it then preloads what a foreign model needs (transformers),
     # imported here already, and every replica is forked with it.
     foreign.resolve(cfg.model)
@@ -205,8 +226,7 @@ def launch(cfg: RunConfig, console: Console | None = None, quiet: bool = False,
                       fork=False if external_workers else None).warm()
     endpoint = None
     try:
-        cfg, start = prepare_run(cfg, console)
-        truncate_metrics(Path(cfg.run.out) / "metrics.jsonl", start)
+        cfg, start = _laid_out(cfg, console)
         endpoint = serve(Path(cfg.run.out), http)
         t_start = time.time()
         # On disk too: `time_s` in metrics.jsonl is relative to it, and other logs
@@ -315,7 +335,8 @@ class _Launch:
             tokens = cfg.data.microbatches * cfg.data.microbatch_size * cfg.model.block_size
             sink = MetricsSink(store, self.out / "metrics.jsonl", self.start, self.end, tokens,
                                self.t_start, ProgressView(console, self.start, self.end, quiet,
-                                                          cfg.run.log_every), writers)
+                                                          cfg.run.log_every), writers,
+                               token=_records_token(self.out))
             message = self.supervise(sink, external, console, quiet)
             if watch is not None:
                 watch.stop()
@@ -392,7 +413,7 @@ class _Launch:
         if self.coord.poll() is None:
             stopped = try_get(store, keys.RUN_STOPPED)
             if stopped is not None:
-                message = stopped.decode()
+                message = _said(stopped)
             with contextlib.suppress(Exception):
                 raw = try_get(store, keys.COORD_EXITS)
                 seen = {int(r): how for r, how in json.loads(raw or b"{}").items()}
@@ -406,10 +427,10 @@ class _Launch:
         # "replica1.rank0", not "1.0": a key that reads as a number (a float) misleads readers.
         rank_codes = {f"replica{r}.rank{k}": p.returncode for (r, k), p in self.procs.items()}
         if self.procs:  # who exited how: a fenced rank (3) left on its own, before the cleanup
-            (out / "exit_codes.json").write_text(json.dumps(rank_codes) + "\n")
+            _write_report(out / "exit_codes.json", json.dumps(rank_codes) + "\n", console)
         exits = _describe_exits(cfg.layout.replicas, codes, seen)
-        (out / "replica_exits.json").write_text(json.dumps({str(r): e for r, e in exits.items()},
-                                                           indent=1) + "\n")
+        _write_report(out / "replica_exits.json",
+                      json.dumps({str(r): e for r, e in exits.items()}, indent=1) + "\n", console)
         ok = sink.next >= self.end
         if self.preempt.is_set() and not ok:
             message = f"{message}; {_checkpoint_note(out)}"
@@ -428,6 +449,42 @@ class _Launch:
         return RunResult(ok, out, sink.records, message, codes, time.time() - self.t_start,
                          aborted, watch.t if watch is not None else 0.0, self.t_start,
                          rank_codes, exits, self.preempt.is_set() and not ok)
+
+
+def _laid_out(cfg: RunConfig, console: Console) -> tuple[RunConfig, int]:
+    """`prepare_run`, and metrics.jsonl cut back for a resume: a file system that refuses these
+    first writes (full, read-only) is one line before any process starts, not a traceback."""
+    try:
+        cfg, start = prepare_run(cfg, console)
+        truncate_metrics(Path(cfg.run.out) / "metrics.jsonl", start)
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename else ""
+        raise RecoverError(f"cannot write the run directory {cfg.run.out}{where}: "
+                           f"{e.strerror or e}") from None
+    return cfg, start
+
+
+def _said(raw: bytes) -> str:
+    """A reason read from the store (`run/stopped`: any client can write it), as printable text
+    of bounded length: never a decoding error at the run's end."""
+    text = " ".join(raw[:MAX_REASON].decode(errors="replace").split())
+    return text + ("..." if len(raw) > MAX_REASON else "")
+
+
+def _records_token(out: Path) -> str | None:
+    """The key the replicas seal their step records with (the run token: DIR/run.token or the
+    env, as `prepare_run` left it); the metrics sink ignores any record it does not open."""
+    return run_token(out).decode()
+
+
+def _write_report(path: Path, text: str, console: Console) -> None:
+    """One of the launcher's end-of-run files; a file system that refuses it (full, read-only)
+    costs one console line, never the run's result."""
+    try:
+        write_atomic(path, text)
+    except OSError as e:
+        _say(console, f"recover: cannot write {path} ({e.strerror or e}); the run's result "
+                      "is unchanged")
 
 
 def _checkpoint_note(out: Path) -> str:
@@ -449,7 +506,10 @@ def _all_gone(store: Any, workers: dict[int, Process], external: bool) -> bool:
     """Every replica has exited (local children) or left the membership (external ones)."""
     if not external:
         return all(p.poll() is not None for p in workers.values())
-    return keys.newest_members(store) == []
+    try:
+        return keys.newest_members(store) == []
+    except (ValueError, TypeError):  # not a member list (a stranger's value): not known empty
+        return False
 
 
 def _await_leaving(store: Any, coord: Process, procs: dict[tuple[int, int], Process],
@@ -555,11 +615,13 @@ def _supervise(store: Any, sink: MetricsSink, end: int, procs: dict[tuple[int, i
             last_progress = time.monotonic()
             continue
         if _all_gone(store, workers, external):
-            sink.poll()
+            # Nobody can offer a record any more: the last save point's line is taken even
+            # from a replica that did not write (its writer was killed after the commit).
+            sink.poll(final=True)
             return ""
         stopped = try_get(store, keys.RUN_STOPPED)
         if stopped is not None and all(p.poll() is not None for p in workers.values()):
-            return stopped.decode()
+            return _said(stopped)
         if time.monotonic() - last_progress > stall_limit:
             return f"no step committed for {stall_limit:.0f}s"
         time.sleep(0.02)

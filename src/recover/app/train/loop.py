@@ -30,7 +30,7 @@ from recover.app.runtoken import run_token
 from recover.app.train import foreign, layout
 from recover.app.train.ckpt_rank import EXACT_MAX, RankCheckpoints
 from recover.app.train.data import eval_batches, load_data, train_batches
-from recover.app.train.metrics import StepTimer, step_record
+from recover.app.train.metrics import StepTimer, seal_record, step_record
 from recover.app.train.optim import build_optimizer, lr_at, set_lr
 from recover.app.train.preempt import Preemption, die_by_sigterm
 from recover.app.train.progress import Eta, step_line
@@ -43,6 +43,7 @@ from recover.collectives import (
 )
 from recover.errors import ExitCode
 from recover.parallel import Replica
+from recover.parallel.digest import replica_digest
 from recover.recovery import BelowMinReplicas, ExactOverflow, StepResult, StepStrategy
 from recover.settings import LaunchEnv
 from recover.workload import id_seed
@@ -147,6 +148,9 @@ class Trainer:
                                    tied=self.rm.tied, optimizer=self.opt, config=config,
                                    hooks=self.faults.hooks(), strategy=_strategy(self.cfg))
                 self.rep.leave_when(self.preempt.requested)
+                # A dead coordinator is this loop's to wait for (`rejoin_coordinator`: it offers
+                # its records to the restarted one), not Replica.step's.
+                self.rep.auto_reconnect = False
                 break
             except RunOver:
                 raise  # the run finished first: `run` ends this process cleanly
@@ -196,6 +200,11 @@ class Trainer:
             self.opt.step()
             self.applied = step + 1
             rec = step_record(res, lr, grad_norm, self.timer)
+            # The proof of the step (`recover verify`): the parameters' digest after it, the
+            # same bits on every replica (a multi-rank replica's is an intra-replica sum).
+            with rep.guard():
+                rec["digest"] = replica_digest(self.rm.module, self.rank, self.nranks,
+                                               exact=rep.exact is not None).to_json()
             # Each replica's seconds per microbatch as the step's reduced trailer carried them
             # (what speed-aware quotas follow): the same on every replica, so in every record.
             rec["speeds"] = {str(r): round(v, 6) for r, v in sorted(rep.engine.speeds.items())}
@@ -229,6 +238,8 @@ class Trainer:
     def compute(self, mb_id: int, j: int) -> float:
         """This rank's part of microbatch `mb_id`: gradients += its share of grad(loss)/N."""
         m, seed, step = self.cfg.model, self.cfg.run.seed, self.faults.step
+        if self.faults.drops(step, j):  # test-only: a silent loss `recover verify` must catch
+            return 0.0
         with self.timer.microbatch(self.faults.slow_factor(step)):
             ready = self.prefetched.pop(mb_id, None)  # a pure function of the id: the same
             x, y = ready if ready is not None else self.batches.batch(mb_id)
@@ -266,7 +277,7 @@ class Trainer:
         (`MetricsSink`).
         """
         if self.rank == 0:
-            self.recent.append((step, json.dumps(rec)))
+            self.recent.append((step, seal_record(self.token, step, rec)))
             store, key = self.rep.member.store, keys.record_key(step)
             if rec.get("ckpt_pending"):
                 # A save point's record from a replica that did not write: only added where no

@@ -84,10 +84,9 @@ def _read_model_state(path: Path) -> dict[str, dict[str, torch.Tensor]]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    try:
-        md = dcp.FileSystemReader(path).read_metadata()  # a pickle: only after verification
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {path} has unreadable DCP metadata: {e}") from None
+    from recover.app.train import checkpoint_safe
+
+    md = checkpoint_safe.read_metadata(path)  # a pickle: building only DCP's metadata records
     nested: dict[str, Any] = {}
     scopes: dict[str, dict[str, torch.Tensor]] = {}
     for k, v in md.state_dict_metadata.items():
@@ -104,7 +103,8 @@ def _read_model_state(path: Path) -> dict[str, dict[str, torch.Tensor]]:
     try:
         with warnings.catch_warnings():  # "assumes a single process": it is one, on purpose
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(nested, checkpoint_id=path, no_dist=True)
+            dcp.load(nested, checkpoint_id=path, no_dist=True,
+                     **checkpoint_safe.load_kwargs(path))
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise

@@ -166,8 +166,12 @@ def open_writers(cfg: RunConfig, start: int = 0) -> tuple[Writers, list[str]]:
     tb = tensorboard_dir(cfg)
     try:
         if tb is not None:
-            made.append(TensorBoardWriter(tb, cfg, start))
-            where.append(f"tensorboard: {tb} (tensorboard --logdir {tb})")
+            try:
+                made.append(TensorBoardWriter(tb, cfg, start))
+                where.append(f"tensorboard: {tb} (tensorboard --logdir {tb})")
+            except OSError as e:  # a full disk or a read-only folder: metrics.jsonl goes on
+                log.warning("no TensorBoard events for this run: %s", e)
+                where.append(f"tensorboard: not written ({e.strerror or e})")
         if cfg.run.wandb:
             wb = WandbWriter(cfg.run.wandb, cfg)
             made.append(wb)
