@@ -141,7 +141,7 @@ def install(prof: Prof, inter: Interleave | None = None) -> None:
     keys.connect_store = counting_connect
     run: Callable[..., Any] = StepEngine.run
 
-    def run_wrapper(self: Any, t: int, compute: Callable[[int, int], float]) -> Any:
+    def run_wrapper(self: Any, t: int, compute: Callable[[int, int], float], *rest: Any) -> Any:
         if prof.steps:
             prof.close_step()
         first = False
@@ -157,7 +157,7 @@ def install(prof: Prof, inter: Interleave | None = None) -> None:
                         main_start=time.thread_time())  # the training thread alone
         prof.where = "run"
         t0, c0 = time.perf_counter(), time.thread_time()
-        res = run(self, t, compute)
+        res = run(self, t, compute, *rest)  # rest: exact mode's round
         prof.cur["run"] = time.perf_counter() - t0
         prof.cur["cpu:run"] = time.thread_time() - c0
         prof.cur["t_end"] = time.time()
@@ -188,7 +188,8 @@ def profiled_run(cfg: Any, timeout_s: float, ddp_block: int = 0, bucket_mb: floa
     env = dict(os.environ, OMP_NUM_THREADS="1")
     coord = start([sys.executable, "-m", "recover.collectives.coordinator", "--replicas",
                    str(cfg.layout.replicas), "--port", "0", "--port-file", str(port_file),
-                   "--stale-s", str(cfg.ft.stale_s), "--log", str(out / "coordinator.jsonl")],
+                   "--stale-s", str(cfg.ft.stale_s), "--log", str(out / "coordinator.jsonl"),
+                   "--token-file", str(out / "run.token")],  # the workers prove the run's
                   out / "logs" / "coordinator.log")
     workers = []
     try:
