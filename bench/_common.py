@@ -2,7 +2,7 @@
 
 Every wait here is bounded; every process a benchmark starts is ended in a `finally` by its PID
 (and, for `recover train`, the launcher's own children by theirs): `recover train` runs through
-the test harness's `recover.testing.runs.Launch`, the one way tests and benches run it.
+the test harness's `harness.runs.Launch`, the one way tests and benches run it.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness.runs import Launch, fresh_dir
+from recover.app import rundir
 from recover.procs import descendants
-from recover.testing.runs import Launch, fresh_dir
 
 __all__ = ["BENCH_DIR", "Sampler", "bench_args", "cores", "cpu_seconds", "defaults", "field",
            "fresh_dir", "loadavg", "log_progress", "median", "out_dir", "peak_rss", "periods",
@@ -169,7 +170,7 @@ def recover_train(out: Path, preset: str, extra: list[str], timeout_s: float
     fresh_dir(out)  # `recover train` refuses a folder that holds a run (a reused --out)
     run = Launch(out, "--preset", preset, *extra, fresh=True,
                  env=dict(os.environ, OMP_NUM_THREADS="1"))
-    sampler = Sampler(run.pid, out / "metrics.jsonl")
+    sampler = Sampler(run.pid, out / rundir.METRICS)
     try:
         deadline = time.monotonic() + timeout_s
         while run.running():

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from recover.app import rundir
 from recover.app.config import RunConfig
 from recover.app.train.data import load_data, microbatch
 from recover.app.train.model import build_model
@@ -39,8 +40,8 @@ class DDPTrainer:
     """One rank's DDP training loop on the default process group (initialised by the caller)."""
 
     def __init__(self, run_dir: Path, rank: int, world: int, bucket_mb: float = 25.0) -> None:
-        self.cfg = RunConfig.load(run_dir / "config.json")
-        self.corpus = load_data(run_dir / "data")
+        self.cfg = RunConfig.load(run_dir / rundir.CONFIG)
+        self.corpus = load_data(run_dir / rundir.DATA)
         self.rank, self.world = rank, world
         self.model = build_model(self.cfg.model, self.cfg.run.seed)
         self.opt = build_optimizer(self.model, self.cfg)

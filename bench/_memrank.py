@@ -5,7 +5,7 @@ gradient (the layout's flat buffer, `plain.flat_grad_buffer`, or, under hsdp, th
 that `compute` creates, as FSDP2's backward would), this file's checks, and what recover itself
 allocates. There is no forward pass, so no activation: every other byte on the training thread
 is recover's ("protocol"). Each microbatch id adds the integer-gradient oracle's weight to every
-element of every gradient (`recover.testing.oracle`, in place: no allocation), so the reduced
+element of every gradient (`harness.oracle`, in place: no allocation), so the reduced
 step gradient is exactly `oracle.expected(step, N)` everywhere, whoever computed which id; every
 step is checked against that. Faults hit a replica's last rank right after it issued its reduce:
 `--kill STEP:REPLICA` SIGKILLs it (a crash mid-reduce: its sockets close), `--hang STEP:REPLICA`
@@ -32,8 +32,8 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from _alloc import Window, ledger, window
+from harness import oracle
 from recover.procs import exit_after
-from recover.testing import oracle
 
 log = logging.getLogger("bench.memrank")
 
@@ -43,7 +43,7 @@ MODEL_SITES = ("flat_grad_buffer",)
 
 
 def owner_of(site: str) -> str:
-    if site.startswith(("bench/_memrank.py", "recover/testing/")):
+    if site.startswith(("bench/_memrank.py", "bench/harness/")):
         return "model"  # the compute's gradients (the oracle's) and this file's checks
     if any(f" {fn}" in site for fn in MODEL_SITES):
         return "model"
@@ -98,14 +98,14 @@ def main() -> int:
     mesh = None
     model = Model(a.numel, a.nranks if a.layout == "hsdp" else 1, torch.float32)
     if a.layout == "hsdp":
-        from recover.parallel import init_replica_group
-        from recover.parallel.hsdp import shard_mesh, shard_model
+        from recover.layouts import init_replica_group
+        from recover.layouts.hsdp import shard_mesh, shard_model
 
         init_replica_group(host, int(port), a.replica, a.rank, a.nranks, a.timeout_s)
         mesh = shard_mesh(a.nranks)
         shard_model(model, mesh)
     from recover import Replica
-    from recover.parallel.grads import local_tensor
+    from recover.layouts.sharded import local_tensor
     from recover.settings import FaultTolerance, Hooks, Numerics, ReplicaConfig
 
     params = list(model.parameters())

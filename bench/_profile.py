@@ -6,7 +6,7 @@ split comes from the cumulative counters `StepEngine.stats` ("compute_s", "reduc
 "decide_s", "store_ops", ...) and `FaultTolerantComm.stats` ("reduce_s", "build_s",
 "barrier_s", ...), read before and after each `StepEngine.run` (the public step call, wrapped to
 mark step boundaries); store round-trips are counted by a wrapper around the store clients that
-the public `recover.collectives.keys.connect_store` returns. A counter the installed library
+the public `recover.control.keys.connect_store` returns. A counter the installed library
 does not have yet is simply absent from the records (the report shows n/a), and a hook that no
 longer takes is reported on stderr and in the records, never silently measured as zero.
 With --ddp-block K, every K recover steps each process runs K plain-DDP steps
@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from _common import BENCH_DIR, cpu_seconds
 from _ddp import DDPTrainer
+from recover.app import rundir
 from recover.procs import exit_after, start, stop, stop_all
 
 log = logging.getLogger("bench.profile")
@@ -114,7 +115,7 @@ class Interleave:
         if self.trainer is None:
             run_dir, replica, coordinator, bucket_mb = self.args
             host, port = coordinator.rsplit(":", 1)
-            cfg = json.loads((run_dir / "config.json").read_text())
+            cfg = json.loads((run_dir / rundir.CONFIG).read_text())
             store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=120))
             dist.init_process_group("gloo", store=dist.PrefixStore("bench-ddp", store),
@@ -130,7 +131,7 @@ class Interleave:
 
 def install(prof: Prof, inter: Interleave | None = None) -> None:
     """Wrap the public store factory and `StepEngine.run` in this (worker) process only."""
-    from recover.collectives import keys
+    from recover.control import keys
     from recover.recovery import StepEngine
 
     connect = keys.connect_store
@@ -179,18 +180,18 @@ def profiled_run(cfg: Any, timeout_s: float, ddp_block: int = 0, bucket_mb: floa
     Returns (per replica {"recover": [step records], "ddp": DDP records or None, "hooks": which
     hooks took}, [(time, coordinator CPU seconds)] samples).
     """
-    from recover.app.train.launch import prepare_run
+    from recover.app.train.prepared import prepare_run
 
-    cfg, _ = prepare_run(cfg)
+    cfg = prepare_run(cfg).cfg
     out = Path(cfg.run.out)
-    port_file = out / "coordinator.port"
+    port_file = out / rundir.COORDINATOR_PORT
     samples: list[tuple[float, float]] = []
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    coord = start([sys.executable, "-m", "recover.collectives.coordinator", "--replicas",
+    coord = start([sys.executable, "-m", "recover.control.coordinator", "--replicas",
                    str(cfg.layout.replicas), "--port", "0", "--port-file", str(port_file),
-                   "--stale-s", str(cfg.ft.stale_s), "--log", str(out / "coordinator.jsonl"),
-                   "--token-file", str(out / "run.token")],  # the workers prove the run's
-                  out / "logs" / "coordinator.log")
+                   "--stale-s", str(cfg.ft.stale_s), "--log", str(out / rundir.COORDINATOR_LOG),
+                   "--token-file", str(out / rundir.RUN_TOKEN)],  # the workers prove the run's
+                  out / rundir.LOGS / rundir.COORDINATOR_OUT)
     workers = []
     try:
         deadline = time.monotonic() + 60
@@ -204,7 +205,7 @@ def profiled_run(cfg: Any, timeout_s: float, ddp_block: int = 0, bucket_mb: floa
                 [sys.executable, str(BENCH_DIR / "_profile.py"), "--run-dir", str(out),
                  "--replica", str(r), "--coordinator", f"127.0.0.1:{port}", "--ddp-block",
                  str(ddp_block), "--bucket-mb", str(bucket_mb)],
-                out / "logs" / f"replica{r}.log", env=env))
+                out / rundir.LOGS / f"replica{r}.log", env=env))
         deadline = time.monotonic() + timeout_s
         while any(w.poll() is None for w in workers):  # sample the coordinator's CPU clock
             if time.monotonic() > deadline:

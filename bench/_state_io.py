@@ -2,7 +2,7 @@
 
 Each builds the same model (an nn.Sequential of 1024x1024 Linear layers, ~P parameters) with
 AdamW state materialized (params + exp_avg + exp_avg_sq + step), does one job, and writes one
-JSON result file. The donor and joiner move the state exactly as `recover.parallel.rejoin` does
+JSON result file. The donor and joiner move the state exactly as `recover.replica.rejoin` does
 (`transfer.TrainingState` with a `rejoin.StepState`, `transfer.send` / `transfer.receive` over a
 `channel` session keyed by a token, on a loopback TCP socket), then move the same tensors' bytes
 --repeats times again with no channel at all (`raw`: one `sendall` per tensor from its memory,
@@ -38,8 +38,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from recover.parallel import channel, transfer
-from recover.parallel.rejoin import StepState
+from recover.replica import channel, transfer
+from recover.replica.rejoin import StepState
 
 WIDTH = 1024
 CONNECT_S = 120.0  # the peer imports torch and builds ~1 GB of state first on a loaded machine

@@ -2,14 +2,15 @@
 
 Invariant: the figure is the server process's CPU time (every thread, /proc) over a run in which
 its only work is the requests counted, divided by their number; the clients are separate
-processes, forked (`recover.testing.scale.Children`), ended by PID in a `finally`, and every wait
+processes, forked (`harness.scale.Children`), ended by PID in a `finally`, and every wait
 is bounded.
 
 Why: failure-free, every rank sends the one store server its step's requests (the count and the
 decision wait) at about the same moment, so the server handles them one after another. Its cost
 per request, times the job's requests per step, is what a step's control plane cannot go below
 on one server, however fast each rank is; `recover simulate --scenario scale` charges it per
-request to each store server (the shards' and the main one's, `recover.sim.scale.store_serial_s`).
+request to each store server (the shards' and the main one's,
+`recover.app.sim.scale.store_serial_s`).
 A rebuilt group's rendezvous also has the server send every member every member's address (O(R)
 bytes each: gloo's pair identifiers), so `byte_cpu_s` measures its CPU per byte sent.
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import cpu_seconds, fresh_dir
-from recover.testing.scale import Children, wait_for
+from harness.scale import Children, wait_for
 
 
 def _serve(port_file: Path) -> int:

@@ -58,7 +58,7 @@ def scenario(root: Path, layout: str, exact: bool, a: argparse.Namespace) -> lis
     d = fresh_dir(root / name)
     port_file = d / "coordinator.port"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    coord = start([sys.executable, "-m", "recover.collectives.coordinator", "--replicas",
+    coord = start([sys.executable, "-m", "recover.control.coordinator", "--replicas",
                    str(a.replicas), "--port", "0", "--port-file", str(port_file), "--stale-s",
                    str(a.stale_s), "--log", str(d / "coordinator.jsonl")], d / "coordinator.log")
     ranks, killed, hung = [], a.replicas - 1, a.replicas - 2

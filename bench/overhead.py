@@ -57,7 +57,7 @@ from _common import (
 from _overhead_report import report
 from _profile import profiled_run
 from recover.app.config import preset
-from recover.app.train.launch import prepare_run
+from recover.app.train.prepared import prepare_run
 from recover.procs import start, stop_all
 
 log = logging.getLogger("bench.overhead")
@@ -165,9 +165,9 @@ def interleaved(name: str, a: argparse.Namespace, root: Path) -> tuple[list[floa
     """One interleaved run of preset `name`; its report; the (wall, CPU) ratios of its pairs."""
     cfg = preset(name)
     cfg.layout.replicas, cfg.run.steps = a.replicas, a.steps_of[name]
-    cfg.data.eval_every, cfg.ft.stale_s = 0, a.stale_s
+    cfg.data.eval_every = 0
     cfg.run.out = str(fresh_dir(root / f"interleaved-{name}"))  # a reused --out's is refused
-    cfg.ft.speed_aware = a.speed_aware
+    cfg = cfg.replace(ft={"stale_s": a.stale_s, "speed_aware": a.speed_aware})
     m = cfg.model
     say(f"\noverhead: recover vs DDP(no_sync), preset {name}: d={m.n_embd} L={m.n_layer} "
         f"T={m.block_size}, N={cfg.data.microbatches} B={cfg.data.microbatch_size} "

@@ -1,7 +1,7 @@
 """Recovery latency of the fault-tolerant collective: SIGKILL one of R reducing processes.
 
 What: R real processes (`python -m recover.collectives.selftest`, one per replica, against a real
-`python -m recover.collectives.coordinator`) reduce a --numel float tensor in a loop. After every
+`python -m recover.control.coordinator`) reduce a --numel float tensor in a loop. After every
 replica has completed --warm reductions, we wait a random 0..--window s and SIGKILL a random
 replica, then measure the time from the kill to the moment every survivor has completed its next
 verified reduction (in the new generation, whose sum excludes the victim).
@@ -76,7 +76,7 @@ def trial(k: int, d: Path, a, rng: random.Random, server: Spawner) -> dict:
     logs = [d / f"replica{r}.jsonl" for r in range(a.replicas)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     try:
-        procs.append(server.start("recover.collectives.coordinator:main", [
+        procs.append(server.start("recover.control.coordinator:main", [
             "--replicas", str(a.replicas), "--port", "0", "--port-file", str(d / "port"),
             "--stale-s", str(a.stale_s), "--join-timeout-s", "120", "--log",
             str(d / "coordinator.jsonl")], d / "coordinator.log", env=env))
@@ -185,7 +185,7 @@ def main() -> int:
         f"in the new generation; other load on the machine is not controlled")
     rows, res, alarms = [], [], []
     t0 = time.monotonic()
-    server = Spawner(("recover.collectives.selftest", "recover.collectives.coordinator"))
+    server = Spawner(("recover.collectives.selftest", "recover.control.coordinator"))
     try:
         k = 0
         while len(res) < trials and k < trials + a.retries:

@@ -3,7 +3,7 @@
 What:
 1. Transfer, per size (~10M, 50M, 100M parameters; AdamW state materialized, so params + two
    moments = 12 bytes per parameter): a donor process and a joiner process (`_state_io.py`) move
-   the state over loopback TCP exactly as `recover.parallel.rejoin` does (`TrainingState`,
+   the state over loopback TCP exactly as `recover.replica.rejoin` does (`TrainingState`,
    `transfer.send` / `receive`: token handshake, AES-GCM frames, each decrypted straight
    into the joiner's tensors).
    Time = the joiner's window of `transfer_s` (connect -> verified and copied in). Median of
@@ -63,6 +63,7 @@ from _common import (
     say,
     table,
 )
+from recover.app import rundir
 from recover.procs import start, stop_all
 
 log = logging.getLogger("bench.rejoin")
@@ -145,8 +146,8 @@ def events(path: Path) -> list[dict]:
 
 def protocol(out: Path, timeout_s: float, train: tuple[int, int, int, int] = TRAIN) -> dict:
     records, _ = recover_train(out, "debug", train_flags(*train), timeout_s)
-    run_start = float((out / "run_start").read_text())
-    ev = events(out / "coordinator.jsonl")
+    run_start = float((out / rundir.RUN_START).read_text())
+    ev = events(out / rundir.COORDINATOR_LOG)
     adm = next(e for e in ev if e["event"] == "generation"
                and str(e["reason"]).startswith(f"replica {JOINER} admitted"))
     epoch = int(re.search(r"join (\d+)", adm["reason"]).group(1))  # type: ignore[union-attr]
@@ -157,7 +158,7 @@ def protocol(out: Path, timeout_s: float, train: tuple[int, int, int, int] = TRA
     before = next(r for r in records if r["step"] == first["step"] - 1)
     start = max(join["time"], run_start + before["time_s"])
     live = {r["live_replicas"] for r in records if r["step"] > first["step"]}
-    logs = "".join(p.read_text(errors="replace") for p in sorted((out / "logs").glob("*.log")))
+    logs = "".join(p.read_text(errors="replace") for p in sorted((out / rundir.LOGS).glob("*.log")))
     donated = re.search(r"donated ([\d.]+) MB of state at step (\d+)", logs)
     steady = median(periods(records, first["step"] + 3, len(records)))
     return {"join_to_admit_s": adm["time"] - start, "transfer_s": first["transfer_s"],

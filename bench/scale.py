@@ -1,7 +1,7 @@
 """Control-plane cost as the job grows: 4 to 128 ranks of the step protocol on one machine.
 
 What: per scale (R replicas x P ranks each), a real coordinator and R*P rank processes, all forked
-by the standard library's fork server after one `import torch` (`recover.testing.scale`), run the
+by the standard library's fork server after one `import torch` (`harness.scale`), run the
 step protocol (`StepEngine.run`) on a --numel float tensor: each step's N = R microbatches add a
 known integer-valued gradient (checked exactly after every commit). P > 1 runs multi-position
 engines (a `Member` of P ranks each, one `FaultTolerantComm` per position), a replica's ranks in
@@ -52,7 +52,7 @@ their own gloo group whose rank 0 speaks for them to the store (`IntraReplicaLin
                  bound, by at most the CPU between two readings);
      main_req    every request the main store served because of the failure, per replica:
                  each survivor's requests on every main-store client it opened (counted on the
-                 client side, `recover.collectives.storecount`: redo, chain, evidence counts,
+                 client side, `recover.control.storecount`: redo, chain, evidence counts,
                  decisions, generation reads, key deletions and, without shards, the
                  rendezvous; at each commit, with the deletions it had queued and not yet
                  sent, `KeyLifetime.pending`: its deletion thread runs behind by 0-2 requests)
@@ -85,7 +85,7 @@ into its .err log) is a protocol failure: reported, never hidden, and the scale 
 per value byte sent, `_store_rate.py`; "group" is
 the size of the cross-replica group rebuilt, R, here = ranks), `scale_detail.json` (every
 scale and kill, and the failures), `scale.png`, and each scale's logs; `--write-curve` also
-copies `scale.json` to `src/recover/sim/data/scale_curve.json` (the simulator's input). Last
+copies `scale.json` to `src/recover/app/sim/data/scale_curve.json` (the simulator's input). Last
 lines:
 `store_ops_per_rank_step=<max over scales>`, `recovery_cpu_ratio=<rec_cpu at the largest P = 1
 scale / at the smallest>` and `main_store_requests_per_failure_per_replica=<max over scales of
@@ -141,8 +141,7 @@ from _scale_analysis import (
     recovery_cpu_outside,
 )
 from _store_rate import byte_cpu_s, request_cpu_s
-from recover.collectives.tree import TREE_MAX_BYTES
-from recover.testing.scale import (
+from harness.scale import (
     Children,
     CoordArgs,
     RankArgs,
@@ -153,6 +152,7 @@ from recover.testing.scale import (
     rank_main,
     wait_for,
 )
+from recover.collectives.tree import TREE_MAX_BYTES
 
 log = logging.getLogger("bench.scale")
 CURVE = BENCH_DIR.parent / "src" / "recover" / "sim" / "data" / "scale_curve.json"
@@ -323,7 +323,7 @@ def run_scale(reps: int, pos: int, a: argparse.Namespace, rng: random.Random, d:
 
 # -- output ---------------------------------------------------------------------------------
 def curve(res: list[dict], source: str = "", store_shards: int = 0) -> dict[str, Any]:
-    """The P = 1 scales in the simulator's schema (keep it exactly: `recover.sim` reads it).
+    """The P = 1 scales in the simulator's schema (keep it exactly: `recover.app.sim` reads it).
     With P = 1 each rebuilt cross-replica group has R = ranks members (`group`), and a
     replica's requests are its one rank's."""
     one = sorted((r for r in res if r["positions"] == 1), key=lambda r: r["ranks"])
@@ -399,7 +399,7 @@ def parse_args() -> argparse.Namespace:
                     help="protocol timeouts; a stuck step is declared after 3x (default 120, "
                          "60 with --quick, 30 with --smoke)")
     ap.add_argument("--store-shards", type=int, default=2,
-                    help="the coordinator's store shards (collectives/shards.py; 0: one store). "
+                    help="the coordinator's store shards (control/shards.py; 0: one store). "
                          "Default 2: a large job runs with shards (about one per 1,000 ranks), "
                          "which take the counts and every rendezvous off the main store")
     ap.add_argument("--seed", type=int, default=0)

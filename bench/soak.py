@@ -38,13 +38,14 @@ from pathlib import Path
 import torch
 
 from _common import fresh_dir, log_progress
+from harness.runs import bitwise_equal
+from recover.app import rundir
 from recover.app.config import RunConfig
 from recover.app.runtoken import run_token
-from recover.app.train.checkpoint import latest_checkpoint, load_checkpoint, verify_checkpoint
+from recover.app.train.checkpoint.dcp import latest_checkpoint, load_checkpoint, verify_checkpoint
 from recover.app.train.model import build_model
 from recover.app.train.optim import build_optimizer
 from recover.procs import descendants, kill_pids, start, stop
-from recover.testing.runs import bitwise_equal
 
 log = logging.getLogger("bench.soak")
 N = 8  # the debug preset's microbatches per step
@@ -139,12 +140,12 @@ def violations(out: Path, rc: int, ref: Path, steps: int, exact: bool = False) -
     if rc != 0:
         return [f"exit {rc}"]
     bad = []
-    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
+    recs = [json.loads(x) for x in (out / rundir.METRICS).read_text().splitlines() if x]
     if [r["step"] for r in recs] != list(range(steps)):
         bad.append("steps not contiguous")
     if any(r["microbatches"] != N for r in recs):
         bad.append("microbatches != N")
-    ref_losses = [json.loads(x)["loss"] for x in (ref / "metrics.jsonl").read_text().splitlines()
+    ref_losses = [json.loads(x)["loss"] for x in (ref / rundir.METRICS).read_text().splitlines()
                   if x]
     rel = max((abs(r["loss"] - y) / abs(y) for r, y in zip(recs, ref_losses, strict=False)),
               default=1.0)
@@ -159,10 +160,10 @@ def violations(out: Path, rc: int, ref: Path, steps: int, exact: bool = False) -
             bad.append("final parameters differ from the reference's (exact mode)")
     finals = by_rank.get("", [])
     try:
-        cfg = RunConfig.load(out / "config.json")
+        cfg = RunConfig.load(out / rundir.CONFIG)
         model = build_model(cfg.model, cfg.run.seed + 1)
         key = run_token(out)
-        path = latest_checkpoint(out / "ckpt", key)
+        path = latest_checkpoint(out / rundir.CKPT, key)
         assert path is not None, "no checkpoint"
         if cfg.layout.name != "plain":  # verified (HMAC, every file's sha256), not loaded
             meta = verify_checkpoint(path, key)
@@ -178,7 +179,7 @@ def violations(out: Path, rc: int, ref: Path, steps: int, exact: bool = False) -
 def _finals(out: Path) -> dict[str, list[dict[str, torch.Tensor]]]:
     """The final parameters each replica dumped, by rank ("" on a one-rank replica)."""
     by_rank: dict[str, list[dict[str, torch.Tensor]]] = {}
-    for p in sorted((out / "final").glob("*.pt")):  # replica{r}[.rank{k}].pt: compare per rank
+    for p in sorted((out / rundir.FINAL).glob("*.pt")):  # replica{r}[.rank{k}].pt: compare per rank
         by_rank.setdefault(p.stem.partition(".")[2], []).append(torch.load(p, weights_only=True))
     return by_rank
 

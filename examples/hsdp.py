@@ -13,7 +13,7 @@ from common import N, start, train
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from recover.parallel import Replica
+from recover.replica import Replica
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ from common import STEPS, N, batch, report, start
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-from recover.parallel import Replica
+from recover.replica import Replica
 
 CHUNKS = 2  # pipeline chunks per microbatch
 

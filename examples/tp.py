@@ -16,7 +16,7 @@ from common import N, start, train
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from recover.parallel import Replica
+from recover.replica import Replica
 
 
 class MLP(nn.Module):

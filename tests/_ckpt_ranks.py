@@ -27,13 +27,13 @@ import torch
 import torch.distributed as dist
 
 from recover.app.config import preset
-from recover.app.train import ckpt_files
-from recover.app.train.ckpt_rank import RankCheckpoints
+from recover.app.train.checkpoint import files as ckpt_files
+from recover.app.train.checkpoint.ranks import RankCheckpoints
 from recover.app.train.layout import RankModel
 from recover.app.train.model import build_model
 from recover.app.train.optim import build_optimizer
 from recover.app.train.parallelize import fully_shard_gpt
-from recover.parallel import replica_mesh
+from recover.layouts import replica_mesh
 
 
 def _enospc(*_: object) -> None:

@@ -1,4 +1,4 @@
-"""Two ranks of one replica exchanging through `parallel.link.IntraReplicaLink` over a real gloo
+"""Two ranks of one replica exchanging through `replica.link.IntraReplicaLink` over a real gloo
 default group: the processes of tests/test_speaker.py.
 
 Forked by that test as `main([OUT, PORT, RANK])` (the session's spawner: torch already imported).
@@ -20,9 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recover.collectives import CoordinatorLost, keys
-from recover.parallel.link import IntraReplicaLink
+from recover.control import CoordinatorLost, keys
 from recover.recovery import SPEAKER_LOST
+from recover.replica.link import IntraReplicaLink
 
 ENTRY = json.dumps({"gen": 3, "assign": {"0": list(range(1500)), "2": list(range(1500, 3000))}})
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from recover.app import rundir
 from recover.app.config import RunConfig
 from recover.app.train.data import load_data, microbatch
 from recover.app.train.model import build_model
@@ -31,10 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     run_dir, out = Path(argv[0]), Path(argv[1])
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    cfg = RunConfig.load(run_dir / "config.json")
+    cfg = RunConfig.load(run_dir / rundir.CONFIG)
     n, b = cfg.data.microbatches, cfg.data.microbatch_size
     reps, k = cfg.layout.replicas, cfg.layout.shards
-    corpus = load_data(run_dir / "data")
+    corpus = load_data(run_dir / rundir.DATA)
     mesh = init_device_mesh("cpu", (reps, k), mesh_dim_names=("replicate", "shard"))
     model = build_model(cfg.model, cfg.run.seed)
     for block in model.blocks:

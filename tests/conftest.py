@@ -14,14 +14,16 @@ import pytest
 from filelock import FileLock
 
 sys.path.insert(0, str(Path(__file__).parent))
+# The test harness lives in bench/harness (the benchmarks use it too), not in the installed tree.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 # Every TCPStore connection makes torch look up the peer's name ([::ffff:127.0.0.1], which
 # /etc/hosts does not list). Where the DNS server drops some queries (seen: about 1 in 25 on
 # the sandboxes this suite runs on), each such lookup stalls for glibc's default 5 s timeout;
 # cap it at 1 s, for this process and every process the tests start.
 os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
-from recover.testing.processes import close_session, session  # noqa: E402
-from recover.testing.runs import BASE, LAYOUT_ARGS, Run, recover_train  # noqa: E402
+from harness.processes import close_session, session  # noqa: E402
+from harness.runs import BASE, LAYOUT_ARGS, Run, recover_train  # noqa: E402
 
 WORDS = (
     "the of and to in is that it was for on are with as his they be at one have this from or had "
@@ -83,7 +85,7 @@ def shared_run(factory: pytest.TempPathFactory, name: str, make: Callable[[Path]
 
 @pytest.fixture(scope="session")
 def ref4(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
-    """The failure-free R=4, N=8 run (recover.testing.runs.BASE) that many tests compare against."""
+    """The failure-free R=4, N=8 run (harness.runs.BASE) that many tests compare against."""
     run = shared_run(tmp_path_factory, "ref4", lambda out: recover_train(
         out, *BASE, "--replicas", "4", "--dump-final-params", data=corpus))
     assert run.returncode == 0, run.stderr[-3000:]
@@ -132,7 +134,7 @@ def _root_logging() -> Iterator[None]:
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_fork_server() -> Iterator[None]:
-    """Start the session's spawner (recover.testing.processes) first, so that this process's one
+    """Start the session's spawner (harness.processes) first, so that this process's one
     fork server imports its preload (a launcher forked from it then forks its own server from
     itself instead of starting a fresh interpreter: recover.procs); end what it started, by PID,
     once the last test is done."""

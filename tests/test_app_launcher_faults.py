@@ -27,8 +27,9 @@ from pathlib import Path
 import pytest
 from torch.distributed import TCPStore
 
-from recover.collectives import keys
-from recover.testing.runs import BASE, Launch, Run, max_rel
+from harness.runs import BASE, Launch, Run, max_rel
+from recover.app import rundir
+from recover.control import keys
 
 pytestmark = pytest.mark.timeout(240)
 STEPS = 14  # BASE's
@@ -51,7 +52,7 @@ def _wait_for(what: str, cond: object, launch: Launch, limit_s: float = 120) -> 
 
 
 def _lines(out: Path) -> int:
-    p = out / "metrics.jsonl"
+    p = out / rundir.METRICS
     return len(p.read_text().splitlines()) if p.exists() else 0
 
 
@@ -68,8 +69,8 @@ def test_junk_step_records_are_ignored(ref4: Run, corpus: Path, tmp_path: Path) 
     out = tmp_path / "run"
     launch = Launch(out, *_args(*SLOW), data=corpus)
     try:
-        _wait_for("the coordinator's port", (out / "coordinator.port").exists, launch)
-        port = int((out / "coordinator.port").read_text())
+        _wait_for("the coordinator's port", (out / rundir.COORDINATOR_PORT).exists, launch)
+        port = int((out / rundir.COORDINATOR_PORT).read_text())
         store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
         forged = {"step": 0, "loss": 0.0, "microbatches": 8, "members": [0], "generation": 0,
                   "recovered": [], "attempts": 1, "step_time_s": 0.1, "t_commit": 0.0}
@@ -149,11 +150,11 @@ def test_full_run_directory_holds_lines_until_space_returns(ref4: Run, corpus: P
         try:
             # Full before the first line: appending to a file's last page can still succeed
             # on a full tmpfs (its slack), so a file that already holds lines is no test.
-            _wait_for("the coordinator's port", (out / "coordinator.port").exists, launch)
+            _wait_for("the coordinator's port", (out / rundir.COORDINATOR_PORT).exists, launch)
             filler = _Filler(out)
             _wait_for("the refused append's report",
                       lambda: "cannot append to" in launch.stderr(), launch)
-            time.sleep(2.0)  # more steps commit meanwhile: their lines are held too
+            time.sleep(1.0)  # more steps commit meanwhile: their lines are held too
             assert launch.running(), launch.stderr()[-3000:]
         finally:
             if filler is not None:

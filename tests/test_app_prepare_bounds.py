@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from recover.app import prepare
+from recover.app import prepare_sources, prepare_tokens
 from recover.app.prepare import run_cli
 from recover.data import open_prepared
 
@@ -100,9 +100,9 @@ def test_pieces_give_the_whole_documents_tokens(tmp_path: Path, mode: str,
     argv = [tmp_path / "t.txt", tmp_path / "d.jsonl", *how, "--shard-tokens", 2000,
             "--workers", 1]
     assert _prepare(capsys, *argv, "--out", tmp_path / "whole")[0] == 0
-    monkeypatch.setattr(prepare, "PIECE_CHARS", 256)
-    monkeypatch.setattr(prepare, "READ_BYTES", 100)
-    monkeypatch.setattr(prepare, "CHUNK_CHARS", 700)  # tasks end mid-document too
+    monkeypatch.setattr(prepare_sources, "PIECE_CHARS", 256)
+    monkeypatch.setattr(prepare_sources, "READ_BYTES", 100)
+    monkeypatch.setattr(prepare_tokens, "CHUNK_CHARS", 700)  # tasks end mid-document too
     assert _prepare(capsys, *argv, "--out", tmp_path / "pieces")[0] == 0
     a, b = (json.loads((tmp_path / d / "meta.json").read_text()) for d in ("whole", "pieces"))
     assert a["splits"] == b["splits"] and a["splits"]["train"]["documents"] + 1 >= 7
@@ -129,7 +129,8 @@ def test_bad_lines_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture,
                        "line 2 is longer than 2,000 bytes"),
     }
     for name, (content, expected) in cases.items():
-        monkeypatch.setattr(prepare, "MAX_LINE_BYTES", 2000 if name == "long.jsonl" else 10 ** 9)
+        monkeypatch.setattr(prepare_sources, "MAX_LINE_BYTES",
+                            2000 if name == "long.jsonl" else 10 ** 9)
         f = tmp_path / name
         f.write_bytes(content if isinstance(content, bytes) else content.encode())
         code, err = _prepare(capsys, f, "--bytes", "--out", tmp_path / "new", "--workers", 1)

@@ -19,12 +19,15 @@ from typing import Any
 import pytest
 import torch
 
+from recover.app import rundir
 from recover.app.cli import main
 from recover.app.config import preset
-from recover.app.train import checkpoint_safe, ckpt_files, foreign
-from recover.app.train.checkpoint import save_checkpoint
-from recover.app.train.launch import prepare_run
+from recover.app.train import foreign
+from recover.app.train.checkpoint import files as ckpt_files
+from recover.app.train.checkpoint import safe as checkpoint_safe
+from recover.app.train.checkpoint.dcp import save_checkpoint
 from recover.app.train.optim import build_optimizer
+from recover.app.train.prepared import prepare_run
 from recover.errors import CheckpointError
 
 pytestmark = pytest.mark.timeout(120)
@@ -53,7 +56,7 @@ def _run_dir_and_model(tmp_path: Path) -> tuple[Path, Path, dict[str, torch.Tens
     cfg = preset("debug").replace(run={"out": str(d)})
     cfg.model.n_layer, cfg.model.n_embd = 1, 32
     (d / "config.json").write_text(cfg.to_json())
-    (d / "run.token").write_bytes(TOKEN + b"\n")
+    (d / rundir.RUN_TOKEN).write_bytes(TOKEN + b"\n")
     model = foreign.build_lm(cfg.model, cfg.run.seed)
     opt = build_optimizer(model, cfg)
     extra = {"next_microbatch_id": cfg.data.microbatches, "trajectory": cfg.trajectory_key()}
@@ -138,7 +141,7 @@ def test_a_non_tensor_entry_that_runs_code_is_refused(tmp_path: Path) -> None:
 
 
 def test_an_honest_checkpoint_loads_bitwise(tmp_path: Path) -> None:
-    from recover.app.train.restore import load_run
+    from recover.app.train.checkpoint.restore import load_run
 
     d, _, saved = _run_dir_and_model(tmp_path)
     got = load_run(d).model.state_dict()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from recover.app import rundir
 from recover.app.cli import main
 from recover.app.config import preset
 from recover.app.runtoken import ENV, MAX_BYTES, run_token
@@ -46,7 +47,7 @@ def _bad(kind: str, path: Path) -> str:
 
 @pytest.mark.parametrize("kind", ["binary", "fifo", "folder", "huge", "empty"])
 def test_a_bad_token_file_is_one_line(tmp_path: Path, kind: str) -> None:
-    expected = _bad(kind, tmp_path / "run.token")
+    expected = _bad(kind, tmp_path / rundir.RUN_TOKEN)
     t0 = time.monotonic()
     with pytest.raises(ConfigError) as e:
         run_token(tmp_path)
@@ -61,7 +62,7 @@ def test_export_with_a_bad_token_is_one_line(tmp_path: Path, kind: str,
     d.mkdir()
     (d / "config.json").write_text(preset("debug").replace(run={"out": str(d)}).to_json())
     (d / "ckpt").mkdir()
-    expected = _bad(kind, d / "run.token")
+    expected = _bad(kind, d / rundir.RUN_TOKEN)
     try:
         code = main(["export", "--run", str(d), "--out", str(tmp_path / "m.safetensors")])
     except SystemExit as e:
@@ -72,5 +73,5 @@ def test_export_with_a_bad_token_is_one_line(tmp_path: Path, kind: str,
 
 
 def test_a_good_token_is_read_as_written(tmp_path: Path) -> None:
-    (tmp_path / "run.token").write_text("abc123\n")
+    (tmp_path / rundir.RUN_TOKEN).write_text("abc123\n")
     assert run_token(tmp_path) == b"abc123"

@@ -26,10 +26,11 @@ import pytest
 from rich.console import Console
 from torch.distributed import TCPStore
 
-from recover.app.train import launch, metrics
+from recover.app import rundir
+from recover.app.train import launch, metrics, prepared, supervision
 from recover.app.train.metrics import MetricsSink, seal_record
 from recover.app.train.progress import ProgressView
-from recover.collectives import keys, sealed
+from recover.control import keys, sealed
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = "a run token"
@@ -72,22 +73,22 @@ def _put(store: TCPStore, step: int, rec: dict[str, Any] | None = None) -> None:
 def test_a_bad_record_is_ignored_until_the_real_one(tmp_path: Path, junk: bytes,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     store = _store()
-    sink, _ = _sink(store, tmp_path / "metrics.jsonl", 2)
+    sink, _ = _sink(store, tmp_path / rundir.METRICS, 2)
     store.set(keys.record_key(0), junk)
     with caplog.at_level(logging.WARNING):
         assert sink.poll() == 0 and sink.poll() == 0  # no exception, nothing written
     assert any("rec/0" in r.getMessage() for r in caplog.records)
-    assert not (tmp_path / "metrics.jsonl").exists()
+    assert not (tmp_path / rundir.METRICS).exists()
     _put(store, 0)  # the replicas' own record replaces it (a `set`)
     _put(store, 1)
     assert sink.poll() == 2
-    assert [r["step"] for r in metrics.read_metrics(tmp_path / "metrics.jsonl")] == [0, 1]
+    assert [r["step"] for r in metrics.read_metrics(tmp_path / rundir.METRICS)] == [0, 1]
 
 
 def test_forged_records_are_logged_rate_limited(tmp_path: Path,
                                                 caplog: pytest.LogCaptureFixture) -> None:
     store = _store()
-    sink, _ = _sink(store, tmp_path / "metrics.jsonl", 1)
+    sink, _ = _sink(store, tmp_path / rundir.METRICS, 1)
     with caplog.at_level(logging.WARNING):
         for i in range(200):
             store.set(keys.record_key(0), f"junk {i}")
@@ -116,7 +117,7 @@ class _Disk:
 @pytest.mark.parametrize("partial", [False, True], ids=["refused", "half-written"])
 def test_full_disk_holds_lines_until_space_returns(tmp_path: Path, partial: bool,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tmp_path / "metrics.jsonl"
+    path = tmp_path / rundir.METRICS
     store = _store()
     sink, console = _sink(store, path, 8)
     disk = _Disk(path)
@@ -145,7 +146,7 @@ def test_full_disk_holds_lines_until_space_returns(tmp_path: Path, partial: bool
 
 def test_still_full_at_the_end_is_one_line(tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tmp_path / "metrics.jsonl"
+    path = tmp_path / rundir.METRICS
     store = _store()
     sink, console = _sink(store, path, 1)
     disk = _Disk(path)
@@ -160,7 +161,7 @@ def test_still_full_at_the_end_is_one_line(tmp_path: Path,
 def test_end_of_run_report_on_a_full_disk_is_one_line(tmp_path: Path) -> None:
     buf = io.StringIO()
     with mock.patch.object(os, "fsync", side_effect=OSError(errno.ENOSPC, "No space left")):
-        launch._write_report(tmp_path / "exit_codes.json", "{}\n", Console(file=buf))
+        launch._write_report(tmp_path / rundir.EXIT_CODES, "{}\n", Console(file=buf))
     assert "cannot write" in buf.getvalue() and not list(tmp_path.iterdir())
 
 
@@ -196,8 +197,8 @@ def test_a_full_disk_at_the_start_is_one_line(tmp_path: Path) -> None:
 
 def test_a_stop_reason_from_the_store_is_text() -> None:
     """`run/stopped` (any store client can write it) is shown as bounded text, never raised."""
-    assert launch._said(b"\xff\xfe below min\nreplicas") == "\ufffd\ufffd below min replicas"
-    assert len(launch._said(b"x" * 10**6)) == launch.MAX_REASON + 3
+    assert supervision.said(b"\xff\xfe below min\nreplicas") == "\ufffd\ufffd below min replicas"
+    assert len(supervision.said(b"x" * 10**6)) == supervision.MAX_REASON + 3
 
 
 class _FullFile(io.StringIO):
@@ -211,7 +212,7 @@ def test_a_console_that_cannot_be_written_costs_no_line(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The launcher's output file on the full disk too: the console lines are lost, the
     metrics lines are not, and nothing is raised (a scheduler's output file, a closed pipe)."""
-    path = tmp_path / "metrics.jsonl"
+    path = tmp_path / rundir.METRICS
     store = _store()
     view = ProgressView(Console(file=_FullFile(), width=200), 0, 3, quiet=False)
     sink = MetricsSink(store, path, 0, 3, 1, 0.0, view, token=TOKEN)
@@ -225,4 +226,4 @@ def test_a_console_that_cannot_be_written_costs_no_line(tmp_path: Path,
         disk.full = False
         sink.close()
     assert [r["step"] for r in metrics.read_metrics(path)] == [0, 1, 2]
-    launch._say(Console(file=_FullFile()), "a line")  # the launcher's own lines: the same
+    prepared.say(Console(file=_FullFile()), "a line")  # the launcher's own lines: the same

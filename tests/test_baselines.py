@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from recover.app.baselines.ckpt_restart import young_daly_k
+from harness.runs import BASE, Run, bitwise_equal, max_rel, recover_train
+from recover.app.baselines.ckpt_restart import AbortOnLoss, young_daly_k
 from recover.app.baselines.schedule import bench_schedule, remap
 from recover.app.config import preset
 from recover.app.faults import PHASES, validate_faults
 from recover.app.train.launch import launch
 from recover.errors import ConfigError
-from recover.testing.runs import BASE, Run, bitwise_equal, max_rel, recover_train
 
 
 def test_schedule_is_seeded_spread_and_kills_half() -> None:
@@ -78,8 +78,9 @@ def test_shrink_batch_discards_and_shrinks(ref4: Run, corpus: Path, tmp_path: Pa
 def test_abort_on_loss_tears_the_job_down(corpus: Path, tmp_path: Path) -> None:
     cfg = preset("debug")
     cfg.layout.replicas, cfg.run.steps, cfg.data.eval_every, cfg.data.path = 3, 10, 0, str(corpus)
-    cfg.run.out, cfg.ft.faults = str(tmp_path / "run"), ["kill:replica=1,step=4,phase=forward"]
-    res = launch(cfg, quiet=True, abort_on_loss=True)
+    cfg.run.out = str(tmp_path / "run")
+    cfg = cfg.replace(ft={"faults": ["kill:replica=1,step=4,phase=forward"]})
+    res = launch(cfg, quiet=True, watch=AbortOnLoss)
     assert not res.ok and res.aborted == [1], res.message
     assert res.exit_codes[1] == -9 and all(c is not None for c in res.exit_codes.values())
     assert [r["step"] for r in res.records] == [0, 1, 2, 3]  # nothing recovered in place

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from harness.runs import Launch, max_rel
+from recover.app import rundir
+from recover.app.sim.calibrate import load_calibration, predict_wall_times
 from recover.app.train.metrics import read_metrics
-from recover.sim.calibrate import load_calibration, predict_wall_times
-from recover.testing.runs import Launch, max_rel
 
 BENCH_ARGS = ["--smoke", "--seed", "0"]  # 2 replicas, 20 steps, one kill
 
@@ -45,7 +46,7 @@ def test_recover_bench_outputs_and_last_line(bench: tuple[Path, str]) -> None:
     assert last.startswith("effective_throughput_ratio=")
     ratio = float(last.split("=")[1])
     assert math.isfinite(ratio) and ratio > 0
-    md = (out / "bench.md").read_text()
+    md = (out / rundir.BENCH_TABLE).read_text()
     for system in ("recover", "ckpt-restart", "shrink-batch"):
         assert f"| {system} |" in md
 
@@ -54,19 +55,19 @@ def test_recover_bench_outputs_and_last_line(bench: tuple[Path, str]) -> None:
 @pytest.mark.timeout(600)
 def test_recover_bench_trajectories(bench: tuple[Path, str]) -> None:
     out, _ = bench
-    ref = read_metrics(out / "reference" / "metrics.jsonl")
-    losses = {s: [r["loss"] for r in read_metrics(out / s / "metrics.jsonl")]
+    ref = read_metrics(out / "reference" / rundir.METRICS)
+    losses = {s: [r["loss"] for r in read_metrics(out / s / rundir.METRICS)]
               for s in ("recover", "ckpt-restart", "shrink-batch")}
     ref_losses = [r["loss"] for r in ref]
     assert len(ref) == 20 and all(len(v) == 20 for v in losses.values())
     assert max_rel(losses["recover"], ref_losses) < 1e-5
     assert max_rel(losses["ckpt-restart"], ref_losses) < 1e-5  # constant N through the restart
     assert max_rel(losses["shrink-batch"], ref_losses) > 1e-4  # the batch shrank: it deviates
-    shrink = read_metrics(out / "shrink-batch" / "metrics.jsonl")
+    shrink = read_metrics(out / "shrink-batch" / rundir.METRICS)
     assert min(r["microbatches"] for r in shrink) == 4  # the survivor's own share of N = 8
-    calib = json.loads((out / "bench.json").read_text())
+    calib = json.loads((out / rundir.BENCH_CALIBRATION).read_text())
     assert calib["replicas"] == 2 and len(calib["fault_steps"]) == 1
-    runs = json.loads((out / "bench_runs.json").read_text())
+    runs = json.loads((out / rundir.BENCH_RUNS).read_text())
     assert len(next(r for r in runs if r["name"] == "ckpt-restart")["attempts"]) == 2
 
 
@@ -74,7 +75,7 @@ def test_recover_bench_trajectories(bench: tuple[Path, str]) -> None:
 @pytest.mark.timeout(600)
 def test_recover_bench_simulator_predicts_each_wall_time(bench: tuple[Path, str]) -> None:
     out, _ = bench
-    calib = load_calibration(str(out / "bench.json"))
+    calib = load_calibration(str(out / rundir.BENCH_CALIBRATION))
     pred = predict_wall_times(calib)
     errors = {s: abs(pred[s] - m) / m for s, m in calib["wall_s"].items()}
     assert set(errors) == {"recover", "ckpt-restart", "shrink-batch"}

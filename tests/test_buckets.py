@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from recover.parallel.plain import FlatGrads
+from recover.layouts.plain import FlatGrads
 from recover.recovery.buckets import FIRST_BUCKET_BYTES, BucketPlan, Overlap, StreamedGrad
 
 MIB = 1 << 20

@@ -1,4 +1,5 @@
-"""Tests for recover.app.train.checkpoint: exact resume, safe publishing, authentication, errors."""
+"""Tests for recover.app.train.checkpoint.dcp: exact resume, safe publishing, authentication,
+errors."""
 
 from __future__ import annotations
 
@@ -20,6 +21,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness.runs import (
+    LAYOUT_ARGS,
+    LAYOUT_FLAGS,
+    LAYOUT_STEPS,
+    Run,
+    max_rel,
+    recover_train,
+)
+from recover.app import rundir
 from recover.app.cli import main
 from recover.app.config import (
     DataConfig,
@@ -30,21 +40,13 @@ from recover.app.config import (
     preset,
 )
 from recover.app.runtoken import run_token
-from recover.app.train import ckpt_files
-from recover.app.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from recover.app.train.ckpt_files import advance_latest, find_latest, write_manifest
+from recover.app.train.checkpoint import files as ckpt_files
+from recover.app.train.checkpoint.dcp import latest_checkpoint, load_checkpoint, save_checkpoint
+from recover.app.train.checkpoint.files import advance_latest, find_latest, write_manifest
 from recover.app.train.data import microbatch
 from recover.app.train.model import GPT, build_model
 from recover.app.train.optim import build_optimizer, lr_at, set_lr
 from recover.errors import CheckpointError, ConfigError, ExitCode
-from recover.testing.runs import (
-    LAYOUT_ARGS,
-    LAYOUT_FLAGS,
-    LAYOUT_STEPS,
-    Run,
-    max_rel,
-    recover_train,
-)
 from recover.workload.ids import id_seed, step_ids
 
 MODEL = ModelConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
@@ -245,7 +247,7 @@ def test_run_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="no run token"):
         run_token(tmp_path)
     token = run_token(tmp_path, create=True)
-    assert len(token) == 64 and (tmp_path / "run.token").stat().st_mode & 0o777 == 0o600
+    assert len(token) == 64 and (tmp_path / rundir.RUN_TOKEN).stat().st_mode & 0o777 == 0o600
     assert run_token(tmp_path, create=True) == token == run_token(tmp_path)  # never rewritten
     monkeypatch.setenv("RECOVER_RUN_TOKEN", "from-the-env")
     assert run_token(tmp_path / "elsewhere") == b"from-the-env"
@@ -332,7 +334,7 @@ def test_layout_stop_and_resume(single_replica: Run, corpus: Path, tmp_path: Pat
     out, args = tmp_path / "run", [*ARGS, "--replicas", "2", *LAYOUT[layout]]
     first = recover_train(out, *args, "--stop-at", "3", "--ckpt-every", "2", data=corpus)
     assert first.returncode == 0, first.stderr[-3000:]
-    ckpt = out / "ckpt"
+    ckpt = out / rundir.CKPT
     assert sorted(p.name for p in ckpt.iterdir()) == [
         ".latest.lock", "latest", "step_00000002", "step_00000003"]  # nothing half-written
     # One copy, by the leader replica's two ranks together (a shard / stage file each).
@@ -388,9 +390,9 @@ def _stopped_run(tmp_path: Path, step: int = 12) -> Path:
     cfg = preset("debug")
     cfg.run.steps, cfg.run.out = 20, str(out)
     out.mkdir()
-    (out / "config.json").write_text(cfg.to_json())
+    (out / rundir.CONFIG).write_text(cfg.to_json())
     model, opt = _fresh()
-    save_checkpoint(out / "ckpt", step, model, opt, {}, key=run_token(out, create=True))
+    save_checkpoint(out / rundir.CKPT, step, model, opt, {}, key=run_token(out, create=True))
     return out
 
 
@@ -410,7 +412,7 @@ def test_resume_without_the_token(capsys: pytest.CaptureFixture[str], tmp_path: 
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RECOVER_RUN_TOKEN", raising=False)
     out = _stopped_run(tmp_path)
-    (out / "run.token").unlink()  # or: the run was started with RECOVER_RUN_TOKEN, unset now
+    (out / rundir.RUN_TOKEN).unlink()  # or: the run was started with RECOVER_RUN_TOKEN, unset now
     before = _tree(out)
     code, err = _resume(capsys, out)
     assert code == ExitCode.USAGE

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from recover.app import rundir
 from recover.app.cli import main
 
 pytestmark = pytest.mark.timeout(60)
@@ -80,10 +81,10 @@ def test_existing_run_is_not_overwritten(capsys: pytest.CaptureFixture[str],
                                          tmp_path: Path) -> None:
     out = tmp_path / "o"
     out.mkdir()
-    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    (out / rundir.METRICS).write_text('{"step": 0}\n')
     code, err = _err(capsys, ["train", "--out", str(out)])
     assert code != 0 and "already holds a run" in err
-    assert (out / "metrics.jsonl").read_text() == '{"step": 0}\n'
+    assert (out / rundir.METRICS).read_text() == '{"step": 0}\n'
 
 
 def test_out_that_cannot_be_a_run_directory(capsys: pytest.CaptureFixture[str],

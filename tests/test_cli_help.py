@@ -15,7 +15,7 @@ from recover.app import faults
 from recover.app.cli import build_parser, config_from_args, main
 from recover.app.config import PRESETS, RunConfig, preset
 from recover.app.configfile import RUN_OWN
-from recover.collectives.coordconfig import CoordinatorConfig
+from recover.control.coordconfig import CoordinatorConfig
 from recover.errors import UsageParser
 
 pytestmark = pytest.mark.timeout(60)

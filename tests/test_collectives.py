@@ -1,6 +1,6 @@
 """Layer 1 (collectives) on real processes and real signals.
 
-Each scenario starts a coordinator (`recover.collectives.coordinator:main`) and 4 replica processes
+Each scenario starts a coordinator (`recover.control.coordinator:main`) and 4 replica processes
 of `recover.collectives.selftest:main` (one JSON line per event: joined / reduce / fault / done),
 injects faults with os.kill at a real moment (after the victim logged some reduces, i.e. inside its
 reduce loop), and then judges the run from the logs:
@@ -29,10 +29,10 @@ from pathlib import Path
 
 import pytest
 
-from recover.collectives import connect_store, keys
+from harness.processes import Proc, stop, stop_all
 from recover.collectives.tree import TREE_MAX_BYTES
+from recover.control import connect_store, keys
 from recover.errors import ExitCode
-from recover.testing.processes import Proc, stop, stop_all
 
 N = 4  # replicas per scenario
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -115,7 +115,7 @@ class Cluster:
         port_file = self.tmp / "coordinator.port"
         argv = ["--replicas", str(self.n), "--host", "127.0.0.1", "--port", "0", "--port-file",
                 str(port_file), "--log", str(self.coord_log)]
-        self.coord = Proc("coordinator", "recover.collectives.coordinator:main", argv, self.tmp,
+        self.coord = Proc("coordinator", "recover.control.coordinator:main", argv, self.tmp,
                           ENV)
         self.procs.append(self.coord)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

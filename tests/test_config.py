@@ -13,7 +13,7 @@ import pytest
 from recover.app.cli import build_parser, config_fields, config_from_args
 from recover.app.config import LAYOUTS, RunConfig, flag_of, flatten, preset
 from recover.errors import ConfigError
-from recover.parallel import LAYOUTS as PARALLEL_LAYOUTS
+from recover.layouts import LAYOUTS as PARALLEL_LAYOUTS
 
 # Today's trajectory: everything a failure-free loss curve depends on, nothing it does not.
 TRAJECTORY = {f"model.{f}" for f in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd",
@@ -155,7 +155,7 @@ def test_launch_env_is_read_in_one_place() -> None:
 def test_every_number_declares_its_bounds() -> None:
     """Each int and float setting (the run config's, the library's FaultTolerance, the
     coordinator's) carries the Bounds its validation checks: a new number cannot skip them."""
-    from recover.collectives.coordconfig import CoordinatorConfig
+    from recover.control.coordconfig import CoordinatorConfig
     from recover.settings import Bounds, FaultTolerance
 
     hinted = [(cls, f) for cls in (FaultTolerance, CoordinatorConfig)
@@ -213,7 +213,7 @@ def test_the_library_refuses_bad_fault_tolerance(kwargs: dict, needle: str) -> N
 
 def test_the_library_bounds_agree_with_the_engine() -> None:
     """The bounds settings and the coordinator declare are the step engine's own limits."""
-    from recover.collectives.coordconfig import MAX_REPLICAS
+    from recover.control.coordconfig import MAX_REPLICAS
     from recover.recovery.step import REDUCE_DTYPES
     from recover.recovery.trailer import MAX_REPLICAS as TRAILER_MAX_REPLICAS
     from recover.settings import REDUCE_DTYPE_NAMES
@@ -233,14 +233,14 @@ def test_the_library_bounds_agree_with_the_engine() -> None:
     ({"fingerprint": "a b"}, "holds whitespace"),
 ])
 def test_coordinator_config_refuses_bad_settings(kwargs: dict, needle: str) -> None:
-    from recover.collectives.coordconfig import CoordinatorConfig
+    from recover.control.coordconfig import CoordinatorConfig
 
     with pytest.raises(ConfigError, match=re.escape(needle)):
         CoordinatorConfig(**{"replicas": 2, **kwargs})
 
 
 def test_coordinator_files(tmp_path: Path) -> None:
-    from recover.collectives.coordconfig import CoordinatorConfig
+    from recover.control.coordconfig import CoordinatorConfig
 
     empty = tmp_path / "empty"
     empty.write_text("\n")

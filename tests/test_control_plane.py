@@ -20,12 +20,13 @@ import pytest
 import torch
 from rich.console import Console
 
+from harness.inproc import Fault, Harness
+from recover.app import rundir
 from recover.app.train.metrics import MetricsSink
 from recover.app.train.progress import ProgressView
-from recover.collectives import keys, shards
-from recover.collectives.storecount import Tally, counting_connect
+from recover.control import keys, shards
+from recover.control.storecount import Tally, counting_connect
 from recover.recovery.step import MAX_MICROBATCHES
-from recover.testing.inproc import Fault, Harness
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -90,7 +91,7 @@ def test_store_key_count_is_flat(tmp_path: Path, n_shards: int, positions: int) 
     steps = 150
     h = Harness(tmp_path, 3, n=6, steps=steps, records=True, store_shards=n_shards,
                 positions=positions, speaker=positions > 1, speed_aware=False)
-    sink = MetricsSink(h.store(), tmp_path / "metrics.jsonl", 0, steps, 1, 0.0,
+    sink = MetricsSink(h.store(), tmp_path / rundir.METRICS, 0, steps, 1, 0.0,
                        ProgressView(Console(quiet=True), 0, steps, quiet=True))
     counts: dict[int, int] = {}
     stop = threading.Event()

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from recover.collectives import Coordinator, CoordinatorConfig, keys
-from recover.collectives.admission import resume_plan
+from recover.control import Coordinator, CoordinatorConfig, keys
+from recover.control.admission import resume_plan
 
 pytestmark = pytest.mark.timeout(60)
 

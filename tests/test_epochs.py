@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from conftest import generated_text
+from harness.runs import Run, max_rel, read_jsonl, recover_train
+from recover.app import rundir
 from recover.app.prepare import run_cli
 from recover.data import TokenWindows, open_prepared
-from recover.testing.runs import Run, max_rel, read_jsonl, recover_train
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 STEPS, N, B, BLOCK = 10, 8, 4, 64
@@ -71,8 +72,8 @@ def test_every_window_once_per_epoch_through_kills_and_a_rejoin(tmp_path: Path) 
     assert sum(len(r["recovered"]) for r in recs) > 0  # the killed ones' ids were recomputed
     assert recs[-1]["epoch"] == pytest.approx(STEPS * N * B / windows, abs=1e-6)
     assert recs[-1]["tokens_seen"] == STEPS * N * B * BLOCK
-    ref = read_jsonl(run.out / "reference" / "metrics.jsonl")
+    ref = read_jsonl(run.out / rundir.REFERENCE / rundir.METRICS)
     assert max_rel(run.losses(), [r["loss"] for r in ref]) < 1e-5
     _check_epochs(_reads(logs, run.out), windows)
-    _check_epochs(_reads(logs, run.out / "reference"), windows)
-    assert _reads(logs, run.out) == _reads(logs, run.out / "reference")
+    _check_epochs(_reads(logs, run.out / rundir.REFERENCE), windows)
+    assert _reads(logs, run.out) == _reads(logs, run.out / rundir.REFERENCE)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from recover.collectives import Coordinator, CoordinatorConfig, keys
-from recover.collectives.admission import convicted, cut_off
+from recover.control import Coordinator, CoordinatorConfig, keys
+from recover.control.admission import convicted, cut_off
 
 pytestmark = pytest.mark.timeout(60)
 STALE_S = 1.0  # heartbeats every 50 ms: silence is never what these tests see

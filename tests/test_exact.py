@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-from recover.parallel.grads import ShardedGrads
-from recover.parallel.plain import FlatGrads
+from harness.runs import LAYOUT_FLAGS, bitwise_equal, recover_train
+from recover.layouts.plain import FlatGrads
+from recover.layouts.sharded import ShardedGrads
 from recover.recovery.exact import FIRST_MAX, ExactGrads, ExactOverflow
-from recover.testing.runs import LAYOUT_FLAGS, bitwise_equal, recover_train
 
 
 class _Layout:

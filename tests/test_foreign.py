@@ -20,11 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.runs import LAYOUT_ARGS, LAYOUT_FLAGS, LAYOUT_STEPS, Run, recover_train
+from recover.app import rundir
 from recover.app.cli import main
 from recover.app.config import RunConfig, fingerprint
 from recover.app.prepare import run_cli
 from recover.app.train import foreign
-from recover.testing.runs import LAYOUT_ARGS, LAYOUT_FLAGS, LAYOUT_STEPS, Run, recover_train
 
 # The `hf` extra (transformers, safetensors); the README's test command installs every extra.
 transformers = pytest.importorskip("transformers")
@@ -104,7 +105,7 @@ def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 def shards_joined(run: Run, replica: int) -> dict[str, torch.Tensor]:
     """A hsdp replica's final parameters, its 2 shard ranks' row blocks put back together."""
-    parts = [torch.load(run.out / "final" / f"replica{replica}.rank{k}.pt", weights_only=True)
+    parts = [torch.load(run.out / rundir.FINAL / f"replica{replica}.rank{k}.pt", weights_only=True)
              for k in range(2)]
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
@@ -112,7 +113,7 @@ def shards_joined(run: Run, replica: int) -> dict[str, torch.Tensor]:
 # -- the runs ------------------------------------------------------------------------------------
 def test_hf_model_hsdp_sample_export(hf_run: Run, llama: Path, capsys: pytest.CaptureFixture[str],
                                      tmp_path: Path) -> None:
-    cfg = json.loads((hf_run.out / "config.json").read_text())["model"]
+    cfg = json.loads((hf_run.out / rundir.CONFIG).read_text())["model"]
     assert cfg["hf_config"] == json.loads((llama / "config.json").read_text())
     assert cfg["identity"] == "hf:" + foreign.config_digest(cfg["hf_config"])
 
@@ -259,7 +260,7 @@ def no_ckpt_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run directory whose run never saved a checkpoint."""
     d = tmp_path_factory.mktemp("nockpt")
     (d / "config.json").write_text(RunConfig().to_json())
-    (d / "run.token").write_text("t\n")
+    (d / rundir.RUN_TOKEN).write_text("t\n")
     return d
 
 
@@ -318,8 +319,8 @@ def test_every_layout_reads_back_as_the_plain_model() -> None:
     """What `recover sample`/`export` read: a pipeline's stages (each numbering its blocks from 0,
     the tied head in the last) and TP's permuted q/k/v rows, put back in the plain GPT's names and
     order (plain and hsdp checkpoints already are: DCP joins FSDP2's shards)."""
+    from recover.app.train.checkpoint.restore import plain_state
     from recover.app.train.parallelize import qkv_order
-    from recover.app.train.restore import plain_state
 
     cfg = RunConfig()
     cfg.model.n_layer = 4

@@ -26,11 +26,11 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from recover.app import cli
+from recover.app import cli, rundir
 from recover.app.config import preset
 from recover.app.train import worker
-from recover.collectives import coordinator
-from recover.collectives.coordconfig import CoordinatorConfig
+from recover.control import coordinator
+from recover.control.coordconfig import CoordinatorConfig
 from recover.settings import Number
 
 pytestmark = pytest.mark.timeout(120)
@@ -43,7 +43,7 @@ ANY_STRING = {
     "--out": "any path names a run directory to make (a file in its place, or a place no folder "
              "can be made: tests/test_cli_errors.py)",
     "--host": "any name may be a host: it is resolved when the listener binds "
-              "(recover.collectives.listen refuses one that does not resolve, in one line)",
+              "(recover.control.listen refuses one that does not resolve, in one line)",
     "--fingerprint": "any word is a fingerprint (whitespace is refused: fuzzed)",
     "--port-file": "any path whose folder exists names a file for the coordinator to write",
     "--log": "any path whose folder exists names a file for the coordinator to write",
@@ -225,7 +225,7 @@ def run_dir(tmp_path: Path) -> Path:
     d = tmp_path / "run"
     d.mkdir()
     (d / "config.json").write_text(preset("debug").replace(run={"out": str(d)}).to_json())
-    (d / "run.token").write_text("0123abcd\n")
+    (d / rundir.RUN_TOKEN).write_text("0123abcd\n")
     return d
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from recover.collectives import Coordinator, CoordinatorConfig, FenceHandlers, Member, keys
+from recover.control import Coordinator, CoordinatorConfig, FenceHandlers, Member, keys
 from recover.settings import FaultTolerance
 
 FT = FaultTolerance(join_timeout_s=30.0)  # the members' store connects and joins

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from recover.testing.runs import own_loop
+from harness.runs import own_loop
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -103,7 +103,7 @@ def test_a_stalled_deletion_thread_leaves_no_key_behind(caplog: pytest.LogCaptur
 
     from torch.distributed import TCPStore
 
-    from recover.collectives import keys
+    from recover.control import keys
     from recover.recovery.lifetime import KEEP, QUEUE_MAX, Committed, KeyLifetime
 
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,

@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from recover.procs import Process
-from recover.testing.processes import session
-from recover.testing.runs import (
+from harness.processes import session
+from harness.runs import (
     LAYOUT_ARGS,
     LAYOUT_FLAGS,
     LAYOUT_STEPS,
@@ -31,6 +30,8 @@ from recover.testing.runs import (
     recover_train,
     rel_l2,
 )
+from recover.app import rundir
+from recover.procs import Process
 
 pytestmark = pytest.mark.timeout(300)
 N, STEPS = 8, LAYOUT_STEPS
@@ -50,11 +51,11 @@ def train(out: Path, corpus: Path, *args: str) -> Run:
 def rank_final(run: Run, replica: int, rank: int) -> dict:
     import torch
 
-    return torch.load(run.out / "final" / f"replica{replica}.rank{rank}.pt", weights_only=True)
+    return torch.load(run.out / rundir.FINAL / f"replica{replica}.rank{rank}.pt", weights_only=True)
 
 
 def exit_codes(run: Run) -> dict[str, int]:
-    return json.loads((run.out / "exit_codes.json").read_text())
+    return json.loads((run.out / rundir.EXIT_CODES).read_text())
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +170,7 @@ def test_kill_one_rank(refs: dict[str, Run], corpus: Path, tmp_path: Path, layou
     # fenced: left by itself, not ended by the launcher
     assert codes[f"replica1.rank{sibling}"] == 3, codes
     assert codes["replica0.rank0"] == 0 and codes["replica0.rank1"] == 0, codes
-    log = (run.out / "logs" / (f"replica1.rank{killed}.log" if killed else "replica1.log"))
+    log = (run.out / rundir.LOGS / (f"replica1.rank{killed}.log" if killed else "replica1.log"))
     assert "injecting kill" in log.read_text()
     for k in range(2):  # the survivor's shards/stages: the reference's, up to summation order
         assert rel_l2(rank_final(run, 0, k), rank_final(ref, 0, k)) < 1e-4
@@ -190,9 +191,9 @@ def test_sigterm_to_one_rank_is_the_replicas_planned_leave(refs: dict[str, Run],
     # never computed anywhere, moved to replica 0 (a second attempt, nothing computed twice)
     assert recs[4]["members"] == [0], recs[4]
     assert exit_codes(run) == {f"replica{r}.rank{k}": 0 for r in range(2) for k in range(2)}
-    exits = json.loads((run.out / "replica_exits.json").read_text())
+    exits = json.loads((run.out / rundir.REPLICA_EXITS).read_text())
     assert exits["1"].endswith("coordinator: left cleanly (preempted)"), exits
-    assert "injecting preempt" in (run.out / "logs" / "replica1.rank1.log").read_text()
+    assert "injecting preempt" in (run.out / rundir.LOGS / "replica1.rank1.log").read_text()
 
 
 # -- pieces, without processes ---------------------------------------------------------------
@@ -215,7 +216,7 @@ def test_qkv_order_gives_each_tp_rank_its_own_heads() -> None:
 
 
 def test_stages_cover_every_layer_once() -> None:
-    from recover.parallel.pp import stage_blocks
+    from recover.layouts.pp import stage_blocks
 
     for layers in range(1, 7):
         for stages in range(1, layers + 1):
@@ -229,7 +230,7 @@ def test_sharded_grads_round_trip() -> None:
     import torch
     from torch import nn
 
-    from recover.parallel.grads import ShardedGrads
+    from recover.layouts.sharded import ShardedGrads
 
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     g = ShardedGrads(model.parameters())

@@ -1,4 +1,4 @@
-"""Listeners bind exactly the address they are given (collectives/listen.py, keys.serve_store)."""
+"""Listeners bind exactly the address they are given (control/listen.py, keys.serve_store)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from recover.collectives import Coordinator, CoordinatorConfig, keys, listen
+from recover.control import Coordinator, CoordinatorConfig, keys, listen
 
 EVERY = ("0.0.0.0", "::")
 

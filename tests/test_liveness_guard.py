@@ -1,4 +1,4 @@
-"""The liveness listener against connections that never say hello (collectives/coordinator.py).
+"""The liveness listener against connections that never say hello (control/liveness.py).
 
 A stranger is dropped HELLO_S after its accept, and strangers from one address hold at most a
 quarter of the coordinator's descriptors: 200 idle connections against a coordinator limited to 96
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from recover import procs
-from recover.collectives import Coordinator, CoordinatorConfig, coordinator, session
+from recover.control import Coordinator, CoordinatorConfig, coordinator, session
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = "a token, with spaces\tand a tab"  # any characters: only its proof travels
@@ -39,7 +39,7 @@ def _line(s: socket.socket, buf: bytes = b"") -> tuple[str, bytes]:
 
 def _hello(s: socket.socket, token: str, replica: int) -> bytes:
     """Answer the coordinator's challenge with a well-formed hello as (replica, 0/1)
-    (collectives/session.py); what came after the challenge."""
+    (control/session.py); what came after the challenge."""
     challenge, rest = _line(s)
     words = ["hello", str(replica), "0", "1", str(os.getpid()), "-", "-"]
     words[session.PROOF_AT] = session.hello_proof(token, challenge.split()[1], words)
@@ -86,7 +86,7 @@ def test_idle_connections_never_starve_a_hello(tmp_path: Path) -> None:
     port_file = tmp_path / "port"
     token_file = tmp_path / "run.token"
     token_file.write_text(TOKEN + "\n")
-    argv = [sys.executable, "-m", "recover.collectives.coordinator", "--replicas", "2",
+    argv = [sys.executable, "-m", "recover.control.coordinator", "--replicas", "2",
             "--host", "127.0.0.1", "--port", "0", "--liveness-port", "0",
             "--port-file", str(port_file), "--token-file", str(token_file),
             "--log", str(tmp_path / "coordinator.jsonl")]

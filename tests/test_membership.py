@@ -1,4 +1,4 @@
-"""`collectives.membership.Membership`'s decisions, driven by calls, with no socket: a dict store
+"""`control.membership.Membership`'s decisions, driven by calls, with no socket: a dict store
 and a list of sent lines stand in for the coordinator's store and connections."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from recover.collectives import CoordinatorConfig, keys
-from recover.collectives.admission import Hello
-from recover.collectives.membership import DEBOUNCE_S, Membership, Peer
+from recover.control import CoordinatorConfig, keys
+from recover.control.admission import Hello
+from recover.control.membership import DEBOUNCE_S, Membership, Peer
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -330,7 +330,7 @@ def test_the_tree_top_decides_once_every_shard_told_it_and_a_redo_wins() -> None
     the main store only when every shard with ranks of the generation has told it, copies what
     is there into those shards (a `redo` written first wins), and a leader that saw a reason to
     store the next plan makes it `commit-plan`."""
-    from recover.collectives import shards
+    from recover.control import shards
 
     main, s0, s1, s2 = DictStore(), DictStore(), DictStore(), DictStore()
     top = shards.TreeTop(main, [s0, s1, s2])

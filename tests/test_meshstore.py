@@ -18,7 +18,7 @@ from torch.distributed import PrefixStore, ProcessGroupGloo
 
 from recover.collectives import reaper
 from recover.collectives.meshstore import MeshStore
-from recover.collectives.storecount import CountedStore, Tally
+from recover.control.storecount import CountedStore, Tally
 
 pytestmark = pytest.mark.timeout(60)
 

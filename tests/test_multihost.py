@@ -39,11 +39,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from recover.collectives import FaultTolerantComm, GlooInterfaceError
-from recover.collectives.netif import is_loopback
-from recover.collectives.progress import ProgressWatch
-from recover.testing.processes import Proc, stop_all
-from recover.testing.runs import Run, max_rel, recover_train
+from harness.processes import Proc, stop_all
+from harness.runs import Run, max_rel, recover_train
+from recover.app import rundir
+from recover.collectives import FaultTolerantComm
+from recover.control import GlooInterfaceError
+from recover.control.netif import is_loopback
+from recover.control.watchdog import ProgressWatch
 
 README = Path(__file__).resolve().parent.parent / "docs" / "cli.md"  # the cluster recipe's page
 SUBNET = "10.77.0"  # only ever assigned inside this test's own namespaces
@@ -198,18 +200,18 @@ class Outcome:
     cut: tuple[int, int] | None = None  # a "partition" fault's two replicas
 
     def metrics(self) -> list[dict]:
-        with open(self.out / "metrics.jsonl") as f:
+        with open(self.out / rundir.METRICS) as f:
             return [json.loads(line) for line in f if line.strip()]
 
     def losses(self) -> list[float]:
         return [r["loss"] for r in self.metrics()]
 
     def events(self) -> list[dict]:
-        with open(self.out / "coordinator.jsonl") as f:
+        with open(self.out / rundir.COORDINATOR_LOG) as f:
             return [json.loads(line) for line in f if line.strip()]
 
     def exits(self) -> dict[int, str]:
-        raw = json.loads((self.out / "replica_exits.json").read_text())
+        raw = json.loads((self.out / rundir.REPLICA_EXITS).read_text())
         return {int(r): how for r, how in raw.items()}
 
     def diagnostics(self) -> str:
@@ -229,7 +231,7 @@ def _wait(cond: Callable[[], bool], limit_s: float, what: str, watch: Proc) -> N
 
 def _metrics_lines(out: Path) -> int:
     try:
-        return (out / "metrics.jsonl").read_bytes().count(b"\n")
+        return (out / rundir.METRICS).read_bytes().count(b"\n")
     except FileNotFoundError:
         return 0
 
@@ -237,7 +239,7 @@ def _metrics_lines(out: Path) -> int:
 def _dropped(out: Path, replica: int) -> bool:
     """The coordinator has published a generation without `replica`."""
     with contextlib.suppress(FileNotFoundError):
-        for line in (out / "coordinator.jsonl").read_text().splitlines():
+        for line in (out / rundir.COORDINATOR_LOG).read_text().splitlines():
             e = json.loads(line)
             if e.get("event") == "generation" and replica not in e["members"]:
                 return True
@@ -248,7 +250,7 @@ def _worker_pids(out: Path) -> dict[int, int]:
     """Each replica's worker PID (torchrun's child), from the coordinator's hello events."""
     pids: dict[int, int] = {}
     with contextlib.suppress(FileNotFoundError):
-        for line in (out / "coordinator.jsonl").read_text().splitlines():
+        for line in (out / rundir.COORDINATOR_LOG).read_text().splitlines():
             e = json.loads(line)
             if e.get("event") == "hello":
                 pids[int(e["replica"])] = int(e["pid"])
@@ -298,7 +300,7 @@ def run_recipe(tmp: Path, corpus: Path, faults: dict[int, str] | None = None,
             cmd = substitute(coord_cmd, {**subs, "/shared/corpus.txt": str(corpus)})
             coord = Proc.command("coordinator", net.exec(0, cmd), logs, env)
             procs.append(coord)
-            _wait(lambda: (out / "config.json").exists(), RUN_LIMIT_S, "DIR/config.json", coord)
+            _wait(lambda: (out / rundir.CONFIG).exists(), RUN_LIMIT_S, "DIR/config.json", coord)
             for i in range(replicas):
                 cmd = substitute(WORKER_CMD, {**subs, "COORD_HOST": net.addr(0), "$i": str(i)})
                 procs.append(Proc.command(f"replica{i}", net.exec(i + 1, cmd), logs, env))
@@ -347,7 +349,7 @@ def adam_steps(ckpt: Path, tmp: Path) -> set[int]:
 
 
 # -- the judgement -----------------------------------------------------------------------------
-# What a replica logs when its data path did not cross the hosts (recover.collectives.netif).
+# What a replica logs when its data path did not cross the hosts (recover.control.netif).
 FALLBACKS = ("reached over loopback", "could not connect from")
 
 
@@ -365,7 +367,7 @@ def check_run(o: Outcome, ref: Run, tmp: Path) -> None:
     why = o.diagnostics()
     assert o.coordinator.returncode == 0, f"the coordinator's `recover train` failed\n{why}"
     check_before_fault(o)
-    n = json.loads((o.out / "config.json").read_text())["data"]["microbatches"]
+    n = json.loads((o.out / rundir.CONFIG).read_text())["data"]["microbatches"]
     recs = o.metrics()
     assert [r["step"] for r in recs] == list(range(STEPS)), why
     assert all(r["microbatches"] == n for r in recs), [r["microbatches"] for r in recs]
@@ -385,7 +387,7 @@ def check_run(o: Outcome, ref: Run, tmp: Path) -> None:
         live = [r["live_replicas"] for r in recs]
         assert live[FAULT_AFTER_STEPS - 1] == len(o.replicas), live
         assert live[-1] == len(o.replicas) - len(o.victims), live
-    ckpt = o.out / "ckpt" / (o.out / "ckpt" / "latest").read_text().strip()
+    ckpt = o.out / rundir.CKPT / (o.out / rundir.CKPT / "latest").read_text().strip()
     meta = json.loads(json.loads((ckpt / "meta.json").read_text())["manifest"])
     assert ckpt.name == f"step_{STEPS:08d}" and meta["step"] == STEPS, (ckpt, meta["step"])
     assert adam_steps(ckpt, tmp) == {STEPS}, f"{ckpt.name} holds {adam_steps(ckpt, tmp)} steps"
@@ -464,7 +466,7 @@ def check_cut(o: Outcome, ref: Run, replicas: int) -> None:
     assert o.coordinator.returncode == 0, f"the coordinator's `recover train` failed\n{why}"
     check_before_fault(o)
     assert o.cut is not None
-    n = json.loads((o.out / "config.json").read_text())["data"]["microbatches"]
+    n = json.loads((o.out / rundir.CONFIG).read_text())["data"]["microbatches"]
     recs = o.metrics()
     assert [r["step"] for r in recs] == list(range(CUT_STOP_AT)), why
     assert all(r["microbatches"] == n for r in recs), [r["microbatches"] for r in recs]

@@ -1,4 +1,4 @@
-"""`Replica.epochs` (`recover.parallel.epochs.Epochs`): an epoch-style loop over id-addressed
+"""`Replica.epochs` (`recover.replica.epochs.Epochs`): an epoch-style loop over id-addressed
 steps, and the port it makes short: examples/plain.py differs from its DDP original,
 examples/ddp_original.py, by at most 30 changed lines, the figure docs/porting.md states.
 
@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from recover.parallel.epochs import Epochs
+from recover.replica.epochs import Epochs
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -130,7 +130,7 @@ def _reference(amp_scale: float = 0.0) -> tuple[list[float], dict]:
     import torch
 
     from recover.data import IdBatches
-    from recover.parallel.invariant import DROPOUT_STREAM
+    from recover.replica.invariant import DROPOUT_STREAM
     from recover.workload import id_seed
 
     torch.set_num_threads(1)
@@ -193,7 +193,7 @@ def _check_trajectory(out: Path, replica: int, first: int = 0, amp_scale: float 
 
     import torch
 
-    from recover.testing.runs import max_rel, rel_l2
+    from harness.runs import max_rel, rel_l2
 
     ref_losses, ref_final = _reference(amp_scale)
     got = json.loads((out / f"losses{replica}.json").read_text())
@@ -231,8 +231,8 @@ def test_dropout_without_user_seeding_keeps_the_trajectory_through_a_kill_and_a_
     replica 1 gets SIGTERM after step 5 (a planned leave: exit 0, at the step boundary); replica
     0 ends on the failure-free trajectory. Without the library's per-id RNG the same run ends
     ~1e-3 off (measured: the finding of issue 51)."""
+    from harness.runs import free_ports
     from recover import procs
-    from recover.testing.runs import free_ports
 
     port = free_ports(2)
     coord = _coordinator(tmp_path, 3, port)
@@ -255,9 +255,9 @@ def test_another_run_is_refused_at_join_in_one_line_naming_the_field(tmp_path: P
     """With replica 0 joined, a replica with another N, another model or other initial weights
     is refused before its hello, in one line naming what differs, exit 1, no traceback; and a
     coordinator that is not there is one line naming its address within the connect timeout."""
+    from harness.runs import free_ports
     from recover import procs
     from recover.settings import ReplicaConfig
-    from recover.testing.runs import free_ports
 
     assert ReplicaConfig().connect_timeout_s <= 30.0
     port = free_ports(2)
@@ -300,7 +300,7 @@ def test_another_run_is_refused_at_join_in_one_line_naming_the_field(tmp_path: P
 def test_id_rng_is_a_function_of_the_id_and_puts_the_callers_rng_back() -> None:
     import torch
 
-    from recover.parallel.invariant import id_rng
+    from recover.replica.invariant import id_rng
 
     def mask(mb_id: int) -> torch.Tensor:
         with id_rng(SEED, mb_id, []):
@@ -342,7 +342,7 @@ class _Store:
 
 
 def test_check_join_names_the_first_difference_and_ignores_a_forged_value() -> None:
-    from recover.parallel import invariant
+    from recover.replica import invariant
 
     store, token = _Store(), "secret"
     run = invariant.identity(_model(), N, SEED, "-")
@@ -373,8 +373,8 @@ def test_other_initial_weights_are_adopted_from_a_running_replica(tmp_path: Path
     train through a GradScaler (CPU) whose step 0 overflows in one microbatch: skipped by every
     replica alike, and the scaler's state (another initial scale on replica 1) travels with the
     rest to the joiner (`Replica(..., state={"scaler": scaler})`)."""
+    from harness.runs import free_ports
     from recover import procs
-    from recover.testing.runs import free_ports
 
     port = free_ports(2)
     coord = _coordinator(tmp_path, 2, port)
@@ -403,9 +403,9 @@ def test_the_coordinator_killed_mid_step_is_rejoined_and_the_step_runs_again(
     steps), and restarted with `--recover`: with the default `coordinator_wait_s` (no setting in
     the loop) each `rep.step` keeps its state, rejoins by itself and runs step 4 again; both end
     on the failure-free trajectory."""
+    from harness.runs import free_ports
     from recover import procs
     from recover.settings import FaultTolerance
-    from recover.testing.runs import free_ports
 
     assert FaultTolerance().coordinator_wait_s == 60.0  # the default: the app's, rejoin by itself
     port = free_ports(2)
@@ -438,8 +438,8 @@ def test_a_replica_started_after_the_run_ended_says_so_in_one_line_and_exits_0(
     """A replica whose run finished before it was admitted (the coordinator, without
     `--exit-when-done`, is still up) ends with one line and exit code 0, not a traceback: the
     same as `recover train`'s worker (`RunOver`)."""
+    from harness.runs import free_ports
     from recover import procs
-    from recover.testing.runs import free_ports
 
     port = free_ports(2)
     coord = _coordinator(tmp_path, 1, port, exit_when_done=False)

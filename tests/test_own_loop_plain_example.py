@@ -41,8 +41,8 @@ def _worker_pid(torchrun_pid: int) -> int | None:
 
 @pytest.mark.slow
 def test_the_plain_example_survives_a_kill_and_a_torchrun_restart(tmp_path: Path) -> None:
+    from harness.runs import free_ports
     from recover import procs
-    from recover.testing.runs import free_ports
 
     port = free_ports(2)
     env = {**os.environ, "RECOVER_RUN_TOKEN": "plain-example", "SNAPSHOTS": str(tmp_path),

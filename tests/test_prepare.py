@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from harness.runs import recover_train
+from recover.app import rundir
 from recover.app.prepare import run_cli
 from recover.data import open_prepared
-from recover.testing.runs import recover_train
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -134,5 +135,5 @@ def test_a_vocabulary_past_uint16_gives_uint32_shards_that_train(tmp_path: Path)
                         "--microbatch-size", "2", "--block-size", "32",  # 70,000 logits a token
                         data=tmp_path / "shards", timeout=180)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert json.loads((run.out / "config.json").read_text())["model"]["vocab_size"] == 70_000
+    assert json.loads((run.out / rundir.CONFIG).read_text())["model"]["vocab_size"] == 70_000
     assert [r["step"] for r in run.metrics()] == [0, 1]

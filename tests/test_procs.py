@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from recover.app import rundir
 from recover.procs import (
     Spawner,
     alive,
@@ -251,5 +252,6 @@ def test_launch_ends_its_processes_on_error(corpus: Path, tmp_path: Path) -> Non
     with socket.create_server(("0.0.0.0", 0)) as taken, \
             pytest.raises(RecoverError, match="coordinator did not start"):
         launch(cfg, quiet=True, port=taken.getsockname()[1])
-    assert "cannot start on port" in (tmp_path / "run" / "logs" / "coordinator.log").read_text()
+    coordinator_out = tmp_path / "run" / rundir.LOGS / rundir.COORDINATOR_OUT
+    assert "cannot start on port" in coordinator_out.read_text()
     assert {p for p in descendants(os.getpid()) if alive(p)} <= before

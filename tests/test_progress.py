@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from harness import viewers
 from recover.app.cli import main
 from recover.app.config import preset
 from recover.app.train.progress import ProgressView
 from recover.app.train.writers import TensorBoardWriter, Writers, check, tensorboard_dir
 from recover.errors import ConfigError
-from recover.testing import viewers
 
 STEPS = 12
 STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d "

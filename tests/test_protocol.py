@@ -4,7 +4,7 @@ A real coordinator and real members (own store clients, liveness sockets, gloo g
 threads (tests/_inproc.py); faults are scripted at exact protocol points. Every test checks that
 every gradient any rank returned is the exact sum of the step's N integer-valued per-id gradients,
 that quotas sum to N, and that each step committed in exactly one generation, the one every rank
-reports. Each runs with one store and again with 3 store shards (collectives/shards.py), where
+reports. Each runs with one store and again with 3 store shards (control/shards.py), where
 a shard's decision must be a copy of the main store's. Real processes and real SIGKILLs:
 tests/test_recovery.py, test_collectives.py.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from recover.collectives import keys
-from recover.testing.inproc import Fault, Harness
+from harness.inproc import Fault, Harness
+from recover.control import keys
 
 pytestmark = pytest.mark.timeout(120)
 N = 8

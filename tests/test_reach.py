@@ -1,4 +1,4 @@
-"""`collectives.reach`: whom a rank's data path cannot reach, on real sockets of this host.
+"""`control.reach`: whom a rank's data path cannot reach, on real sockets of this host.
 
 Only a handshake that fails as a cut fails names a peer: a refused one (its process is gone,
 which liveness reports) does not, nor a peer at an address where another peer answered. The cut
@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from recover.collectives import reach
-from recover.testing.runs import free_ports
+from harness.runs import free_ports
+from recover.control import reach
 
 pytestmark = pytest.mark.timeout(30)
 UNROUTABLE = "192.0.2.1"  # TEST-NET-1: no route from a loopback source (refused by the route)

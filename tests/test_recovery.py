@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from recover.testing.runs import BASE, Launch, Run, bitwise_equal, max_rel, recover_train, rel_l2
+from harness.runs import BASE, Launch, Run, bitwise_equal, max_rel, recover_train, rel_l2
+from recover.app import rundir
 
 pytestmark = pytest.mark.timeout(300)
 N = 8
@@ -47,7 +48,7 @@ def check_against(run: Run, ref: Run, survivors: list[int]) -> list[dict]:
     finals = run.finals()
     missing = sorted(set(survivors) - set(finals))
     assert not missing, "\n".join(f"replica {r}:\n{run.log(r)[-3000:]}" for r in missing) + \
-        (run.out / "coordinator.jsonl").read_text()[-3000:]
+        (run.out / rundir.COORDINATOR_LOG).read_text()[-3000:]
     assert sorted(finals) == survivors
     first = finals[survivors[0]]
     assert all(bitwise_equal(first, finals[s]) for s in survivors), "survivors diverged"
@@ -78,16 +79,16 @@ def test_coordinator_death_checkpoints_and_stops(corpus: Path, tmp_path: Path) -
                  "--coordinator-wait-s", "2", data=corpus)
     try:
         deadline = time.monotonic() + 120
-        while not (out / "metrics.jsonl").exists() or \
-                len((out / "metrics.jsonl").read_text().splitlines()) < 3:
+        while not (out / rundir.METRICS).exists() or \
+                len((out / rundir.METRICS).read_text().splitlines()) < 3:
             assert time.monotonic() < deadline and run.proc.poll() is None, "run did not start"
             time.sleep(0.05)
-        coord_pid = json.loads((out / "coordinator.jsonl").read_text().splitlines()[0])["pid"]
+        coord_pid = json.loads((out / rundir.COORDINATOR_LOG).read_text().splitlines()[0])["pid"]
         os.kill(coord_pid, signal.SIGKILL)  # by the PID it logged (a child of the launcher's)
     finally:
         res = run.finish(120)
     assert res.returncode == 1
     assert "coordinator died" in res.stderr and "Traceback" not in res.stderr
-    assert any((out / "ckpt").glob("step_*")), "the leader must checkpoint the committed state"
-    log = (out / "logs" / "replica0.log").read_text()
+    assert any((out / rundir.CKPT).glob("step_*")), "the leader must checkpoint the committed state"
+    log = (out / rundir.LOGS / "replica0.log").read_text()
     assert "waiting up to 2s for it to restart" in log and "no coordinator came back" in log, log

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from recover.testing.runs import BASE, Run, bitwise_equal, max_rel, recover_train
+from harness.runs import BASE, Run, bitwise_equal, max_rel, recover_train
+from recover.app import rundir
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 N = 8
@@ -26,7 +27,7 @@ def _check(run: Run, ref: Run, replicas: list[str]) -> list[dict]:
     assert [r["step"] for r in recs] == list(range(len(ref.metrics())))
     assert all(r["microbatches"] == N for r in recs)
     assert max_rel(run.losses(), ref.losses()) < 1e-5
-    finals = {p.stem: p for p in sorted((run.out / "final").glob("replica*.pt"))}
+    finals = {p.stem: p for p in sorted((run.out / rundir.FINAL).glob("replica*.pt"))}
     assert sorted(finals) == replicas, sorted(finals)
     import torch
 
@@ -65,7 +66,7 @@ def test_donor_and_joiner_die_during_transfers(ref4: Run, corpus: Path, tmp_path
     joined = [r["step"] for r in recs if r.get("joined")]
     assert joined and joined[0] >= 6, joined
     assert recs[-1]["live_replicas"] == 3
-    events = [json.loads(x) for x in (run.out / "coordinator.jsonl").read_text().splitlines()]
+    events = [json.loads(x) for x in (run.out / rundir.COORDINATOR_LOG).read_text().splitlines()]
     kinds = [e["event"] for e in events if e["event"] in ("join", "join-failed")]
     assert kinds[:3] == ["join", "join-failed", "join"], kinds  # given up, then another donor
     assert "donated" in run.log(1)
@@ -95,6 +96,6 @@ def test_hsdp_replica_rejoins(ref4: Run, corpus: Path, tmp_path: Path) -> None:
     assert recs[6]["joined"] == [1] and all(r["microbatches"] == N for r in recs)
     assert max_rel(run.losses(), ref4.losses()) < 1e-5
     for k in range(2):
-        a, b = (torch.load(run.out / "final" / f"replica{r}.rank{k}.pt", weights_only=True)
+        a, b = (torch.load(run.out / rundir.FINAL / f"replica{r}.rank{k}.pt", weights_only=True)
                 for r in range(2))
         assert bitwise_equal(a, b), f"rank {k} diverged"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from recover.testing.runs import LAYOUT_FLAGS, Run, bitwise_equal, recover_train
+from harness.runs import LAYOUT_FLAGS, Run, bitwise_equal, recover_train
 
 pytestmark = pytest.mark.slow
 

@@ -97,7 +97,7 @@ def _run(out: Path, *flags: str) -> list[dict]:
     """`recover coordinator` and two workers to the end; each replica's final parameters."""
     import torch
 
-    from recover.testing.runs import own_loop
+    from harness.runs import own_loop
 
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -109,7 +109,7 @@ def _run(out: Path, *flags: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_a_dcp_save_with_the_replica_resumes_exact_mode_bitwise(tmp_path: Path) -> None:
-    from recover.testing.runs import bitwise_equal
+    from harness.runs import bitwise_equal
 
     whole = _run(tmp_path / "a")
     assert bitwise_equal(whole[0], whole[1])  # one trajectory: every replica holds it
@@ -127,7 +127,7 @@ def test_the_plain_layout_lays_out_its_views_at_the_first_step_over_one_buffer()
     from torch import nn
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from recover.parallel.plain import FlatGrads
+    from recover.layouts.plain import FlatGrads
 
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     opt = torch.optim.AdamW(model.parameters())

@@ -1,5 +1,5 @@
 """`collectives.sever` on real loopback TCP sockets and real gloo groups, `keys.serve_store`'s
-listener, and the spare store client a rebuild takes instead of connecting (`collectives.spare`)."""
+listener, and the spare store client a rebuild takes instead of connecting (`control.spare`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import pytest
 import torch
 from torch.distributed import HashStore, ProcessGroupGloo
 
-from recover.collectives import keys, sever
-from recover.collectives.spare import SpareClient
+from recover.collectives import sever
+from recover.control import keys
+from recover.control.spare import SpareClient
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="sever tracks /proc/self/fd")
 

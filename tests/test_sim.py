@@ -1,4 +1,4 @@
-"""Tests of the cluster simulator (`recover.sim`): policies, accounting, faults, calibration."""
+"""Tests of the cluster simulator (`recover.app.sim`): policies, accounting, faults, calibration."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recover.errors import ConfigError
-from recover.sim import (
+from harness.sim import calib
+from recover.app.sim import (
     SimParams,
     build_schedule,
     predict_wall_times,
@@ -21,10 +21,10 @@ from recover.sim import (
     young_daly_interval_s,
     young_daly_steps,
 )
-from recover.sim.calibrate import calib_params, load_calibration
-from recover.sim.faults import load_trace
-from recover.sim.job import Job, replica_quotas
-from recover.testing.sim import calib
+from recover.app.sim.calibrate import calib_params, load_calibration
+from recover.app.sim.faults import load_trace
+from recover.app.sim.job import Job, replica_quotas
+from recover.errors import ConfigError
 
 # 4 replicas, N = 8 (2 per replica), 1 s steps of which 0.2 s all-reduce -> 0.4 s per microbatch.
 SMALL = dict(
@@ -174,14 +174,14 @@ def test_replica_quotas_even_and_complete(active: set[int], n: int) -> None:
 
 
 def _sim_imports(module: str) -> set[str]:
-    """The `recover.sim` modules that `module` imports anywhere (functions included)."""
-    import recover.sim
+    """The `recover.app.sim` modules that `module` imports anywhere (functions included)."""
+    import recover.app.sim
 
-    tree = ast.parse((Path(recover.sim.__file__).parent / f"{module}.py").read_text())
+    tree = ast.parse((Path(recover.app.sim.__file__).parent / f"{module}.py").read_text())
     return {
-        node.module.removeprefix("recover.sim.")
+        node.module.removeprefix("recover.app.sim.")
         for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("recover.sim.")
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("recover.app.sim.")
     }
 
 
@@ -344,7 +344,7 @@ def test_control_plane_is_charged_per_step_to_recover_and_shrink_batch() -> None
 
 
 def test_curve_fits_and_checks(tmp_path) -> None:
-    from recover.sim.curve import COLUMNS, fit, load_curve
+    from recover.app.sim.curve import COLUMNS, fit, load_curve
 
     lin = fit([4, 16, 64], [1.0, 4.0, 16.0], "linear")
     assert (lin.a, lin.b) == pytest.approx((0.0, 0.25)) and lin(1024) == pytest.approx(256.0)
@@ -370,7 +370,7 @@ def test_curve_fits_and_checks(tmp_path) -> None:
 
 
 def test_scale_models() -> None:
-    from recover.sim.scale import RESTART_ANCHORS, restart_fit, target_weights
+    from recover.app.sim.scale import RESTART_ANCHORS, restart_fit, target_weights
 
     for gpus, seconds, _ in RESTART_ANCHORS:
         assert restart_fit()(gpus) == pytest.approx(seconds)
@@ -385,8 +385,8 @@ def test_rebuild_is_read_at_the_group_size_and_the_reduce_is_the_step_models(tmp
     """A failure rebuilds cross-replica groups of R = GPUs / GPUs-per-replica members: the
     communicator's columns are fitted and read at R, the protocol's at the job's ranks; the
     redone reduce is the policy's all-reduce, not the curve's loopback reduce."""
-    from recover.sim.curve import COLUMNS, load_curve, x_of
-    from recover.sim.scale import ScaleSpec, recover_pause_s, scale_base, size_params
+    from recover.app.sim.curve import COLUMNS, load_curve, x_of
+    from recover.app.sim.scale import ScaleSpec, recover_pause_s, scale_base, size_params
 
     doc = {"source": "s", "ranks": [64, 128], "group": [8, 16],
            **{c: [0.0, 0.0] for c in COLUMNS}}
@@ -415,8 +415,8 @@ def test_control_plane_charges_rank_cpu_and_the_store_servers_serial_work(tmp_pa
     shard's ranks' 2 requests each then 2 per shard on the main store; "one-store" puts every
     request on one server; "wall" (and any curve without the two measurements) charges the
     measured wall clock."""
-    from recover.sim.curve import COLUMNS, load_curve
-    from recover.sim.scale import (
+    from recover.app.sim.curve import COLUMNS, load_curve
+    from recover.app.sim.scale import (
         ScaleSpec,
         control_plane_s,
         scale_base,
@@ -465,8 +465,8 @@ def test_a_failure_charges_the_main_store_its_ranks_recovery_requests(tmp_path) 
     """Per failure, every rank's extra round trips of the recovery step (the curve's
     recovery_store_ops_per_rank) are served by the main store in series, on top of the pause;
     not charged without the measurement or with the wall-clock control plane."""
-    from recover.sim.curve import COLUMNS, load_curve
-    from recover.sim.scale import ScaleSpec, recovery_store_s, scale_base, size_params
+    from recover.app.sim.curve import COLUMNS, load_curve
+    from recover.app.sim.scale import ScaleSpec, recovery_store_s, scale_base, size_params
 
     doc = {"source": "s", "ranks": [4, 64], **{c: [0.0, 0.0] for c in COLUMNS},
            "store_request_cpu_s": 1e-5, "control_plane_cpu_s": [0.001, 0.001]}
@@ -492,8 +492,8 @@ def test_a_failure_charges_every_main_store_request_and_the_rendezvous(tmp_path)
     the group, at the CPU per request, plus failure_shard_bytes_per_member, linear, at the CPU
     per byte) is charged on the busiest store server: with S = G / 1,024 shards, position
     p's group meets on shard p mod S, so ceil(P / S) groups; with one store, all P."""
-    from recover.sim.curve import COLUMNS, load_curve
-    from recover.sim.scale import (
+    from recover.app.sim.curve import COLUMNS, load_curve
+    from recover.app.sim.scale import (
         ScaleSpec,
         recovery_store_s,
         rendezvous_groups,

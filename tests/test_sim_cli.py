@@ -1,4 +1,4 @@
-"""Tests of `recover simulate` (recover.sim.cli.run_cli): paper scenario, outputs, bad input."""
+"""Tests of `recover simulate` (recover.app.sim.cli.run_cli): paper scenario, outputs, bad input."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from recover.sim.cli import run_cli
-from recover.testing.sim import calib
+from harness.sim import calib
+from recover.app.sim.cli import run_cli
 
 LAST_LINES = re.compile(
     r"throughput_ratio=(?P<ratio>[0-9.]+|inf|nan)\n"
@@ -127,8 +127,8 @@ def test_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
 def test_every_param_has_a_flag() -> None:
     from dataclasses import fields
 
-    from recover.sim.flags import FLAGS
-    from recover.sim.params import SimParams
+    from recover.app.sim.flags import FLAGS
+    from recover.app.sim.params import SimParams
 
     assert set(FLAGS) == {f.name for f in fields(SimParams)}
 
@@ -196,7 +196,7 @@ def test_scale_scenario_quick(tmp_path, capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_scale_scenario_reads_the_curve_file(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
-    from recover.sim.curve import COLUMNS
+    from recover.app.sim.curve import COLUMNS
 
     curve = {"source": "measured by a test", "ranks": [4, 128], **{c: [0.0, 0.0] for c in COLUMNS}}
     path = tmp_path / "curve.json"

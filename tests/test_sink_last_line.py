@@ -19,9 +19,10 @@ import pytest
 from rich.console import Console
 from torch.distributed import TCPStore
 
+from recover.app import rundir
 from recover.app.train.metrics import MetricsSink, seal_record
 from recover.app.train.progress import ProgressView
-from recover.collectives import keys
+from recover.control import keys
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = "a run token"
@@ -41,7 +42,7 @@ def test_a_pending_last_line_is_taken_once_every_replica_exited(tmp_path: Path) 
     store = TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=5),
                      wait_for_workers=False)
     view = ProgressView(Console(file=io.StringIO(), width=200), 0, 2, quiet=True)
-    sink = MetricsSink(store, tmp_path / "metrics.jsonl", 0, 2, 1, 0.0, view, token=TOKEN)
+    sink = MetricsSink(store, tmp_path / rundir.METRICS, 0, 2, 1, 0.0, view, token=TOKEN)
     sink._members = lambda: [0, 1]  # type: ignore[method-assign]  # the writer 0 still listed
     for step, pending in ((0, False), (1, True)):  # replica 1's record of the last step
         store.set(keys.record_key(step), seal_record(TOKEN, step, _rec(step, pending)))
@@ -49,5 +50,5 @@ def test_a_pending_last_line_is_taken_once_every_replica_exited(tmp_path: Path) 
     assert sink.poll() == 0
     assert sink.poll(final=True) == 1
     sink.close()
-    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in (tmp_path / rundir.METRICS).read_text().splitlines()]
     assert [r["step"] for r in lines] == [0, 1] and "ckpt_pending" not in lines[1]

@@ -1,5 +1,5 @@
 """A multi-rank replica's speaker (recovery/speaker.py, recovery/decide.py): what it shares when
-it cannot decide; its link over a real gloo group of two processes (`parallel.link`); and what
+it cannot decide; its link over a real gloo group of two processes (`replica.link`); and what
 a rank of a replica that lost a rank raises (`Replica.guard`).
 
 The decision's store is a stub that raises; the link records what the speaker hands its
@@ -19,14 +19,14 @@ import pytest
 from torch.distributed import DistNetworkError
 
 from _link_ranks import ENTRY
-from recover.collectives import CoordinatorLost, keys
-from recover.parallel.replica import Replica
+from harness.processes import session
+from harness.runs import free_ports
+from recover.control import CoordinatorLost, keys
 from recover.recovery import SPEAKER_FAILED, SPEAKER_LOST, InStepRecovery, RecoveryError
 from recover.recovery.chain import OwnershipChain
 from recover.recovery.decide import CommitDecision
+from recover.replica.handle import Replica
 from recover.settings import FaultTolerance, Hooks
-from recover.testing.processes import session
-from recover.testing.runs import free_ports
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from recover.app import cli, report, statusview
+from harness.runs import BASE, Launch
+from recover.app import cli, report, rundir, statusview
 from recover.app.status import read_jsonl, read_status
-from recover.testing.runs import BASE, Launch
 
 KILLED, AT = 3, 4
 TIMEOUT_S = 5.0
@@ -81,8 +81,8 @@ def test_watch_a_run_with_a_kill(corpus: Path, tmp_path: Path,
                     "--http-port", "0", "--fault", "slow:replica=0,factor=2", "--fault",
                     f"kill:replica={KILLED},step={AT}", data=corpus, report=True)
     try:
-        port = int(_wait_for(lambda: (out / "http.port").exists() and
-                             (out / "http.port").read_text().strip(), "http.port", launch))
+        port = int(_wait_for(lambda: (out / rundir.HTTP_PORT).exists() and
+                             (out / rundir.HTTP_PORT).read_text().strip(), "http.port", launch))
         before = _wait_for(lambda: (m := _scrape(port))["live_replicas"] == 4 and m,
                            "4 live replicas", launch)
         assert before["faults_total"] == 0 and before["generation"] == 0
@@ -106,7 +106,7 @@ def test_watch_a_run_with_a_kill(corpus: Path, tmp_path: Path,
         for method in ("POST", "PUT", "DELETE", "PATCH"):
             assert _get(port, "/status", method, body=b"{}")[0] == 405
         assert _get(port, "/token")[0] == 404
-        token = (out / "run.token").read_text().strip()
+        token = (out / rundir.RUN_TOKEN).read_text().strip()
         assert all(token.encode() not in _get(port, path)[1] for path in ("/status", "/metrics"))
         assert _get(port, "/status")[0] == 200
         # Bound to 127.0.0.1 only: the same port on another address of this machine (the rest
@@ -123,7 +123,7 @@ def test_watch_a_run_with_a_kill(corpus: Path, tmp_path: Path,
         if launch.running():
             launch.end()
     assert run.returncode == 0, run.stderr[-3000:]
-    assert not (out / "http.port").exists()  # the endpoint is gone with the run
+    assert not (out / rundir.HTTP_PORT).exists()  # the endpoint is gone with the run
     # The report's plots log nothing on the terminal (matplotlib's category units did, twice).
     assert "matplotlib" not in run.stdout + run.stderr, (run.stdout + run.stderr)[-3000:]
 
@@ -136,12 +136,12 @@ def test_watch_a_run_with_a_kill(corpus: Path, tmp_path: Path,
     states = {r["replica"]: r["state"] for r in model["replica_states"]}
     assert states == {0: "left cleanly", 1: "left cleanly", 2: "left cleanly", 3: "lost"}
     # Quota and speed as the last step saw them: the lost replica had neither.
-    last = read_jsonl(out / "metrics.jsonl")[-1]
+    last = read_jsonl(out / rundir.METRICS)[-1]
     assert [(r["quota"], r["mb_time_s"]) for r in model["replica_states"]] == [
         (last["quotas"].get(str(r)), last["speeds"].get(str(r))) for r in range(4)]
     assert [r["mb_time_s"] is not None and r["mb_time_s"] > 0
             for r in model["replica_states"]] == [True, True, True, False]
-    assert model["committed"] == len(read_jsonl(out / "metrics.jsonl"))
+    assert model["committed"] == len(read_jsonl(out / rundir.METRICS))
     # Every member's requests reached the coordinator's count (its heartbeats carry them, the
     # lost replica's up to its last one): at least one a step for each of the three that went
     # through to the end, and their count at the end is what the file holds.
@@ -149,18 +149,18 @@ def test_watch_a_run_with_a_kill(corpus: Path, tmp_path: Path,
     assert f"store requests {model['store_requests']:,d}" in text, text
 
     # The end-of-run report, with every plot it names; then `recover report` on demand.
-    md = (out / "report" / "report.md").read_text()
+    md = (out / rundir.REPORT / rundir.REPORT_MD).read_text()
     assert "| state | finished |" in md
-    pngs = sorted(p.name for p in (out / "report").glob("*.png"))
+    pngs = sorted(p.name for p in (out / rundir.REPORT).glob("*.png"))
     assert pngs == ["loss.png", "recovery.png", "replicas.png", "step_time.png"]
     for name in pngs:
         assert f"({name})" in md
-        assert (out / "report" / name).read_bytes()[:4] == b"\x89PNG"
+        assert (out / rundir.REPORT / name).read_bytes()[:4] == b"\x89PNG"
     assert f"| {AT} | {KILLED} | lost |" in md
-    shutil.rmtree(out / "report")
+    shutil.rmtree(out / rundir.REPORT)
     assert report.run_cli([str(out)]) == 0
-    assert (out / "report" / "report.md").read_text() == md
-    assert sorted(p.name for p in (out / "report").glob("*.png")) == pngs
+    assert (out / rundir.REPORT / rundir.REPORT_MD).read_text() == md
+    assert sorted(p.name for p in (out / rundir.REPORT).glob("*.png")) == pngs
 
 
 def test_not_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -186,13 +186,13 @@ def test_a_run_being_written(tmp_path: Path) -> None:
     appends to its files."""
     (tmp_path / "config.json").write_text(json.dumps({"run": {"steps": 4, "stop_at": 0},
                                                       "layout": {"replicas": 2}}))
-    (tmp_path / "run_start").write_text("1000.0\n")
-    (tmp_path / "coordinator.jsonl").write_text(
+    (tmp_path / rundir.RUN_START).write_text("1000.0\n")
+    (tmp_path / rundir.COORDINATOR_LOG).write_text(
         json.dumps({"time": 1001.0, "event": "generation", "gen": 0, "members": [0, 1],
                     "reason": "initial membership"}) + '\n{"time": 1002.0, "ev')
     rec = {"step": 0, "loss": 5.0, "live_replicas": 2, "members": [0, 1], "generation": 0,
            "quotas": {"0": 4, "1": 4}, "time_s": 2.0, "step_time_s": 0.5, "tokens_per_s": 10.0}
-    (tmp_path / "metrics.jsonl").write_text(json.dumps(rec) + '\n{"step": 1, "lo')
+    (tmp_path / rundir.METRICS).write_text(json.dumps(rec) + '\n{"step": 1, "lo')
     m = read_status(tmp_path, now=1010.0)
     assert (m["state"], m["committed"], m["step"], m["members"]) == ("running", 1, 0, [0, 1])
     assert m["elapsed_s"] == 10.0 and m["eta_s"] == 3 * 0.5  # 3 steps left at 0.5 s each

@@ -19,16 +19,16 @@ from unittest import mock
 import pytest
 import torch
 
+from harness.processes import session
+from harness.runs import free_ports
 from recover.app.config import preset
 from recover.app.runtoken import run_token
-from recover.app.train import ckpt_files
-from recover.app.train.checkpoint import save_checkpoint, verify_checkpoint
+from recover.app.train.checkpoint import files as ckpt_files
+from recover.app.train.checkpoint.dcp import save_checkpoint, verify_checkpoint
 from recover.app.train.model import build_model
 from recover.app.train.optim import build_optimizer
 from recover.errors import CheckpointError
 from recover.procs import Process
-from recover.testing.processes import session
-from recover.testing.runs import free_ports
 
 pytestmark = pytest.mark.timeout(120)
 KEY = b"this run's token"

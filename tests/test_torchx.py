@@ -27,9 +27,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.runs import BASE, Run, max_rel, read_jsonl, recover_train, two_free_ports
 from recover import procs
-from recover.app import cluster
-from recover.testing.runs import BASE, Run, max_rel, read_jsonl, recover_train, two_free_ports
+from recover.app import cluster, rundir
 
 yaml = pytest.importorskip("yaml", reason="pyyaml is not installed (it comes with torchx)")
 
@@ -54,13 +54,13 @@ def _wait_for(what: str, cond: Callable[[], bool], timeout_s: float,
 
 def _hellos(out: Path) -> list[dict]:
     with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
-        return [e for e in read_jsonl(out / "coordinator.jsonl") if e.get("event") == "hello"]
+        return [e for e in read_jsonl(out / rundir.COORDINATOR_LOG) if e.get("event") == "hello"]
     return []
 
 
 def _steps(out: Path) -> int:
     with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
-        return len(read_jsonl(out / "metrics.jsonl"))
+        return len(read_jsonl(out / rundir.METRICS))
     return 0
 
 
@@ -105,7 +105,7 @@ def test_local_cwd_replica_restarts_and_rejoins(ref4: Run, corpus: Path, tmp_pat
         assert proc.wait(timeout=150) == 0, log.read_text()[-4000:]
     finally:
         _end(proc)
-    rows = read_jsonl(out / "metrics.jsonl")
+    rows = read_jsonl(out / rundir.METRICS)
     assert [r["step"] for r in rows] == list(range(14))
     assert all(r["microbatches"] == 8 for r in rows)
     live = [r["live_replicas"] for r in rows]
@@ -113,7 +113,7 @@ def test_local_cwd_replica_restarts_and_rejoins(ref4: Run, corpus: Path, tmp_pat
     assert 3 in live[lost:], live  # ... and the restarted replica came back
     again = [e["pid"] for e in _hellos(out) if e["replica"] == 1]
     assert len(again) == 2 and again[0] == victim != again[1], again
-    exits = json.loads((out / "replica_exits.json").read_text())
+    exits = json.loads((out / rundir.REPLICA_EXITS).read_text())
     assert all("left cleanly" in exits[str(r)] for r in range(3)), exits
     assert max_rel([r["loss"] for r in rows], ref4.losses()) < 1e-5
 
@@ -228,10 +228,10 @@ def test_worker_waits_for_the_config(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
     def coordinator() -> None:  # as the launcher writes them: the token, config.json, and
         time.sleep(0.3)         # the coordinator's port once it listens
-        (d / "run.token").write_text("0123abcd\n")
+        (d / rundir.RUN_TOKEN).write_text("0123abcd\n")
         (d / "config.json").write_text(config)
         time.sleep(0.5)
-        (d / "coordinator.port").write_text("29500")
+        (d / rundir.COORDINATOR_PORT).write_text("29500")
 
     writer = threading.Thread(target=coordinator, daemon=True)
     writer.start()
@@ -255,7 +255,7 @@ def test_a_coordinator_that_cannot_listen_stops_its_workers(corpus: Path, tmp_pa
         last = run.stderr.strip().splitlines()[-1]
         assert "the coordinator did not start" in last and "in use" in last, run.stderr[-2000:]
         assert "Traceback" not in run.stderr
-        assert (out / "coordinator.failed").is_file() and (out / "config.json").is_file()
+        assert (out / rundir.COORDINATOR_FAILED).is_file() and (out / rundir.CONFIG).is_file()
         t0 = time.monotonic()
         w = subprocess.run([sys.executable, "-m", "recover.app.train.worker", "--run-dir",
                             str(out), "--replica", "0", "--coordinator", f"127.0.0.1:{port}",

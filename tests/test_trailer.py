@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.inproc import Harness
 from recover.recovery.trailer import MAX_REPLICAS, Trailer, carries
-from recover.testing.inproc import Harness
 
 pytestmark = pytest.mark.timeout(120)
 CARRIERS = [torch.float32, torch.float64, torch.int64]

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from recover.app.status import read_status
-from recover.testing.runs import (
+from harness.runs import (
     BASE,
     Launch,
     Run,
@@ -26,6 +25,8 @@ from recover.testing.runs import (
     rel_l2,
     two_free_ports,
 )
+from recover.app import rundir
+from recover.app.status import read_status
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -40,11 +41,12 @@ def test_reference_run_outputs(ref4: Run) -> None:
             assert k in r
     assert recs[-1]["loss"] < recs[0]["loss"] - 0.5, "the loss must fall"
     assert "val_loss" in recs[-1]
-    assert (ref4.out / "config.json").exists() and (ref4.out / "ckpt" / "latest").exists()
+    assert (ref4.out / rundir.CONFIG).exists() and (ref4.out / rundir.CKPT / "latest").exists()
     # run_start is the base of time_s: every commit lies after the initial membership, and the
     # launcher's clock was read before it started the coordinator (bench/rejoin.py relies on it).
-    t0 = float((ref4.out / "run_start").read_text())
-    events = [json.loads(line) for line in (ref4.out / "coordinator.jsonl").read_text().splitlines()
+    t0 = float((ref4.out / rundir.RUN_START).read_text())
+    events = [json.loads(line)
+              for line in (ref4.out / rundir.COORDINATOR_LOG).read_text().splitlines()
               if line.startswith("{")]
     assert t0 <= events[0]["time"]
     gen0 = next(e for e in events if e["event"] == "generation")
@@ -134,11 +136,11 @@ def test_torchrun_workers_match(ref4: Run, corpus: Path, tmp_path: Path) -> None
 def test_config_of_an_earlier_run(ref4: Run, tmp_path: Path) -> None:
     """`--config DIR/config.json`: a new run with that run's settings, flags on top (here a
     shorter run on fewer replicas); its own directory, not the earlier one's."""
-    run = recover_train(tmp_path / "again", "--config", str(ref4.out / "config.json"),
+    run = recover_train(tmp_path / "again", "--config", str(ref4.out / rundir.CONFIG),
                         "--steps", "3", "--replicas", "2")
     assert run.returncode == 0, run.stderr[-3000:]
-    earlier = json.loads((ref4.out / "config.json").read_text())
-    now = json.loads((run.out / "config.json").read_text())
+    earlier = json.loads((ref4.out / rundir.CONFIG).read_text())
+    now = json.loads((run.out / rundir.CONFIG).read_text())
     assert now["run"]["out"] == str(run.out)
     assert (now["run"]["steps"], now["layout"]["replicas"]) == (3, 2)
     for sec, key in (("run", "out"), ("run", "steps"), ("layout", "replicas")):

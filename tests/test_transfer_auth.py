@@ -24,9 +24,10 @@ import torch
 from torch import nn
 from torch.distributed import TCPStore
 
-from recover.collectives import keys
-from recover.parallel import channel, rejoin, transfer
-from recover.testing.runs import BASE, Launch, Run, bitwise_equal, max_rel
+from harness.runs import BASE, Launch, Run, bitwise_equal, max_rel
+from recover.app import rundir
+from recover.control import keys
+from recover.replica import channel, rejoin, transfer
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = "the run's token"
@@ -342,7 +343,7 @@ class _Intrusion:
 
 
 def _intrude(out: Path, bad: socket.socket, over: threading.Event, did: _Intrusion) -> None:
-    port_file, deadline = out / "coordinator.port", time.monotonic() + 60
+    port_file, deadline = out / rundir.COORDINATOR_PORT, time.monotonic() + 60
     while not port_file.exists() and time.monotonic() < deadline:
         time.sleep(0.02)
     forged = f"127.0.0.1:{bad.getsockname()[1]} {'0' * 64}"
@@ -403,7 +404,7 @@ def test_a_run_admits_a_replacement_past_a_forged_donor(ref4: Run, corpus: Path,
             over.set()
         spy.join(30)
         assert run.returncode == 0, run.stderr[-3000:]
-        events = [json.loads(x) for x in (out / "coordinator.jsonl").read_text().splitlines()]
+        events = [json.loads(x) for x in (out / rundir.COORDINATOR_LOG).read_text().splitlines()]
         joins = [e for e in events if e["event"] in ("join", "join-failed")]
         kinds = [e["event"] for e in joins]
         recs = run.metrics()

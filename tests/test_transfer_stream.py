@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from recover.collectives import CoordinatorGone
-from recover.parallel import channel, rejoin, transfer
+from recover.control import CoordinatorGone
+from recover.replica import channel, rejoin, transfer
 
 pytestmark = pytest.mark.timeout(60)
 KEY, CTX = b"a run token", channel.context(2, 0)

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from conftest import EXACT_PAIR_ARGS, shared_run
+from harness.runs import Run, recover_train
+from recover.app import rundir
 from recover.app.cli import main
-from recover.testing.runs import Run, recover_train
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 BASE = ["--preset", "debug", "--eval-every", "0", "--replicas", "3", "--microbatches", "7",
@@ -66,8 +67,8 @@ def test_bitwise_equal_runs_pass(runs: dict[str, Run], capsys: pytest.CaptureFix
 def test_a_dropped_microbatch_fails_naming_its_step(runs: dict[str, Run], mode: str,
                                                    capsys: pytest.CaptureFixture) -> None:
     run, ref = ((runs["exact-drop"].out, runs["exact"].out) if mode == "exact" else
-                (runs["drop"].out, runs["faulty"].out / "reference"))
-    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+                (runs["drop"].out, runs["faulty"].out / rundir.REFERENCE))
+    recs = [json.loads(x) for x in (run / rundir.METRICS).read_text().splitlines()]
     assert all(r["microbatches"] == 7 for r in recs)  # the count cannot see it
     rc, out, err = _verify(capsys, run, ref)
     assert rc == 1, out
@@ -80,14 +81,14 @@ def test_faulty_default_run_is_judged_by_its_band(runs: dict[str, Run],
     faulty = runs["faulty"]
     # `recover train --reference` measured the band, printed it and its verdict.
     assert "band: loss" in faulty.stdout and "verdict: pass" in faulty.stdout, faulty.stdout
-    assert (faulty.out / "reference" / "band.json").exists()
-    assert (faulty.out / "reference" / "band" / "metrics.jsonl").exists()
-    rc, out, err = _verify(capsys, faulty.out, faulty.out / "reference")
+    assert (faulty.out / rundir.REFERENCE / rundir.BAND).exists()
+    assert (faulty.out / rundir.REFERENCE / rundir.BAND_RUN / rundir.METRICS).exists()
+    rc, out, err = _verify(capsys, faulty.out, faulty.out / rundir.REFERENCE)
     assert rc == 0, err
     assert "deviation: loss" in out and "band: loss" in out and "verdict: pass" in out
     # The same band given as a run directory (--band) gives the same verdict.
-    band = faulty.out / "reference" / "band"
-    rc, out, _ = _verify(capsys, faulty.out, faulty.out / "reference", Path("--band"), band)
+    band = faulty.out / rundir.REFERENCE / rundir.BAND_RUN
+    rc, out, _ = _verify(capsys, faulty.out, faulty.out / rundir.REFERENCE, Path("--band"), band)
     assert rc == 0 and "verdict: pass" in out
 
 
@@ -116,8 +117,8 @@ def test_a_torn_last_line_is_not_a_step(runs: dict[str, Run], tmp_path: Path,
 
     copy = tmp_path / "torn"
     shutil.copytree(runs["exact-again"].out, copy, ignore=shutil.ignore_patterns("final", "ckpt"))
-    text = (copy / "metrics.jsonl").read_text()
-    (copy / "metrics.jsonl").write_text(text + text.splitlines()[-1][:40])  # a crash mid-write
+    text = (copy / rundir.METRICS).read_text()
+    (copy / rundir.METRICS).write_text(text + text.splitlines()[-1][:40])  # a crash mid-write
     rc, out, err = _verify(capsys, copy, runs["exact"].out)
     assert rc == 0 and "verdict: pass" in out, err
 
@@ -128,8 +129,8 @@ def test_a_missing_line_fails_naming_its_step(runs: dict[str, Run], tmp_path: Pa
 
     copy = tmp_path / "gap"
     shutil.copytree(runs["exact-again"].out, copy, ignore=shutil.ignore_patterns("final", "ckpt"))
-    lines = (copy / "metrics.jsonl").read_text().splitlines(keepends=True)
-    (copy / "metrics.jsonl").write_text("".join(lines[:4] + lines[5:]))  # step 4's line lost
+    lines = (copy / rundir.METRICS).read_text().splitlines(keepends=True)
+    (copy / rundir.METRICS).write_text("".join(lines[:4] + lines[5:]))  # step 4's line lost
     rc, _, err = _verify(capsys, copy, runs["exact"].out)
     assert rc == 1 and err.startswith("recover verify: step 4: RUN has no line"), err
 

@@ -1,4 +1,4 @@
-"""KeyWaiter (collectives/waiter.py): a blocking read whose caller keeps showing progress.
+"""KeyWaiter (control/waiter.py): a blocking read whose caller keeps showing progress.
 
 The caller's thread is what the stalled-main-thread watchdog watches: it must never sit inside a
 store connect, whose name lookup took a DNS timeout (5 s) after a coordinator restart and got a
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from recover.collectives.waiter import KeyWaiter
+from recover.control.waiter import KeyWaiter
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from recover.collectives import FenceHandlers, Member, keys
+from recover.control import FenceHandlers, Member, keys
 
 
 @pytest.fixture
@@ -30,8 +30,9 @@ def _watched_member(store: object, bound_s: float) -> tuple[object, socket.socke
     coordinator's end, the times its watchdog declared it partitioned)."""
     port = store.port  # type: ignore[attr-defined]
     fired: list[float] = []
-    m = Member("127.0.0.1", port, 1, fence_after_s=bound_s,
+    m = Member("127.0.0.1", port, 1,
                handlers=FenceHandlers(partitioned=lambda why: fired.append(time.monotonic())))
+    m.fence_after_s = bound_s  # what join()'s welcome would set (3 x the coordinator's stale_s)
     m._sock, coord_end = socket.socketpair()  # what join() would connect
     m._heard = time.monotonic()
     threading.Thread(target=m._watchdog_loop, daemon=True).start()

@@ -1,9 +1,11 @@
 """recover: resilient LLM pre-training (ReCoVer).
 
-Three protocol layers with one-way dependencies (workload <- recovery -> collectives):
-`recover.collectives` (fault-tolerant collectives), `recover.recovery` (in-step recovery) and
-`recover.workload` (versatile workload). `recover.app.train` is the reference trainer built on their
-public API.
+The library: three protocol layers with one-way dependencies (workload <- recovery ->
+collectives -> control): `recover.collectives` (fault-tolerant collectives on the control plane,
+`recover.control`), `recover.recovery` (in-step recovery) and `recover.workload` (versatile
+workload); `recover.replica` (the `Replica` a training loop uses) over `recover.layouts`; every
+exception it raises derives from `RecoverError`. `recover.app` (`pip install 'recover[app]'`) is
+the reference trainer and its tools, built on the library's public API.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ except importlib.metadata.PackageNotFoundError:  # a source tree that was never 
 
 # The user-facing API, imported lazily: `recover train` and `recover simulate` start without
 # paying for torch.distributed's DTensor/FSDP2 imports (seconds) until a Replica is needed.
-_LAZY = {"Replica": "recover.parallel.replica", "ReplicaFault": "recover.collectives.comm",
+_LAZY = {"Replica": "recover.replica.handle", "ReplicaFault": "recover.collectives.comm",
          "StepResult": "recover.recovery.step", "ReplicaConfig": "recover.settings",
          "FaultTolerance": "recover.settings", "Numerics": "recover.settings",
-         "Hooks": "recover.settings"}
-__all__ = ["FaultTolerance", "Hooks", "Numerics", "Replica", "ReplicaConfig", "ReplicaFault",
-           "StepResult", "__version__"]
+         "Hooks": "recover.settings", "RecoverError": "recover.errors"}
+__all__ = ["FaultTolerance", "Hooks", "Numerics", "RecoverError", "Replica", "ReplicaConfig",
+           "ReplicaFault", "StepResult", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

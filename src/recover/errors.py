@@ -1,8 +1,10 @@
 """User-facing errors.
 
-Invariant: every error a user can cause (bad config, missing file, impossible world size, corrupt
-checkpoint) is raised as a `RecoverError` whose message is one readable line; the CLI prints it
-without a traceback and exits non-zero. Internal bugs are left as ordinary exceptions. Every
+Invariant: every exception recover raises derives from `RecoverError` (a fault's class keeps the
+builtin base it always had, RuntimeError or OSError, as its second). Every error a user can cause
+(bad config, missing file, impossible world size, corrupt checkpoint) is a `RecoverError` whose
+message is one readable line; the CLI prints it without a traceback and exits non-zero. Internal
+bugs are left as ordinary exceptions. Every
 entry point (`recover`, `recover coordinator`, the worker) reports such an error, and a bad
 command line, the one way: `usage_line`, one line on stderr, `ExitCode.USAGE`.
 """
@@ -45,7 +47,9 @@ _MEANING = {ExitCode.OK: "finished", ExitCode.ERROR: "error",
 
 
 class RecoverError(Exception):
-    """An error caused by the user's input or environment, reported as one line."""
+    """The root of every exception recover raises: `except RecoverError` catches them all. Raised
+    as itself, a `ConfigError`, a `DataError` or a `CheckpointError`, it is the user's input or
+    environment at fault, reported as one line."""
 
 
 class ConfigError(RecoverError):
@@ -107,3 +111,10 @@ class UsageParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         sys.exit(usage_line(self.prog, message))
+
+
+def first_line(e: BaseException, limit: int = 160) -> str:
+    """An exception as one line of at most `limit` characters (its first line, else its
+    class's name): what a log line or a one-line error quotes of it."""
+    text = str(e).strip()
+    return text.splitlines()[0][:limit] if text else type(e).__name__

@@ -14,8 +14,9 @@ Invariants:
 - A `Spawner` runs each Python entry point ("module:function", called with its argv) in a real,
   separate process (its own PID, sockets and memory: a SIGKILL of it is a real crash and closes
   its sockets), forked by the standard library's fork server (`multiprocessing`'s "forkserver"
-  start method) once that server imported `preload`: every recover process imports torch (about
-  2 CPU-s), which R + 1 fresh interpreters would each pay. The child starts as a fresh
+  start method) once that server imported `preload`: every recover process imports torch
+  (seconds of CPU: docs/MEASUREMENTS.md, "Threads and start-up"), which R + 1 fresh interpreters
+  would each pay. The child starts as a fresh
   interpreter would: default signal handlers (SIGINT raises KeyboardInterrupt; SIGPIPE and
   SIGXFSZ ignored), an empty signal mask, stdin from /dev/null, stdout/stderr appended to its own
   files, the request's environment and working directory, and no descriptor of the server, the
@@ -46,7 +47,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import traceback
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -54,13 +54,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
+from recover.deadline import Deadline, poll_until
+
 log = logging.getLogger(__name__)
 
 # How long to wait for the kernel to reap a process after SIGKILL (it cannot ignore it; only a
 # process stuck in uninterruptible I/O takes longer).
 KILL_WAIT_S = 10.0
 # How long a fork may take to report its child set up: the fork server imports `preload` (torch)
-# before its first fork, which takes a minute on a loaded 2-core machine at worst.
+# before its first fork, which on a heavily loaded host takes many times its idle cost.
 START_TIMEOUT_S = 120.0
 PR_SET_PDEATHSIG = 1
 # multiprocessing polls its children from any thread that starts one, and a poll that loses a
@@ -125,9 +127,9 @@ def stop_all(procs: Sequence[Process], grace_s: float = 5.0, sig: int = signal.S
     for p in procs:
         _signal(p, signal.SIGCONT)
         _signal(p, sig)
-    deadline = time.monotonic() + grace_s
+    deadline = Deadline(grace_s)
     for p in procs:
-        if wait_exit(p, deadline - time.monotonic()) is None:
+        if wait_exit(p, deadline.left()) is None:
             _signal(p, signal.SIGKILL)
             wait_exit(p, KILL_WAIT_S)
 
@@ -195,13 +197,12 @@ def stop_pids(pids: Sequence[int], grace_s: float = 5.0, poll_s: float = 0.02) -
             for sig in (signal.SIGCONT, signal.SIGTERM):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, sig)
-    deadline = time.monotonic() + grace_s
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(poll_s)
+    def ended() -> bool:
+        return not any(alive(p) for p in pids)
+
+    poll_until(ended, grace_s, poll_s)
     kill_pids(pids)
-    deadline = time.monotonic() + KILL_WAIT_S
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(poll_s)
+    poll_until(ended, KILL_WAIT_S, poll_s)
 
 
 # -- forked entry points ---------------------------------------------------------------------------
@@ -247,9 +248,9 @@ class Forked:
             return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else Deadline(timeout)
         while self.poll() is None:
-            left = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
+            left = 0.05 if deadline is None else min(0.05, deadline.left())
             if left <= 0:
                 raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
             with contextlib.suppress(ValueError):  # closed by a poll in another thread
@@ -398,8 +399,8 @@ def _fork_server_from_here(preload: list[str]) -> bool:
     harness is: no thread that Python cannot see, such as an OpenMP pool), every module of
     `preload` is imported already, and only this thread runs (a fork copies only the forking
     thread). The standard way execs a fresh interpreter that imports
-    them again: measured ~2.5 CPU-s, and a test's launch 7.2 s -> 4.3 s wall (docs/MEASUREMENTS.md,
-    "Threads and start-up"). False (start it the standard way) where that does not hold, or where
+    them again, seconds of CPU and of a test's launch (docs/MEASUREMENTS.md, "Threads and
+    start-up"). False (start it the standard way) where that does not hold, or where
     multiprocessing keeps its server's state in other attributes than Python 3.11's."""
     server = multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
     state = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")

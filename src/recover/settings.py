@@ -3,11 +3,15 @@
 Invariant: a fault-tolerance setting is declared once, here, and travels as the same object from
 whoever builds it (the app's `RunConfig`, a user's loop, `recover coordinator`'s flags) down to
 the coordinator, the member, the communicator and the step engine; no layer re-declares it as a
-keyword of its own. Fault injection reaches the library only through one `Hooks` object, and the
-launcher's environment variables are read in one place (`LaunchEnv.from_env`). A replica's
-settings travel together as one `ReplicaConfig` (where and who, `FaultTolerance`, `Numerics`).
-A settings object that exists holds usable values: each is checked where it enters, against
-the bounds declared beside its field (`Bounds`), and a bad one is a `ConfigError` of one line.
+keyword of its own: the app's config and the coordinator's embed these classes (as subclasses)
+instead. Every settings field, here, in the coordinator's and in the app's config, is declared by
+one helper (`setting`: default, help, flag, choices, bounds), so a field's flag and help are
+generated from its one declaration. Fault injection reaches the library only through one
+`Hooks` object, and the launcher's environment variables are read in one place
+(`LaunchEnv.from_env`). A replica's settings travel together as one `ReplicaConfig` (where and
+who, `FaultTolerance`, `Numerics`). A settings object that exists holds usable values: each is
+checked where it enters, against the bounds declared beside its field (`Bounds`), and a bad one
+is a `ConfigError` of one line.
 """
 
 from __future__ import annotations
@@ -100,9 +104,33 @@ class Number:
         return self.kind(text)
 
 
-def bounded(default: Any, bounds: Bounds) -> Any:
-    """A dataclass field with its bounds (checked by `check_fields`)."""
-    return field(default=default, metadata={"bounds": bounds})
+def setting(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = "",
+            choices: tuple[str, ...] = (), trajectory: bool = False, const: Any = True,
+            factory: Callable[[], Any] | None = None, metavar: str | None = None,
+            bounds: Bounds | None = None) -> Any:
+    """A settings field, declared once with everything said about it: its default, help text,
+    command-line flag, choices and bounds (the library's settings, the coordinator's flags and
+    the app's config all declare theirs with this).
+
+    flag: "" = derived from the name (`microbatch_size` -> `--microbatch-size`), None = no flag.
+    A bool field's flag takes no value and stores `const`; a list field's flag repeats (append).
+    trajectory: the loss trajectory depends on this field (resume and reference must match it).
+    bounds: a numeric field's accepted values (every int and float field declares them; checked
+    by `check_fields`). No default and no `factory`: a required field.
+    """
+    meta: dict[str, Any] = {"help": help, "flag": flag, "choices": choices,
+                            "trajectory": trajectory, "const": const, "metavar": metavar}
+    if bounds is not None:
+        meta["bounds"] = bounds
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def flag_of(f: dataclasses.Field[Any]) -> str | None:
+    """The command-line flag of a settings field (None: set only through a file or code)."""
+    flag = f.metadata.get("flag", "")
+    return ("--" + f.name.replace("_", "-")) if flag == "" else flag
 
 
 @functools.cache
@@ -142,27 +170,48 @@ def check_timeouts(ft: Any, label: Callable[[str], str] = str) -> None:
 
 
 @dataclass(frozen=True)
-class FaultTolerance:
+class MemberTimeouts:
+    """The two bounds a coordinator judges its members by, and the members run with: the
+    silence that declares one lost, and how long joins may take. Declared here once for both:
+    `FaultTolerance` (every member's settings) and the coordinator's `CoordinatorConfig` are
+    each a `MemberTimeouts`, so neither re-declares them."""
+
+    # Crashes are seen in ms (the liveness socket closes); this bounds only hang detection, so
+    # a generous value costs little (a short one raises false alarms on a loaded machine).
+    stale_s: float = setting(2.0, "heartbeat silence that declares a replica lost",
+                             bounds=SECONDS)
+    join_timeout_s: float = setting(120.0, "how long replicas wait for each other to join (the "
+                                    "coordinator starts without those still missing after it, "
+                                    "and gives up a joiner that got no state within it)",
+                                    bounds=SECONDS)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class FaultTolerance(MemberTimeouts):
     """Detection bounds and timeouts of the protocol (every wait in it has one of these).
     Constructing one with a value out of its bounds raises `ConfigError`."""
 
-    heartbeat_s: float = bounded(0.1, SECONDS)  # a member's heartbeat period
-    # Heartbeat silence that declares a member lost. Crashes are seen in ms (the liveness socket
-    # closes); this bounds only hang detection, so a generous value costs little.
-    stale_s: float = bounded(2.0, SECONDS)
+    heartbeat_s: float = setting(0.1, "seconds between a replica's heartbeats", bounds=SECONDS)
     # Backstop of one cross-replica reduction, and of each of the step protocol's waits.
-    reduce_timeout_s: float = bounded(60.0, SECONDS)
-    join_timeout_s: float = bounded(120.0, SECONDS)  # how long members wait for each other to join
+    reduce_timeout_s: float = setting(60.0, "backstop timeout of one reduction", bounds=SECONDS)
     # > 0: members keep their state this long for a coordinator that died to come back (an own
     # loop's `Replica.step` rejoins it by itself, as `recover train` does); 0: a death is final.
-    coordinator_wait_s: float = bounded(60.0, Bounds(0.0, MAX_WAIT_S))
-    # Below this many live replicas the run stops (BelowMinReplicas).
-    min_replicas: int = bounded(1, Bounds(1))
+    coordinator_wait_s: float = setting(60.0, "how long replicas wait, keeping their state, for "
+                                        "a coordinator that died to come back (0: stop at once)",
+                                        bounds=Bounds(0.0, MAX_WAIT_S))
+    # Below this many live replicas the run stops (BelowMinReplicas; `recover train`
+    # checkpoints first).
+    min_replicas: int = setting(1, "stop (with a checkpoint) below this many replicas",
+                                bounds=Bounds(1))
     # Quotas follow measured replica speed. Off by default: following the clock regroups the N
     # microbatches, and fp32 sums of another grouping differ in their last bits, so a
     # failure-free run would not repeat bitwise (MEASUREMENTS.md, "Repeatable failure-free
     # runs"). With exact numerics any grouping sums to the same bits: on is free there.
-    speed_aware: bool = False
+    speed_aware: bool = setting(False, "quotas that follow measured replica speed instead of "
+                                "equal ones (bitwise repeatable with --exact only)")
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -173,20 +222,28 @@ class FaultTolerance:
 class Numerics:
     """How the cross-replica reduction travels. Unknown names raise `ConfigError`."""
 
-    backend: str = "gloo"  # gloo, or nccl (CUDA tensors)
-    reduce_dtype: str = ""  # "" (the gradient's), fp32, bf16 or fp16
-    exact: bool = False  # fixed-point sums: bitwise independent of grouping and faults
+    backend: str = setting("gloo", "cross-replica communicator: gloo, or nccl (CUDA tensors: "
+                           "--device cuda)", choices=BACKENDS)
+    reduce_dtype: str = setting("", "dtype the cross-replica reduce travels in (default: the "
+                                "gradient's, fp32)", choices=REDUCE_DTYPE_NAMES, trajectory=True)
+    exact: bool = setting(False, "bitwise-reproducible steps: fixed-point gradient sums that do "
+                          "not depend on how microbatches are grouped or which replicas failed",
+                          trajectory=True)
     # The reduce runs in buckets of about this many MiB (the first one issued: at most 1 MiB),
     # each started while the last microbatch's backward still runs, where the layout reports
     # finished gradients (plain); 0: one reduce after the backward (`recover.recovery.buckets`).
-    bucket_mb: float = bounded(25.0, Bounds(0.0, 1024.0))
+    bucket_mb: float = setting(25.0, "the cross-replica reduce runs in buckets of about this many "
+                               "MiB, started while the last microbatch's backward still runs "
+                               "(plain layout); 0: one reduce after the backward",
+                               trajectory=True, bounds=Bounds(0.0, 1024.0), metavar="MB")
 
     def __post_init__(self) -> None:
         check_fields(self)
-        for name, value, names in (("backend", self.backend, BACKENDS),
-                                   ("reduce_dtype", self.reduce_dtype, REDUCE_DTYPE_NAMES)):
-            if value not in names:
-                raise ConfigError(f"{name} {value!r} is not one of {', '.join(map(repr, names))}")
+        for f in dataclasses.fields(self):
+            names, value = f.metadata.get("choices", ()), getattr(self, f.name)
+            if names and value not in names:
+                raise ConfigError(f"{f.name} {value!r} is not one of "
+                                  f"{', '.join(map(repr, names))}")
 
 
 @dataclass
@@ -296,7 +353,7 @@ class ReplicaConfig:
     # What `Replica` enforces of the invariant by default (docs/porting.md), each with its opt-out:
     # the run's seed: each `compute(id, j)` runs on the RNG id_seed(seed, id, stream 1) (CPU and
     # the current CUDA device's), restored after; `id_rng=False`: the caller seeds itself.
-    seed: int = bounded(0, Bounds(0))
+    seed: int = setting(0, "the run's seed", bounds=Bounds(0))
     id_rng: bool = True
     # At join, this rank's initial model state is compared with the first replica's (a digest
     # per entry): "check" refuses a mismatch naming the first differing entry; "adopt" takes a
@@ -304,7 +361,8 @@ class ReplicaConfig:
     # "off" skips it.
     init: str = "check"
     # How long a replica tries to reach its coordinator before one line naming the address.
-    connect_timeout_s: float = bounded(30.0, SECONDS)
+    connect_timeout_s: float = setting(30.0, "how long a replica tries to reach its "
+                                       "coordinator", bounds=SECONDS)
     # SIGTERM (where the process has no handler of its own) is a planned leave at the next
     # step boundary: `Replica.step` then leaves and ends the process with exit code 0.
     sigterm_leaves: bool = True

@@ -18,12 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.runs import BASE, Run, bitwise_equal, max_rel, recover_train
+from recover.app import rundir
 from recover.app.config import RunConfig
 from recover.app.runtoken import run_token
-from recover.app.train.checkpoint import latest_checkpoint, load_checkpoint
+from recover.app.train.checkpoint.dcp import latest_checkpoint, load_checkpoint
 from recover.app.train.model import build_model
 from recover.app.train.optim import build_optimizer
-from recover.testing.runs import BASE, Run, bitwise_equal, max_rel, recover_train
 
 N = 8
 DOC = Path(__file__).resolve().parents[2] / "docs" / "faults.md"
@@ -55,11 +56,11 @@ def faulty(tmp_path: Path, corpus: Path, *faults: str, static: bool = True,
 def load_last_checkpoint(out: Path) -> tuple[int, dict[str, torch.Tensor]]:
     """(step, parameters) of the run's newest verified checkpoint, loaded by the public API into
     a model initialised from another seed (so everything must come from disk)."""
-    cfg = RunConfig.load(out / "config.json")
+    cfg = RunConfig.load(out / rundir.CONFIG)
     model = build_model(cfg.model, cfg.run.seed + 1)
     opt = build_optimizer(model, cfg)
     key = run_token(out)
-    path = latest_checkpoint(out / "ckpt", key)
+    path = latest_checkpoint(out / rundir.CKPT, key)
     assert path is not None, f"no verified checkpoint under {out / 'ckpt'}"
     meta = load_checkpoint(path, model, opt, key=key)
     return int(meta["step"]), {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from faults.conftest import Row, check_run, fault_args, faulty, gaps, measure
-from recover.testing import viewers
-from recover.testing.runs import Run, recover_train
+from harness import viewers
+from harness.runs import Run, recover_train
+from recover.app import rundir
 
 pytestmark = pytest.mark.timeout(200)
 
@@ -32,7 +33,7 @@ def test_coordinator_killed_and_restarted(ref4: Run, corpus: Path, tmp_path: Pat
                  "restart:replica=2,step=6", "coordinator:replica=0,step=6,phase=donate",
                  "coordinator:replica=1,step=10,phase=backward",  # shards: each coordinator's
                  extra=("--store-shards", "2", "--tensorboard", "auto"))
-    events = [json.loads(x) for x in (run.out / "coordinator.jsonl").read_text().splitlines()]
+    events = [json.loads(x) for x in (run.out / rundir.COORDINATOR_LOG).read_text().splitlines()]
     resumed = [e for e in events if e["event"] == "resumed"]
     starts = [e["time"] for e in events if e["event"] == "start"]
     took = [r["time"] - s for r, s in zip(resumed, starts[1:], strict=False)]
@@ -76,7 +77,7 @@ def test_a_restarted_coordinator_does_not_wait_again_for_a_replacement_that_came
     recs = check_run(run, ref4, [0])
     record.measured = measure(run)
     assert max(gaps(recs)) < 30, gaps(recs)  # 65 s before: the scheduled join's bound
-    exits = json.loads((run.out / "replica_exits.json").read_text())
+    exits = json.loads((run.out / rundir.REPLICA_EXITS).read_text())
     assert exits["1"].startswith("exit 0 (preempted)"), exits
 
 

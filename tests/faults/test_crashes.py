@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 from faults.conftest import Row, check_run, faulty, gaps, measure
-from recover.testing import viewers
-from recover.testing.runs import Run
+from harness import viewers
+from harness.runs import Run
+from recover.app import rundir
 
 pytestmark = pytest.mark.timeout(200)
 STALE_S = 2.0  # the default --stale-s (recover.app.config.FtConfig)
@@ -82,7 +83,7 @@ def test_crash_during_recovery(ref: Run, corpus: Path, tmp_path: Path, record: R
                  extra=("--store-shards", "3"))
     record.measured = measure(run)
     recs = check_run(run, ref, [0, 3])
-    ports = json.loads((run.out / "coordinator.jsonl").read_text().splitlines()[0])
+    ports = json.loads((run.out / rundir.COORDINATOR_LOG).read_text().splitlines()[0])
     assert len(ports["shard_ports"]) == 3, ports
     assert "injecting kill" in run.log(2), run.log(2)[-2000:]
     # Step 5's ids are 40..47; replicas 1 and 2 owned 42..45, all recomputed by 0 and 3.
@@ -211,9 +212,9 @@ def test_deadlock_fenced_in_time(ref: Run, corpus: Path, tmp_path: Path, record:
     assert between < 3 * STALE_S + 5, between
     assert took < 3 * STALE_S + 5, took
     assert "injecting deadlock" in run.log(1) and "injecting deadlock" in run.log(2)
-    exits = json.loads((run.out / "exit_codes.json").read_text())
+    exits = json.loads((run.out / rundir.EXIT_CODES).read_text())
     assert exits.get("replica1.rank0") == 7 and exits.get("replica2.rank0") == 3, exits
-    why = json.loads((run.out / "replica_exits.json").read_text())
+    why = json.loads((run.out / rundir.REPLICA_EXITS).read_text())
     assert "its main thread stalled" in json.dumps(why.get("2", why)), why
 
 
@@ -240,7 +241,7 @@ def test_partition_evicted_on_evidence(ref: Run, corpus: Path, tmp_path: Path,
     run = faulty(tmp_path, corpus, "partition:replica=1,step=5", "kill:replica=3,step=7,"
                  "phase=forward", "partition:replica=2,step=9")
     record.measured = measure(run)
-    events = [json.loads(x) for x in (run.out / "coordinator.jsonl").read_text().splitlines()]
+    events = [json.loads(x) for x in (run.out / rundir.COORDINATOR_LOG).read_text().splitlines()]
     gens = [e for e in events if e["event"] == "generation"]
     evicted = [e for e in gens if 1 not in e["members"]]
     assert evicted and "replica 1: unreachable from replicas 0, 2, 3 over the data path" in \
@@ -252,5 +253,5 @@ def test_partition_evicted_on_evidence(ref: Run, corpus: Path, tmp_path: Path,
     assert len(last) == 1 and last[0] in (0, 2), [g["members"] for g in gens]
     recs = check_run(run, ref, last)
     assert recs[-1]["live_replicas"] == 1
-    codes = json.loads((run.out / "exit_codes.json").read_text())
+    codes = json.loads((run.out / rundir.EXIT_CODES).read_text())
     assert codes["replica1.rank0"] == 3 and codes[f"replica{2 - last[0]}.rank0"] == 3, codes

@@ -21,11 +21,8 @@ from pathlib import Path
 import pytest
 
 from faults.conftest import Row, check_run, fault_args, measure
-from recover.collectives import session as liveness
-from recover.collectives.admission import proof
-from recover.procs import Process
-from recover.testing.processes import session
-from recover.testing.runs import (
+from harness.processes import session
+from harness.runs import (
     LAYOUT_ARGS,
     LAYOUT_FLAGS,
     LAYOUT_STEPS,
@@ -34,21 +31,27 @@ from recover.testing.runs import (
     max_rel,
     two_free_ports,
 )
+from recover.app import rundir
+from recover.control import session as liveness
+from recover.control.admission import proof
+from recover.procs import Process
 
 pytestmark = pytest.mark.timeout(240)
 # From step 1: step 0 carries the start-up's one-off costs, and 8 x those on a loaded machine
 # made one replica 12 s late to the first reduce, evicted before any stranger came (a CI run).
-SLOW = [f"slow:replica={r},factor=8,step=1" for r in range(4)]
+# Slow enough that the run outlives two foreign workers and the 34 fuzzed connections (at 8x a
+# fast machine ended the run while the fuzz was still connecting).
+SLOW = [f"slow:replica={r},factor=16,step=1" for r in range(4)]
 
 
 def _started(out: Path, launch: Launch, steps: int = 2) -> dict:
     """The coordinator's start event, once `steps` steps committed."""
     deadline = time.monotonic() + 120
-    while not (out / "metrics.jsonl").exists() or \
-            len((out / "metrics.jsonl").read_text().splitlines()) < steps:
+    while not (out / rundir.METRICS).exists() or \
+            len((out / rundir.METRICS).read_text().splitlines()) < steps:
         assert time.monotonic() < deadline and launch.proc.poll() is None, launch.stderr()[-2000:]
         time.sleep(0.05)
-    return json.loads((out / "coordinator.jsonl").read_text().splitlines()[0])
+    return json.loads((out / rundir.COORDINATOR_LOG).read_text().splitlines()[0])
 
 
 def _foreign_worker(run_dir: Path, port: int, log: Path, env: dict[str, str]) -> tuple[int, str]:
@@ -112,7 +115,7 @@ def test_foreign_worker_and_fuzzed_input(ref4: Run, corpus: Path, tmp_path: Path
         rc_other, err_other = _foreign_worker(ref4.out, start["port"], tmp_path / "w1.log", env)
         rc_token, err_token = _foreign_worker(out, start["port"], tmp_path / "w2.log",
                                               {**env, "RECOVER_RUN_TOKEN": "not-this-run"})
-        _fuzz(start["liveness_port"], (out / "run.token").read_text().strip())
+        _fuzz(start["liveness_port"], (out / rundir.RUN_TOKEN).read_text().strip())
         assert launch.proc.poll() is None, "the run ended before the strangers were done"
     finally:
         run = launch.finish(180)
@@ -122,10 +125,10 @@ def test_foreign_worker_and_fuzzed_input(ref4: Run, corpus: Path, tmp_path: Path
     assert rc_token != 0 and "refused" in err_token and "token" in err_token, err_token[-2000:]
     recs = check_run(run, ref4, [0, 1, 2, 3])
     assert all(r["live_replicas"] == 4 for r in recs)
-    events = [json.loads(x) for x in (out / "coordinator.jsonl").read_text().splitlines()]
+    events = [json.loads(x) for x in (out / rundir.COORDINATOR_LOG).read_text().splitlines()]
     kinds = [e["event"] for e in events]
     # The fuzz's four hellos; the foreign workers are refused before their hello (the
-    # coordinator's `coord/run` proves another token: collectives/member.py `_check_run`).
+    # coordinator's `coord/run` proves another token: control/member.py `_check_run`).
     assert kinds.count("refused") >= 4 and kinds.count("malformed") >= 10, kinds
     assert any("already connected" in e.get("why", "") for e in events)
     assert any("config differs" in e.get("why", "") for e in events)
@@ -152,14 +155,14 @@ def test_a_wrong_run_worker_never_touches_an_hsdp_replica(single_replica: Run, c
     launch = Launch(out, *LAYOUT_ARGS, *LAYOUT_FLAGS["hsdp"], "--replicas", "2",
                     "--external-workers", "--port", str(two_free_ports()), data=corpus,
                     env={**os.environ, "RECOVER_RUN_TOKEN": token})
-    port_file = out / "coordinator.port"
+    port_file = out / rundir.COORDINATOR_PORT
     workers: list[Process] = []
     try:
         deadline = time.monotonic() + 60
         while not port_file.exists():
             assert time.monotonic() < deadline and launch.running(), launch.stderr()[-2000:]
             time.sleep(0.05)
-        assert not (out / "run.token").exists()  # the env is the token: no file is written
+        assert not (out / rundir.RUN_TOKEN).exists()  # the env is the token: no file is written
         intruder = _worker(out, port_file, 1, 0, tmp_path / "intruder.log", "another run's")
         assert intruder.wait(60) == 2
         said = [x for x in (tmp_path / "intruder.log").read_text().splitlines() if x.strip()]
@@ -185,8 +188,8 @@ def test_a_duplicate_rank_or_a_wrong_run_stops_before_the_rendezvous() -> None:
     """The checks `init_replica_group` makes before it rendezvous, on a real store: the
     coordinator's proof must match the worker's token, and each (replica, incarnation, rank) is
     claimed once; the group's prefix is the token's, and says nothing of it."""
-    from recover.collectives import CoordinatorLost, connect_store, keys
-    from recover.parallel import mesh
+    from recover.control import CoordinatorLost, connect_store, keys
+    from recover.layouts import mesh
 
     server = keys.serve_store("127.0.0.1", 0)
     store = connect_store("127.0.0.1", server.port, 10)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from faults.conftest import N, faulty
-from recover.testing.runs import BASE, Run, max_rel
+from harness.runs import BASE, Run, max_rel
 
 pytestmark = pytest.mark.timeout(200)
 LAST = int(BASE[BASE.index("--steps") + 1]) - 1

@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 
 from faults.conftest import N, check_run, faulty, load_last_checkpoint
+from harness.runs import BASE, Launch, Run, max_rel, read_jsonl, recover_train
+from recover.app import rundir
 from recover.errors import ExitCode
-from recover.testing.runs import BASE, Launch, Run, max_rel, read_jsonl, recover_train
 
 
 def test_replica_sigterm_is_a_planned_leave(tmp_path: Path, corpus: Path, ref4: Run) -> None:
@@ -35,11 +36,11 @@ def test_replica_sigterm_is_a_planned_leave(tmp_path: Path, corpus: Path, ref4: 
         assert by_step[s + 1]["members"] == [m for m in by_step[s]["members"]
                                              if m != {3: 1, 5: 2}[s]], by_step[s + 1]
     assert 1 in by_step[9]["members"], "the replacement did not rejoin"
-    exits = json.loads((run.out / "replica_exits.json").read_text())
+    exits = json.loads((run.out / rundir.REPLICA_EXITS).read_text())
     assert exits["2"] == "exit 0 (preempted), coordinator: left cleanly (preempted)", exits
-    codes = json.loads((run.out / "exit_codes.json").read_text())
+    codes = json.loads((run.out / rundir.EXIT_CODES).read_text())
     assert codes["replica3.rank0"] == -signal.SIGTERM, codes  # the second SIGTERM: a crash
-    events = read_jsonl(run.out / "coordinator.jsonl")
+    events = read_jsonl(run.out / rundir.COORDINATOR_LOG)
     leaves = [e["reason"] for e in events if e.get("event") == "evidence" and e["replica"] == 2]
     assert leaves == ["left cleanly (preempted)"], leaves  # a leave, no loss counted
     assert "preempted (SIGTERM): leaving at the step boundary after step 5" in run.log(2)
@@ -47,7 +48,7 @@ def test_replica_sigterm_is_a_planned_leave(tmp_path: Path, corpus: Path, ref4: 
 
 def _wait_records(out: Path, n: int, launch: Launch, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
-    path = out / "metrics.jsonl"
+    path = out / rundir.METRICS
     while time.monotonic() < deadline and launch.running():
         if path.exists() and len(path.read_text().splitlines()) >= n:
             return
@@ -69,9 +70,9 @@ def test_sigterm_to_recover_train_checkpoints_and_resumes(tmp_path: Path, corpus
     assert 4 <= committed < 14, committed
     step, _ = load_last_checkpoint(out)
     assert step == committed, (step, committed)  # the last committed step, with no --ckpt-every
-    exits = json.loads((out / "replica_exits.json").read_text())
+    exits = json.loads((out / rundir.REPLICA_EXITS).read_text())
     assert all("left cleanly (preempted)" in e for e in exits.values()), exits
-    assert json.loads((out / "exit_codes.json").read_text()) == {
+    assert json.loads((out / rundir.EXIT_CODES).read_text()) == {
         "replica0.rank0": 0, "replica1.rank0": 0}
     assert "continue with --resume" in run.stderr
     resumed = recover_train(out, *args, "--resume", data=corpus, timeout=120)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from faults.conftest import Row, check_run, faulty, load_last_checkpoint, measure
-from recover.testing.runs import Run, bitwise_equal, max_rel
+from harness.runs import Run, bitwise_equal, max_rel
 
 pytestmark = pytest.mark.timeout(200)
 SAVES = [5, 10, 14]  # the checkpoint steps of a fault-matrix run (conftest.CKPT, 14 steps)

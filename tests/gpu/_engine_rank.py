@@ -1,7 +1,7 @@
 """One replica process of `test_cuda.py`: `StepEngine` steps on a flat gradient on --device.
 
 Invariant: every microbatch id i adds the integer-gradient oracle's weight(i) to every element
-of the replica's gradient (`recover.testing.oracle`), so a committed step's reduced gradient is
+of the replica's gradient (`harness.oracle`), so a committed step's reduced gradient is
 exactly `oracle.expected(step, N)` everywhere (in fp32 and in bf16: for the 4 steps of 8 ids run
 here every sum stays below 256, exact in both), whoever computed which id. The process records,
 per step, the reduced gradient's min/max, its device and dtype, the verified microbatch count
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from recover.parallel.rank import connect_rank, new_member
+from harness import oracle
 from recover.procs import exit_after
+from recover.replica.rank import connect_rank, new_member
 from recover.settings import FaultTolerance, Hooks, LaunchEnv, ReplicaConfig
-from recover.testing import oracle
 
 
 def main() -> int:

@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from recover.collectives import Member, connect
+from recover.collectives import connect
+from recover.control import Member
 from recover.procs import exit_after
 from recover.settings import FaultTolerance, Numerics
 

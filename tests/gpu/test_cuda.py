@@ -10,7 +10,7 @@
   failure-free reference (docs/DESIGN.md, "The invariant and its tolerances"); `--exact` on CUDA is
   bitwise its reference.
 
-Every process is started by recover.testing.processes and ended by its PID.
+Every process is started by harness.processes and ended by its PID.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from recover.testing import oracle
-from recover.testing.processes import Proc, stop_all
-from recover.testing.runs import recover_train
+from harness import oracle
+from harness.processes import Proc, stop_all
+from harness.runs import recover_train
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(),
@@ -44,7 +44,7 @@ BF16_TOL = 5e-3
 
 def coordinator(tmp: Path, replicas: int, procs: list[Proc]) -> str:
     port_file = tmp / "coordinator.port"
-    procs.append(Proc("coordinator", "recover.collectives.coordinator:main",
+    procs.append(Proc("coordinator", "recover.control.coordinator:main",
                       ["--replicas", str(replicas), "--host", "127.0.0.1", "--port", "0",
                        "--port-file", str(port_file), "--stale-s", "5"], tmp, ENV))
     deadline = time.monotonic() + 90

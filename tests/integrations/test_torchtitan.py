@@ -27,7 +27,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 import torch  # noqa: E402
 
-from recover.testing.runs import max_rel  # noqa: E402
+from harness.runs import max_rel  # noqa: E402
 
 JOB = Path(__file__).with_name("_titan_job.py")
 # 3 steps: replica 1 dies in step 1 (step 0 ran with both), the survivor finishes step 1 alone,

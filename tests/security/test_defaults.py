@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from recover.collectives import CoordinatorConfig
-from recover.collectives.coordinator import main
+from recover.control import CoordinatorConfig
+from recover.control.coordinator import main
 from recover.errors import ExitCode
 
 pytestmark = pytest.mark.timeout(30)

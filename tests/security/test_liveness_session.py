@@ -1,4 +1,4 @@
-"""The liveness session against a stranger on the wire (collectives/session.py).
+"""The liveness session against a stranger on the wire (control/session.py).
 
 Invariant checked, against a real coordinator's liveness listener with a run token: a hello
 captured from one connection and replayed on another is refused; the old constant proof is
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from faults.conftest import Row
-from recover.collectives import Coordinator, CoordinatorConfig, coordinator, session
-from recover.collectives.admission import proof
+from recover.control import Coordinator, CoordinatorConfig, coordinator, session
+from recover.control.admission import proof
 
 pytestmark = pytest.mark.timeout(30)
 TOKEN = "the liveness session's token"

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from recover.collectives import CoordinatorConfig, keys, sealed
-from recover.collectives.admission import Hello, proof
-from recover.collectives.membership import Membership
+from recover.control import CoordinatorConfig, keys, sealed
+from recover.control.admission import Hello, proof
+from recover.control.membership import Membership
 from recover.recovery.chain import entry_problem
 from recover.recovery.lifetime import Committed, protocol_keys
 from recover.recovery.strategy import InStepRecovery

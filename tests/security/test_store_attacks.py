@@ -18,12 +18,13 @@ from pathlib import Path
 import pytest
 
 from faults.conftest import Row, check_run, fault_args, measure
-from recover.collectives import keys
-from recover.testing.runs import Launch, Run, two_free_ports
+from harness.runs import Launch, Run, two_free_ports
+from recover.app import rundir
+from recover.control import keys
 
 pytestmark = pytest.mark.timeout(120)
 N = 8  # microbatches a step (the debug preset)
-STEPS = 14  # the fault matrix's steps (recover.testing.runs.BASE)
+STEPS = 14  # the fault matrix's steps (harness.runs.BASE)
 
 
 def _connect(port: int, deadline: float):
@@ -105,7 +106,7 @@ def _attacked_run(tmp_path: Path, corpus: Path, replicas: int, *faults: str
 
 
 def _events(run: Run) -> list[dict]:
-    return [json.loads(x) for x in (run.out / "coordinator.jsonl").read_text().splitlines()]
+    return [json.loads(x) for x in (run.out / rundir.COORDINATOR_LOG).read_text().splitlines()]
 
 
 def test_forged_store_values_change_nothing(ref4: Run, corpus: Path, tmp_path: Path,
@@ -123,11 +124,13 @@ def test_forged_store_values_change_nothing(ref4: Run, corpus: Path, tmp_path: P
     # The forgeries were there when the run read them: seen, logged, ignored.
     logs = run.log(0) + run.log(1)
     assert re.search(r"ignored the store's value of step/\d+/g0/decision", logs), logs[-3000:]
-    coord = (run.out / "logs" / "coordinator.log").read_text()
+    coord = (run.out / rundir.LOGS / rundir.COORDINATOR_OUT).read_text()
     assert "ignored the store's value of gen/1/members" in coord, coord[-3000:]
     assert "coord/liveness: rewritten by someone else; put back" in coord, coord[-3000:]
     gens = [e["gen"] for e in _events(run) if e["event"] == "generation"]
-    assert gens == [0, 1, 2], gens  # the replicas' leaves, published over the forged members
+    # The replicas' leaves, published over the forged members of generation 1 (and 2, unless
+    # both leaves fall within one debounce and fold into one generation).
+    assert gens in ([0, 1], [0, 1, 2]), gens
 
 
 def test_forged_store_values_during_a_crash_and_a_rejoin(ref4: Run, corpus: Path,

@@ -20,8 +20,8 @@ from collections.abc import Iterator
 import pytest
 
 from faults.conftest import Row
-from recover.collectives import Coordinator, CoordinatorConfig, FenceHandlers, Member, keys, sealed
-from recover.collectives.member import Identity
+from recover.control import Coordinator, CoordinatorConfig, FenceHandlers, Member, keys, sealed
+from recover.control.member import Identity
 from recover.settings import FaultTolerance
 
 pytestmark = pytest.mark.timeout(40)

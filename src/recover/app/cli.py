@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from recover import __version__
-from recover.app import configfile, logs
-from recover.app.config import PRESETS, RunConfig, flag_of, preset
+from recover.app import configfile, logs, rundir
+from recover.app.config import PRESETS, CheckedConfig, RunConfig, flag_of, preset
 from recover.app.faults import grammar
 from recover.app.train.preempt import Preemption
-from recover.collectives.coordconfig import CoordinatorConfig
+from recover.control.coordconfig import CoordinatorConfig
 from recover.errors import (
     ConfigError,
     ExitCode,
@@ -126,18 +126,28 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """The preset named by --preset, then the --config file's settings, then every flag given on
-    the command line."""
+    the command line; checked (`checked_from_args`)."""
+    return checked_from_args(args).cfg
+
+
+def checked_from_args(args: argparse.Namespace) -> CheckedConfig:
+    """`config_from_args`, as the one check of the launch hands it on (`recover train`)."""
     path = getattr(args, "config", None)
     values, dropped = configfile.read(path) if path is not None else ({}, None)
     cfg = (configfile.layered(values, getattr(args, "run.preset"), path) if path is not None
            else preset(getattr(args, "run.preset") or "debug"))
+    given: dict[str, dict[str, Any]] = {}
     for sec, f, _ in config_fields():
         v = getattr(args, f"{sec}.{f.name}")
         if v is not None:
-            setattr(getattr(cfg, sec), f.name, v)
+            given.setdefault(sec, {})[f.name] = v
+    for sec, changes in given.items():  # frozen sections (ft, compute) too: a new one each
+        setattr(cfg, sec, dataclasses.replace(getattr(cfg, sec), **changes))
     if getattr(args, "run.out") is None and "out" not in values.get("run", {}):
         cfg.run.out = f"runs/{cfg.run.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
-    cfg.validate()
+    if cfg.run.reference:
+        cfg.run.dump_final = True  # the final parameters are compared with the reference's too
+    checked = cfg.checked()
     try:
         if cfg.data.path is not None and not Path(cfg.data.path).exists():
             raise ConfigError(f"--data {cfg.data.path}: no such file or directory")
@@ -145,7 +155,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     except OSError as e:  # a name too long for the file system, a path through a locked folder
         raise ConfigError(f"{e.filename or cfg.run.out}: {e.strerror or e}") from None
     configfile.announce(path, dropped)
-    return cfg
+    return checked
 
 
 def check_out(out: str) -> None:
@@ -202,13 +212,12 @@ def cmd_train(args: argparse.Namespace, preempt: threading.Event | None = None) 
     from recover.app.train.writers import tensorboard_dir
 
     console = Console(stderr=True)
-    cfg = config_from_args(args)
+    checked = checked_from_args(args)
+    cfg = checked.cfg
     host = check_coordinator(cfg, args)
     check_writers(cfg)  # before any process: an explicit --tensorboard/--wandb not installed
-    if cfg.run.reference:
-        cfg.run.dump_final = True  # the final parameters are compared with the reference's too
     http = http_config(args)
-    res = launch(cfg, console, external_workers=args.external_workers, port=args.port,
+    res = launch(checked, console, external_workers=args.external_workers, port=args.port,
                  host=host, http=http, preempt=preempt)
     if cfg.run.report:
         _write_report(console, res.out)
@@ -220,8 +229,9 @@ def cmd_train(args: argparse.Namespace, preempt: threading.Event | None = None) 
         # Its own TensorBoard folder (DIR/reference/tensorboard) when TensorBoard is on, and no
         # second W&B run.
         tb = "none" if tensorboard_dir(cfg) is None else "auto"
+        ref_out = Path(cfg.run.out) / rundir.REFERENCE
         ref_cfg = cfg.replace(ft={"faults": []}, run={"reference": False, "resume": False,
-                                                      "out": str(Path(cfg.run.out) / "reference"),
+                                                      "out": str(ref_out),
                                                       "tensorboard": tb, "wandb": None})
         console.print("recover: running the failure-free reference ...", highlight=False,
                       soft_wrap=True)
@@ -229,7 +239,7 @@ def cmd_train(args: argparse.Namespace, preempt: threading.Event | None = None) 
         if not ref.ok:
             print(f"recover train: reference run failed: {ref.message}", file=sys.stderr)
             return 1
-        png = Path(cfg.run.out) / "trajectory.png"
+        png = Path(cfg.run.out) / rundir.TRAJECTORY_PNG
         plot_trajectory(res.records, ref.records, png)
         diff = max_rel_loss_diff(res.records, ref.records)
         equal, rel_l2 = compare_final_params(Path(cfg.run.out), Path(ref_cfg.run.out))
@@ -253,7 +263,7 @@ def _measure_band(console: Any, ref_cfg: Any) -> bool:
     replicas = ref_cfg.layout.replicas
     other = replicas - 1 if replicas > 1 else 2
     band_cfg = ref_cfg.replace(layout={"replicas": other},
-                               run={"out": str(Path(ref_cfg.run.out) / "band"),
+                               run={"out": str(Path(ref_cfg.run.out) / rundir.BAND_RUN),
                                     "tensorboard": "none"})
     console.print(f"recover: measuring the band: the reference regrouped over {other} "
                   "replica(s) ...", highlight=False, soft_wrap=True)
@@ -310,7 +320,7 @@ def _summary(console, res) -> None:  # type: ignore[no-untyped-def]
 def cmd_coordinator(argv: list[str]) -> int:
     """`recover coordinator`: the library's entry point, whose flags are `CoordinatorConfig`'s
     fields (the launcher builds the same argv with `CoordinatorConfig.to_argv`)."""
-    from recover.collectives.coordinator import main as coordinator_main
+    from recover.control.coordinator import main as coordinator_main
 
     return coordinator_main(argv)
 
@@ -406,7 +416,7 @@ def _run_tool(cmd: str, argv: list[str]) -> int:
 
         return prepare_cli(argv)
     if cmd == "simulate":
-        from recover.sim.cli import run_cli
+        from recover.app.sim.cli import run_cli
 
         return run_cli(argv)
     from recover.app.baselines.bench import run_cli as bench_cli

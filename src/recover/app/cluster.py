@@ -63,7 +63,7 @@ def worker_argv(job: ClusterJob, coordinator_host: str, replica: str) -> list[st
     """One replica: a `torchrun` of its ranks, `--standalone` (each replica's ranks meet on their
     own host, never with another replica's: one failure domain each). It is started again by a
     loop around it (`worker_loop`, the Slurm script's), not by torchrun's `--max-restarts`: a
-    torchrun restart was seen to hang its new worker on the agent's store for 120 s."""
+    torchrun restart can hang its new worker on the agent's store for minutes."""
     argv = ["torchrun", "--standalone", "--nnodes", "1", "--nproc-per-node", str(job.ranks),
             "--max-restarts", "0", "-m", "recover.app.train.worker",
             "--run-dir", job.out, "--replica", replica,

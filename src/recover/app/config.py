@@ -4,11 +4,14 @@ Invariant: a `RunConfig` that passed `validate()` describes a run that can start
 failure-free run's trajectory depends on (model, data, seed, N, B, optimizer, schedule) is in it,
 marked `trajectory=True` beside the field, and is saved as `DIR/config.json` (nested by
 sub-config), so a resumed run or a reference run reproduces it exactly. Each field carries its own
-help text, CLI flag name and choices (`setting(...)` metadata): `recover.app.cli` generates the
-`recover train` flags from them, so a field is documented in one place only. Every field is
-checked by `validate()`: its type, and a number finite and inside the `Bounds` declared beside it
-(`setting(bounds=...)`), so a value that would break a run (a zero timeout, a NaN, a huge count)
-is a one-line `ConfigError` before anything starts.
+help text, CLI flag name and choices (`recover.settings.setting` metadata): `recover.app.cli`
+generates the `recover train` flags from them, so a field is documented in one place only. A
+setting the library also reads is not declared here: `ft` is the library's `FaultTolerance` and
+`compute` its `Numerics`, each embedded (subclassed) with the app's own fields beside it. Every
+field is checked by `validate()` (or `checked()`, which also hands on the parsed fault specs):
+its type, and a number finite and inside the `Bounds` declared beside it, so a value that would
+break a run (a zero timeout, a NaN, a huge count) is a one-line `ConfigError` before anything
+starts.
 """
 
 from __future__ import annotations
@@ -23,14 +26,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from recover.app.faults import validate_faults
-from recover.collectives.coordconfig import MAX_REPLICAS, MAX_STORE_SHARDS
+from recover.app import compat
+from recover.app.faults import Fault, validate_faults
+from recover.control.coordconfig import MAX_REPLICAS, store_shards_setting
 from recover.data import SAMPLINGS
 from recover.errors import ConfigError
-from recover.parallel.mesh import LAYOUTS
+from recover.layouts.mesh import LAYOUTS
 from recover.recovery.step import MAX_MICROBATCHES
 from recover.settings import (
-    MAX_WAIT_S,
     SECONDS,
     Bounds,
     FaultTolerance,
@@ -38,6 +41,8 @@ from recover.settings import (
     ReplicaConfig,
     check_fields,
     check_timeouts,
+    flag_of,
+    setting,
 )
 
 T = TypeVar("T")
@@ -63,37 +68,11 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "debug": dict(model=dict(block_size=64, n_layer=2, n_head=4, n_embd=64),
                   data=dict(microbatches=8, microbatch_size=8, eval_every=10),
                   optim=dict(lr=3e-3, min_lr=3e-4, warmup_steps=5), run=dict(steps=40)),
-    # Minutes on CPU; ~0.2 s per step with 4 replicas on 2 cores.
+    # Minutes on CPU (its step time: docs/MEASUREMENTS.md, "Threads and start-up").
     "small": dict(model=dict(block_size=128, n_layer=4, n_head=4, n_embd=128),
                   data=dict(microbatches=16, microbatch_size=8, eval_every=50),
                   optim=dict(lr=1e-3, min_lr=1e-4, warmup_steps=20), run=dict(steps=200)),
 }
-
-
-def setting(default: Any = None, help: str = "", *, flag: str | None = "",
-            choices: tuple[str, ...] = (), trajectory: bool = False, const: Any = True,
-            factory: Callable[[], Any] | None = None, metavar: str | None = None,
-            bounds: Bounds | None = None) -> Any:
-    """A config field with its CLI metadata.
-
-    flag: "" = derived from the name (`microbatch_size` -> `--microbatch-size`), None = no flag.
-    A bool field's flag takes no value and stores `const`; a list field's flag repeats (append).
-    trajectory: the loss trajectory depends on this field (resume and reference must match it).
-    bounds: a numeric field's accepted values (every int and float field declares them).
-    """
-    meta: dict[str, Any] = {"help": help, "flag": flag, "choices": choices,
-                            "trajectory": trajectory, "const": const, "metavar": metavar}
-    if bounds is not None:
-        meta["bounds"] = bounds
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def flag_of(f: dataclasses.Field) -> str | None:
-    """The CLI flag of a config field (None: set only through config.json or code)."""
-    flag = f.metadata.get("flag", "")
-    return ("--" + f.name.replace("_", "-")) if flag == "" else flag
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -210,7 +189,8 @@ class DataConfig:
                                ".bin (default: embedded Shakespeare)", flag="--data",
                                trajectory=True)
     # epoch: what pre-training counts on (every window once per epoch, `epoch` in the metrics);
-    # random: recover's windows before 0.5 (overlapping, drawn with replacement).
+    # random: overlapping windows drawn with replacement (what a saved run without this field
+    # drew: `recover.app.compat.saved_sampling`).
     sampling: str = setting("epoch", "training windows: epoch (each once per epoch, in an order "
                             "drawn from the seed) or random (drawn with replacement)",
                             choices=SAMPLINGS, trajectory=True)
@@ -230,34 +210,24 @@ class DataConfig:
         _check_fields(self)
 
 
-@dataclass
-class FaultToleranceConfig:
-    """Detection, timeouts, the reaction to a lost replica, and injected faults."""
+@dataclass(frozen=True)
+class FaultToleranceConfig(FaultTolerance):
+    """Detection, timeouts, the reaction to a lost replica, and injected faults.
 
-    min_replicas: int = setting(1, "stop (with a checkpoint) below this many replicas",
-                                bounds=Bounds(1, MAX_REPLICAS))
-    # Off by default: quotas that follow the clock regroup microbatches, so the run repeats
-    # bitwise only with --exact (recover.settings.FaultTolerance.speed_aware says why).
-    speed_aware: bool = setting(False, "quotas that follow measured replica speed instead of "
-                                "equal ones (bitwise repeatable with --exact only)")
+    The library's `FaultTolerance`, embedded (every one of its settings is its declaration, with
+    its flag, help and bounds), and the app's own settings beside it. Frozen, as the library's
+    is: change it with `RunConfig.replace(ft=...)`. Unlike the library's, a value is checked by
+    `validate()` (which names the flag, or a config file's `ft.key`), not as it is built.
+    """
+
     # "recover" (in-step recovery, batch stays N) or "shrink-batch" (baseline,
     # recover.recovery.shrink: the faulted step is discarded, the batch shrinks). It changes
     # which gradients are applied, so it is part of the trajectory.
     policy: str = setting("recover", "reaction to a lost replica: recover, or shrink-batch "
                           "(baseline)", choices=POLICIES, trajectory=True)
-    heartbeat_s: float = setting(0.1, "seconds between a replica's heartbeats", bounds=SECONDS)
-    # Crashes are seen in ms (the liveness socket closes); this only bounds hang detection.
-    # 1.0 s raised false alarms at load average 14 on 2 cores; 2.0 s has not.
-    stale_s: float = setting(2.0, "heartbeat silence that declares a replica lost",
-                             bounds=SECONDS)
-    reduce_timeout_s: float = setting(60.0, "backstop timeout of one reduction", bounds=SECONDS)
-    join_timeout_s: float = setting(120.0, "how long replicas wait for each other to join",
-                                    bounds=SECONDS)
     # A coordinator that dies is restarted (`recover coordinator --recover`); meanwhile the
-    # replicas keep their state. Past this bound the last leader checkpoints and all stop.
-    coordinator_wait_s: float = setting(60.0, "how long replicas wait, keeping their state, for a"
-                                        " coordinator that died to come back (0: stop at once)",
-                                        bounds=Bounds(0.0, MAX_WAIT_S))
+    # replicas keep their state (`coordinator_wait_s`). Past that bound the last leader
+    # checkpoints and all stop.
     coordinator_restarts: int = setting(3, "times `recover train` restarts a coordinator that "
                                         "died (0: never; the replicas then checkpoint and stop)",
                                         bounds=Bounds(0, MAX_SIZE))
@@ -269,14 +239,15 @@ class FaultToleranceConfig:
                                      "boundary, recover train checkpoints and exits 8 within it",
                                      bounds=SECONDS)
     # One store server handles every request on one thread: past ~1,000 ranks its serial work
-    # per step outgrows the step's control plane (collectives/shards.py;
-    # docs/DESIGN.md, "Scaling the control plane").
-    store_shards: int = setting(0, "store servers the coordinator also hosts for the step "
-                                "decision's counts (0 or 1: none; ~1 per 1,000 ranks)",
-                                bounds=Bounds(0, MAX_STORE_SHARDS))
+    # per step outgrows the step's control plane (control/shards.py;
+    # docs/DESIGN.md, "Scaling the control plane"). The coordinator's own setting, declared there.
+    store_shards: int = store_shards_setting()
     faults: list[str] = setting(help="inject a fault (repeatable; its grammar and phases: at "
                                 "the end), e.g. kill:replica=2,step=10,phase=backward",
                                 flag="--fault", factory=list, metavar="SPEC")
+
+    def __post_init__(self) -> None:
+        """Nothing: `validate()` checks every field, naming it as its reader wrote it."""
 
     def validate(self) -> None:
         _check_fields(self)
@@ -290,7 +261,7 @@ class FaultToleranceConfig:
 
 @dataclass
 class LayoutConfig:
-    """How many replicas, and the parallelism inside one (recover.parallel)."""
+    """How many replicas, and the parallelism inside one (recover.layouts)."""
 
     name: str = setting("plain", "replica layout: plain, hsdp, tp, pp or tp,pp (see README)",
                         flag="--layout", choices=LAYOUTS)
@@ -309,25 +280,21 @@ class LayoutConfig:
                 "tp,pp": self.tp * self.stages}[self.name]
 
 
-@dataclass
-class ComputeConfig:
-    """Numerics and hardware: precision, exact mode, device and cross-replica backend."""
+@dataclass(frozen=True)
+class ComputeConfig(Numerics):
+    """Numerics and hardware: precision, exact mode, device and cross-replica backend.
+
+    The library's `Numerics` (backend, reduce dtype, exact mode, buckets), embedded, and the
+    app's precision and device beside it; frozen and checked by `validate()`, as
+    `FaultToleranceConfig` is."""
 
     dtype: str = setting("fp32", "autocast dtype of forward/backward (parameters and optimiser "
                          "stay fp32)", choices=DTYPES, trajectory=True)
-    reduce_dtype: str = setting("", "dtype the cross-replica reduce travels in (default: the "
-                                "gradient's, fp32)", choices=("", *DTYPES), trajectory=True)
-    exact: bool = setting(False, "bitwise-reproducible steps: fixed-point gradient sums that do "
-                          "not depend on how microbatches are grouped or which replicas failed",
-                          trajectory=True)
-    bucket_mb: float = setting(25.0, "the cross-replica reduce runs in buckets of about this many "
-                               "MiB, started while the last microbatch's backward still runs "
-                               "(plain layout); 0: one reduce after the backward",
-                               trajectory=True, bounds=Bounds(0.0, 1024.0), metavar="MB")
     device: str = setting("cpu", "cpu, or cuda (one GPU per process; plain layout)",
                           choices=("cpu", "cuda"))
-    backend: str = setting("gloo", "cross-replica communicator: gloo, or nccl (--device cuda)",
-                           choices=("gloo", "nccl"))
+
+    def __post_init__(self) -> None:
+        """Nothing: `validate()` checks every field, naming it as its reader wrote it."""
 
     def validate(self) -> None:
         _check_fields(self)
@@ -403,13 +370,8 @@ class RunConfig:
         sections = {f.name: f.default_factory for f in dataclasses.fields(cls)}
         flat = sorted(k for k, v in d.items() if k not in sections or not isinstance(v, dict))
         if flat:
-            old = {g.name for s in sections.values() for g in dataclasses.fields(s())}
-            if set(flat) & (old | {"data", "layout"}):  # data, layout: flat-era field names
-                raise ConfigError(
-                    f"a flat (pre-sub-config) config with top-level {', '.join(flat)}: "
-                    f"config.json is now nested by sub-config ({', '.join(sections)}); "
-                    "start a new run, or move each field into its section")
-            raise ConfigError(f"unknown config field(s): {', '.join(flat)}")
+            raise ConfigError(compat.flat_config_problem(flat, sections) or
+                              f"unknown config field(s): {', '.join(flat)}")
         parts: dict[str, Any] = {}
         for name, make in sections.items():
             values = d.get(name, {})
@@ -425,9 +387,8 @@ class RunConfig:
         p = Path(path)
         try:
             d = json.loads(p.read_text())
-            if isinstance(d, dict) and isinstance(d.get("data"), dict):
-                # A run saved before 0.5 drew random windows: a resume must not change that.
-                d["data"].setdefault("sampling", "random")
+            if isinstance(d, dict):
+                compat.saved_sampling(d)
             return cls.from_dict(d)
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {p}") from None
@@ -462,6 +423,13 @@ class RunConfig:
         """This config, if every field is of its type and in its bounds and the fields agree
         with each other (faults aimed at replicas, ranks and steps the run has); else the first
         problem as a one-line ConfigError."""
+        self.checked()
+        return self
+
+    def checked(self) -> CheckedConfig:
+        """`validate()`'s checks, and what they parsed: the one check of a launch (and of each
+        of its ranks, which read config.json), whose result is handed on instead of checked
+        or parsed again."""
         lay, data, ft = self.layout, self.data, self.ft
         lay.validate()
         data.validate()
@@ -483,12 +451,12 @@ class RunConfig:
         _need(ft.policy == "recover" or lay.name == "plain",
               f"--policy {ft.policy} supports --layout plain only")
         self._validate_layout()
-        validate_faults(ft.faults, lay.replicas, self.run.steps, lay.ranks_per_replica(),
-                        data.microbatches)
-        return self
+        faults = validate_faults(ft.faults, lay.replicas, self.run.steps, lay.ranks_per_replica(),
+                                 data.microbatches)
+        return CheckedConfig(self, tuple(faults))
 
     def _validate_layout(self) -> None:
-        """A multi-rank replica layout (recover.parallel) that can run this model and batch."""
+        """A multi-rank replica layout (recover.layouts) that can run this model and batch."""
         m, lay, b = self.model, self.layout, self.data.microbatch_size
         # tp and pp plans name the GPT's submodules (parallelize.py); FSDP2 needs no names.
         _need(m.name == "gpt" or lay.name in ("plain", "hsdp"),
@@ -510,6 +478,17 @@ class RunConfig:
         _need(b % lay.stages == 0,
               f"--microbatch-size ({b}) must be divisible by --stages ({lay.stages}): each "
               "microbatch is split into that many pipeline chunks")
+
+
+@dataclass(frozen=True)
+class CheckedConfig:
+    """A `RunConfig` that passed `RunConfig.checked()`, with its `--fault` specs parsed there:
+    holding one says the checks ran, so whoever takes it (the launcher, its supervisor, a rank's
+    loop) neither checks the config again nor parses a spec again (the specs' text stays in
+    `cfg.ft.faults` only for config.json)."""
+
+    cfg: RunConfig
+    faults: tuple[Fault, ...]
 
 
 def _library(cls: type[T], sub: Any) -> T:

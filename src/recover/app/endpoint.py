@@ -26,6 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from recover.app import rundir
 from recover.app.status import read_status
 from recover.errors import ConfigError, RecoverError
 
@@ -227,7 +228,7 @@ class Endpoint:
         self.server.run_dir = run_dir
         self.server.registry = prom.CollectorRegistry(auto_describe=False)
         self.server.registry.register(StatusCollector(run_dir))
-        self.port_file = run_dir / "http.port"
+        self.port_file = run_dir / rundir.HTTP_PORT
         self.port = self.server.server_address[1]
         self.port_file.write_text(f"{self.port}\n")
         self._thread = threading.Thread(target=self.server.serve_forever, kwargs={

@@ -1,14 +1,14 @@
 """`recover export --run DIR --out PATH`: a trained run's newest verified checkpoint as files that
 load without recover.
 
-Invariant: the exported parameters are the checkpoint's, bitwise (`recover.app.train.restore`,
-any layout). A `gpt` or `module:` model becomes one safetensors file holding every entry of the
-model's state_dict (a tied weight under each of its names, so `load_state_dict` takes it whole),
-with the run's model config in its metadata; an `hf:` model becomes a `transformers` folder
-(`save_pretrained`: config.json and model.safetensors; the run's tokenizer.json beside them) that
-`from_pretrained` loads. Nothing is overwritten: PATH must not exist, and it appears by one
-rename, whole or not at all. A bad flag, run directory or checkpoint is one line and exit 2.
-"""
+Invariant: the exported parameters are the checkpoint's, bitwise
+(`recover.app.train.checkpoint.restore`, any layout). A `gpt` or `module:` model becomes one
+safetensors file holding every entry of the model's state_dict (a tied weight under each of its
+names, so `load_state_dict` takes it whole), with the run's model config in its metadata; an `hf:`
+model becomes a `transformers` folder (`save_pretrained`: config.json and model.safetensors; the
+run's tokenizer.json beside them) that `from_pretrained` loads. Nothing is overwritten: PATH must
+not exist, and it appears by one rename, whole or not at all. A bad flag, run directory or
+checkpoint is one line and exit 2. """
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def run_cli(argv: list[str]) -> int:
 def export(run_dir: str, out: str) -> tuple[Path, str]:
     """Write `run_dir`'s newest verified checkpoint to `out`; (out, what was written)."""
     from recover.app.train import foreign
-    from recover.app.train.restore import load_run, run_config
+    from recover.app.train.checkpoint.restore import load_run, run_config
 
     dest = Path(out).expanduser()
     if os.path.lexists(dest):

@@ -18,7 +18,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from recover.app.status import read_jsonl, read_status
+from recover.app import rundir
+from recover.app.rundir import read_jsonl
+from recover.app.status import read_status
 from recover.errors import ExitCode, RecoverError, UsageParser, usage_line
 
 log = logging.getLogger(__name__)
@@ -32,20 +34,20 @@ def write_report(run_dir: Path | str) -> Path:
     a run."""
     out = Path(run_dir)
     model = read_status(out)
-    recs = read_jsonl(out / "metrics.jsonl")
+    recs = read_jsonl(out / rundir.METRICS)
     tmp = Path(tempfile.mkdtemp(prefix=".report-", dir=out))
     tmp.chmod(0o755)  # mkdtemp's 0700 would hide the report from whoever else reads the run
     try:
         plots = _plots(model, recs, tmp)
-        (tmp / "report.md").write_text(markdown(model, plots))
-        final = out / "report"
+        (tmp / rundir.REPORT_MD).write_text(markdown(model, plots))
+        final = out / rundir.REPORT
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return final / "report.md"
+    return final / rundir.REPORT_MD
 
 
 def _plots(model: dict[str, Any], recs: list[dict], folder: Path) -> dict[str, str]:

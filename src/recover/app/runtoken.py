@@ -17,11 +17,12 @@ import secrets
 import stat
 from pathlib import Path
 
+from recover.app.rundir import RUN_TOKEN
 from recover.errors import ConfigError
 from recover.settings import LaunchEnv
 
 ENV = "RECOVER_RUN_TOKEN"  # read by LaunchEnv; named here in messages
-FILE = "run.token"
+FILE = RUN_TOKEN  # in the run directory
 MAX_BYTES = 4096  # a token is 64 hex digits; a longer file is not one
 
 

@@ -1,23 +1,22 @@
 """`recover sample --run DIR --prompt TEXT`: text from a trained run's newest verified checkpoint.
 
-Invariant: what is printed is a pure function of (the checkpoint, the prompt, the flags): the
-model is the checkpoint's, bitwise (`recover.app.train.restore`, any layout), every draw comes
+Invariant: what is printed is a pure function of (the checkpoint, the prompt, the flags): the model
+is the checkpoint's, bitwise (`recover.app.train.checkpoint.restore`, any layout), every draw comes
 from a generator seeded by `--seed` (the global RNG is not touched), and the context is the last
 block_size tokens, the length the run trained on. Text goes through the tokenizer the run's data
 came with (a `tokenizer.json` in its data folder) or, without one, is UTF-8 bytes; a token outside
 that vocabulary is never drawn. A bad flag, run directory or checkpoint is one line on stderr and
-exit 2, never a traceback.
-"""
+exit 2, never a traceback. """
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from recover.app import rundir
 from recover.errors import ConfigError, RecoverError, UsageParser, usage_line
 from recover.settings import Bounds, Number
 
@@ -100,7 +99,7 @@ def sample(run_dir: str, prompt: str, how: Sampling, device: str = "cpu") -> str
     import torch
 
     from recover.app.train import foreign
-    from recover.app.train.restore import load_run, run_config
+    from recover.app.train.checkpoint.restore import load_run, run_config
 
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is visible here")
@@ -109,7 +108,7 @@ def sample(run_dir: str, prompt: str, how: Sampling, device: str = "cpu") -> str
     if codec.tokenizer is None and cfg.model.vocab_size > BYTES:
         raise ConfigError(f"--run {run_dir} trained on token ids ({cfg.model.vocab_size} "
                           f"tokens) and no {TOKENIZER} is in its data folder: put the one its "
-                          f"tokens came from into {Path(run_dir) / 'data'}")
+                          f"tokens came from into {Path(run_dir) / rundir.DATA}")
     ids = codec.encode(prompt)
     if not ids:
         raise ConfigError(f"--prompt {prompt!r} encodes to no tokens")
@@ -125,11 +124,12 @@ def sample(run_dir: str, prompt: str, how: Sampling, device: str = "cpu") -> str
 def run_codec(run_dir: Path, data_path: str | None) -> Codec:
     """The run's tokenizer: the tokenizer.json of the `recover prepare` folder it trained on (the
     run's data/meta.json names it), or one in the run's own data folder; else bytes."""
-    places = [run_dir / "data" / TOKENIZER]
+    places = [run_dir / rundir.DATA / TOKENIZER]
     try:
-        prepared = json.loads((run_dir / "data" / "meta.json").read_text()).get("prepared")
-    except (OSError, ValueError, AttributeError):
-        prepared = None
+        meta = rundir.read_json(run_dir / rundir.DATA / rundir.DATA_META)
+    except OSError:  # unreadable: the run's own data folder is the last place to look anyway
+        meta = None
+    prepared = meta.get("prepared") if isinstance(meta, dict) else None
     for folder in (prepared, data_path):
         if isinstance(folder, str) and folder:
             places.append(Path(folder).expanduser() / TOKENIZER)

@@ -13,39 +13,32 @@ disagree with each other or with the files.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from recover.app.rundir import read_jsonl
+from recover.app import rundir
+from recover.app.rundir import read_json, read_jsonl
+from recover.control.membership import CONNECTION_CLOSED, FENCED, LEFT_CLEANLY, LOST
 from recover.errors import ConfigError
 
 RECENT = 20  # steps the step time, the throughput and the ETA are averaged over
-CLEAN = "left cleanly"
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
 
 
 def read_status(run_dir: Path | str, now: float | None = None) -> dict[str, Any]:
     """The status model of the run in `run_dir` (see the module docstring); ConfigError if it is
     not a run directory (no `config.json`)."""
     out = Path(run_dir)
-    cfg = _read_json(out / "config.json")
+    cfg = read_json(out / rundir.CONFIG)
     if not out.is_dir() or not isinstance(cfg, dict) or "run" not in cfg:
         raise ConfigError(f"{out}: not a recover run directory (no config.json)")
     now = time.time() if now is None else now
     replicas = int(cfg.get("layout", {}).get("replicas", 0))
     end = int(cfg["run"].get("stop_at") or cfg["run"].get("steps", 0))
     t0 = _run_start(out)
-    recs = read_jsonl(out / "metrics.jsonl")
-    events = read_jsonl(out / "coordinator.jsonl")
+    recs = read_jsonl(out / rundir.METRICS)
+    events = read_jsonl(out / rundir.COORDINATOR_LOG)
     exits = _finished_exits(out, t0)
     model: dict[str, Any] = {"dir": str(out), "state": _state(exits, recs, events),
                              "replicas": replicas, "steps": end, "run_start": t0}
@@ -65,7 +58,7 @@ def read_status(run_dir: Path | str, now: float | None = None) -> dict[str, Any]
     model["joins"] = [{"step": r["step"], "time_s": r.get("time_s"), "replicas": r["joined"],
                        "transfer_s": r.get("transfer_s")} for r in recs if r.get("joined")]
     model["coordinator_restarts"] = sum(e.get("event") == "resumed" for e in events)
-    stats = _read_json(out / "store_stats.json")
+    stats = read_json(out / rundir.STORE_STATS)
     model["store_requests"] = (stats.get("store_requests") if isinstance(stats, dict)
                                else None)
     model["exits"] = exits or {}
@@ -74,7 +67,7 @@ def read_status(run_dir: Path | str, now: float | None = None) -> dict[str, Any]
 
 def _run_start(out: Path) -> float | None:
     try:
-        return float((out / "run_start").read_text())
+        return float((out / rundir.RUN_START).read_text())
     except (FileNotFoundError, ValueError):
         return None
 
@@ -82,13 +75,13 @@ def _run_start(out: Path) -> float | None:
 def _finished_exits(out: Path, t0: float | None) -> dict[str, str] | None:
     """`replica_exits.json` if this launch wrote it (the launcher's last act); None while the run
     is going on. One older than `run_start` is an earlier launch's (a `--resume`d run)."""
-    path = out / "replica_exits.json"
+    path = out / rundir.REPLICA_EXITS
     try:
         if t0 is not None and path.stat().st_mtime < t0:
             return None
     except FileNotFoundError:
         return None
-    exits = _read_json(path)
+    exits = read_json(path)
     return {str(k): str(v) for k, v in exits.items()} if isinstance(exits, dict) else None
 
 
@@ -141,10 +134,10 @@ def _faults(events: list[dict], recs: list[dict], t0: float | None) -> list[dict
     for e in events:
         kind = e.get("event")
         if kind == "evidence" and e.get("replica") is not None \
-                and not str(e.get("reason", "")).startswith(CLEAN):
+                and not str(e.get("reason", "")).startswith(LEFT_CLEANLY):
             what = _ended(str(e.get("reason", "")))
         elif kind == "lost-before-start":
-            what = "lost"
+            what = LOST
         elif kind == "resumed":
             what = "coordinator restarted"
         else:
@@ -195,8 +188,8 @@ def _membership(events: list[dict], recs: list[dict], replicas: int,
 
 def _ended(reason: str) -> str:
     """How a replica left the membership, in the words the launcher's summary uses."""
-    if reason.startswith(CLEAN):  # "left cleanly (preempted)": a planned leave, no fault
+    if reason.startswith(LEFT_CLEANLY):  # "left cleanly (preempted)": a planned leave, no fault
         return reason
-    if reason.startswith("connection closed"):
-        return "lost"
-    return "fenced"  # dropped while its connection was open: silent, cut off or partitioned
+    if reason.startswith(CONNECTION_CLOSED):
+        return LOST
+    return FENCED  # dropped while its connection was open: silent, cut off or partitioned

@@ -20,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from recover.app.status import read_status
+from recover.deadline import Deadline
 from recover.errors import ExitCode, RecoverError, UsageParser, usage_line
 
 WEEK_S = 7 * 24 * 3600.0
@@ -137,11 +138,11 @@ def run_cli(cmd: str, argv: list[str]) -> int:
 def _watch(args: argparse.Namespace, model: dict[str, Any], console: Console) -> int:
     from rich.live import Live
 
-    deadline = time.monotonic() + args.timeout if args.timeout > 0 else None
+    deadline = Deadline(args.timeout) if args.timeout > 0 else None
     try:
         with Live(render(model), console=console, auto_refresh=False) as live:
             while model["state"] != "finished":
-                if deadline is not None and time.monotonic() >= deadline:
+                if deadline is not None and deadline.passed():
                     break
                 time.sleep(args.interval)
                 try:

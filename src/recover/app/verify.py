@@ -5,7 +5,7 @@ Invariant: the verdict reads only what both runs' `metrics.jsonl` lines carry fo
 committed (REF may be a shorter failure-free rerun: `--stop-at K`), and it passes only if
 - every step of RUN trained on exactly N microbatches (its `microbatches` field), and
 - exact mode (both runs `--exact`): every compared step's loss and parameter digest
-  (`recover.parallel.digest`: random projections, sum of squares, SHA-256) are bitwise equal;
+  (`recover.replica.digest`: random projections, sum of squares, SHA-256) are bitwise equal;
 - default mode: every compared step's relative loss deviation and relative parameter distance
   (estimated from the digests) stay within `MARGIN` x the band's envelope at that step, the band
   being what regrouping the same microbatches does to a failure-free run of this configuration
@@ -24,10 +24,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from recover.app import rundir
 from recover.app.config import RunConfig
-from recover.app.rundir import CONFIG, METRICS, read_jsonl
+from recover.app.rundir import CONFIG, METRICS, read_json, read_jsonl
+from recover.data.tokens import META as TOKENS_META
 from recover.errors import ExitCode, RecoverError, UsageParser, usage_line
-from recover.parallel.digest import Digest, rel_distance
+from recover.replica.digest import Digest, rel_distance
 
 # A run with faults regroups microbatches at each recovery (and for good after a replica is
 # lost), as the band's run does once; how far two such regroupings drift apart is random, so a
@@ -37,7 +39,6 @@ MARGIN = 10.0
 # The least envelope: a step where the band's two runs happen to agree bitwise (step 0's loss is
 # the same forward on the same weights) still allows a few float32 ulps of another grouping.
 FLOOR = 2.0 ** -20
-BAND_FILE = "band.json"
 
 
 @dataclass
@@ -80,13 +81,15 @@ def _identity(run: Path, cfg: RunConfig) -> dict:
     rerun on another machine reads the same tokens from another place."""
     key = cfg.trajectory_key()
     try:
-        meta = json.loads((run / "data" / "meta.json").read_text())
-        data = meta.get("sha256")
-        if data is None and isinstance(meta.get("prepared"), str):
-            prepared = (Path(meta["prepared"]) / "meta.json").read_bytes()
-            data = hashlib.sha256(prepared).hexdigest()
-    except (OSError, ValueError, AttributeError):
-        data = None
+        meta = read_json(run / rundir.DATA / rundir.DATA_META)
+    except OSError:  # unreadable: compared by the path the config names
+        meta = None
+    data = meta.get("sha256") if isinstance(meta, dict) else None
+    if data is None and isinstance(meta, dict) and isinstance(meta.get("prepared"), str):
+        try:  # the prepared folder's own description, by its bytes (its format: recover.data)
+            data = hashlib.sha256((Path(meta["prepared"]) / TOKENS_META).read_bytes()).hexdigest()
+        except OSError:
+            data = None
     if data is not None and isinstance(key.get("data"), dict):
         key["data"]["path"] = data
     return key
@@ -108,7 +111,7 @@ def write_band(ref: Path, band_run: Path) -> dict[int, tuple[float, float]]:
     """Measure the band (REF against a failure-free run that groups the same microbatches
     otherwise) and keep it as REF/band.json."""
     band = deviations(read_lines(band_run), read_lines(ref))
-    (ref / BAND_FILE).write_text(json.dumps({
+    (ref / rundir.BAND).write_text(json.dumps({
         "from": str(band_run), "margin": MARGIN, "floor": FLOOR,
         "steps": {str(t): list(v) for t, v in band.items()}}) + "\n")
     return band
@@ -116,9 +119,9 @@ def write_band(ref: Path, band_run: Path) -> dict[int, tuple[float, float]]:
 
 def read_band(path: Path) -> dict[int, tuple[float, float]]:
     try:
-        d = json.loads(path.read_text())
+        d = read_json(path)
         return {int(t): (float(v[0]), float(v[1])) for t, v in d["steps"].items()}
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
         raise RecoverError(f"{path}: not a band file (recover train --reference writes one)"
                            ) from None
 
@@ -185,10 +188,10 @@ def _band_verdict(run: dict[int, Line], ref: dict[int, Line], ref_dir: Path,
     if band_dir is not None:
         band = deviations(read_lines(band_dir), ref)
         source = str(band_dir)
-    elif (ref_dir / BAND_FILE).exists():
-        band, source = read_band(ref_dir / BAND_FILE), str(ref_dir / BAND_FILE)
+    elif (ref_dir / rundir.BAND).exists():
+        band, source = read_band(ref_dir / rundir.BAND), str(ref_dir / rundir.BAND)
     else:
-        raise RecoverError(f"no band to judge a default-mode run by: {ref_dir / BAND_FILE} is "
+        raise RecoverError(f"no band to judge a default-mode run by: {ref_dir / rundir.BAND} is "
                            "missing (recover train --reference writes it); pass --band DIR, a "
                            "failure-free run of this config with another replica count")
     env = envelope(band)

@@ -1,33 +1,17 @@
-"""Layer 1: fault-tolerant collectives.
+"""Layer 1: fault-tolerant collectives, on the control plane (`recover.control`).
 
-Public API: `Coordinator` and its `CoordinatorConfig` (store + membership, its own process;
-`membership.Membership` is its state machine), `Member` (a replica's membership client: join,
-heartbeats, generations, fencing) with its `Identity` and `FenceHandlers`, `FaultTolerantComm`
-(generation-fenced reduce), `connect` (the one wiring of a member and its communicator),
-`ReplicaFault`, `CoordinatorLost`, `CoordinatorGone`, `RunOver`, `GlooInterfaceError`,
-`connect_store`, `try_get`, `keys` (the one module that spells the store's key layout), and
-`shards` (the step decision's counts spread over store shards). Exit codes:
-`recover.errors.ExitCode`.
+Public API: `FaultTolerantComm` (the generation-fenced reduction: it never hangs, never crashes
+the survivors, never hands out a partial sum), `ReplicaFault` (what a failed reduction raises),
+`connect` (the one wiring of a member and its communicator); `tree` (a small payload's
+all-reduce), `sever` (ending a gloo operation that waits on a hung peer), `reaper` (releasing a
+communicator off the thread that drops it), `meshstore` (a generation's communicator built on the
+store).
 
-Invariant: depends on nothing in recover but `recover.settings` and `recover.errors`.
+Invariant: depends on nothing in recover but `recover.control`, `recover.settings`,
+`recover.errors` and `recover.deadline`.
 """
 
-from recover.collectives import keys, shards
 from recover.collectives.comm import FaultTolerantComm, ReplicaFault
-from recover.collectives.coordconfig import CoordinatorConfig
-from recover.collectives.coordinator import Coordinator
-from recover.collectives.keys import connect_store, try_get
-from recover.collectives.member import (
-    CoordinatorGone,
-    CoordinatorLost,
-    FenceHandlers,
-    Identity,
-    Member,
-    RunOver,
-)
-from recover.collectives.netif import GlooInterfaceError
 from recover.collectives.wiring import connect
 
-__all__ = ["Coordinator", "CoordinatorConfig", "CoordinatorGone", "CoordinatorLost",
-           "FaultTolerantComm", "FenceHandlers", "GlooInterfaceError", "Identity", "Member",
-           "ReplicaFault", "RunOver", "connect", "connect_store", "keys", "shards", "try_get"]
+__all__ = ["FaultTolerantComm", "ReplicaFault", "connect"]

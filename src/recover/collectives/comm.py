@@ -30,14 +30,17 @@ from typing import Any
 import torch
 from torch.distributed import PrefixStore
 
-from recover.collectives import keys, reach, sever, shards, tree
-from recover.collectives.listen import ListenError
-from recover.collectives.member import CoordinatorLost, Member
+from recover.collectives import sever, tree
 from recover.collectives.meshstore import MeshStore, new_group
-from recover.collectives.netif import GlooInterface, GlooInterfaceError, is_loopback
 from recover.collectives.reaper import retire
-from recover.collectives.spare import SpareClient
-from recover.collectives.waiter import KeyWaiter
+from recover.control import keys, reach, shards
+from recover.control.listen import ListenError
+from recover.control.member import CoordinatorLost, Member
+from recover.control.netif import GlooInterface, GlooInterfaceError, is_loopback
+from recover.control.spare import SpareClient
+from recover.control.waiter import KeyWaiter
+from recover.deadline import Deadline
+from recover.errors import RecoverError
 from recover.settings import FaultTolerance, Numerics
 
 __all__ = ["FaultTolerantComm", "GlooInterfaceError", "ReplicaFault"]
@@ -45,8 +48,8 @@ __all__ = ["FaultTolerantComm", "GlooInterfaceError", "ReplicaFault"]
 log = logging.getLogger(__name__)
 
 # How long a failed op waits for the coordinator to publish the generation that answers a crash
-# (the dead process's liveness socket closed) before it probes the peers itself: kill ->
-# published took 27-54 ms at 4 to 64 ranks on 2 cores, 185 ms in the shipped curve's loaded run
+# (the dead process's liveness socket closed) before it probes the peers itself: several times
+# the kill-to-publication time, even on a loaded host, so a crash is answered, never probed
 # (docs/MEASUREMENTS.md, "The control plane at scale"). A cut's report comes this much later.
 CRASH_SEEN_S = 0.25
 
@@ -59,12 +62,12 @@ def _reach_key(prefix: str, rank: int) -> str:
     return f"{prefix}/reach/{rank}"
 
 
-# The build's wait starts at `poll_s` and doubles up to this: a 2 ms poll through a 64-rank build
-# cost a third of its CPU (docs/MEASUREMENTS.md, "The control plane at scale").
+# The build's wait starts at `poll_s` and doubles up to this: a fixed short poll through a large
+# build costs a large share of its CPU (docs/MEASUREMENTS.md, "The control plane at scale").
 _BUILD_POLL_MAX_S = 0.025
 
 
-class ReplicaFault(RuntimeError):
+class ReplicaFault(RecoverError, RuntimeError):
     """A reduction of `generation` did not complete here; `lost` are the replicas known gone."""
 
     def __init__(self, generation: int, lost: list[int], why: str) -> None:
@@ -137,13 +140,13 @@ class FaultTolerantComm:
         self._tree: tree.TreeDriver | None = None  # `_pg`'s small payloads (gloo)
         # The sockets of groups let go, closed only once the next group's barrier has passed
         # (every member has left the older ops by then): closed earlier, a slower peer's send
-        # on one was reset, and gloo lost it (docs/MEASUREMENTS.md, "Severing a gloo operation").
+        # on one is reset, and gloo loses it (docs/MEASUREMENTS.md, "Severing a gloo operation").
         self._closing: list[socket.socket] = []
         self._holding: list[_Held] = []
         # Where every group of this position meets (barrier, addresses, gloo's own exchange):
         # the main store, or with store shards the one shard every member of the position picks
         # alike, a joiner and a rank that skipped generations too (`shards.rendezvous_shard`).
-        # Why: a rebuild makes O(R) lookups per member; on the main store that was its largest
+        # Why: a rebuild makes O(R) lookups per member; on the main store that would be its largest
         # work per failure (docs/DESIGN.md, "Scaling the control plane").
         self.rendezvous = self._rendezvous_store(member, position)
         self._waiter = KeyWaiter(member, self.rendezvous)  # blocking reads for the build barrier
@@ -252,13 +255,13 @@ class FaultTolerantComm:
         self.member.notify_on_change(wake)
         if on_issued is not None:
             on_issued()
-        watch, deadline = self._watch(g, waits=True), time.monotonic() + self.timeout_s
+        watch, deadline = self._watch(g, waits=True), Deadline(self.timeout_s)
         # NCCL's completion is polled from device events at the fine pace.
         pace = self.poll_s if self.backend == "nccl" else self.recheck_s
         try:
             while flight.error is None and not done():
                 self.member.watch.progress()  # a legitimate wait, not a stuck thread
-                wake.wait(min(pace, max(0.0, deadline - time.monotonic())))
+                wake.wait(min(pace, deadline.left()))
                 wake.clear()
                 if done():
                     break
@@ -268,7 +271,7 @@ class FaultTolerantComm:
                     # survivor is not held up waiting for a failure to travel round the ring.
                     self.abandon(flight)
                     raise ReplicaFault(g, self._lost_since(g), "a newer generation was published")
-                if time.monotonic() > deadline:
+                if deadline.passed():
                     self.abandon(flight)
                     self._report_fail(watch, g)
                     raise ReplicaFault(g, [], f"no completion within {self.timeout_s:.0f}s")
@@ -282,7 +285,8 @@ class FaultTolerantComm:
         except Exception as e:
             # Sever our side of the group (the other members' pending ops fail within ms, not at the
             # timeout: docs/MEASUREMENTS.md, "gloo on CPU") and retire it: never destroyed here,
-            # gloo's destructor waits for its threads and closes a pair per peer (1 s at 128 ranks).
+            # gloo's destructor waits for its threads and closes a pair per peer (seconds at a
+            # large R).
             # Only the writing side while nothing of ours runs: the peers read end-of-file, and
             # their sends still land (a socket shut both ways answers data with a reset, `sever`).
             self._sever(pg, socket.SHUT_WR if all(f.done() for f in futs) else socket.SHUT_RD)
@@ -338,7 +342,7 @@ class FaultTolerantComm:
     @staticmethod
     def _rendezvous_store(member: Member, position: int) -> Any:
         """The main store's plain client without shards (gloo holds its clones: not the
-        counting one, collectives/storecount.py); else a client of this position's shard,
+        counting one, control/storecount.py); else a client of this position's shard,
         connected now (a rebuild opens no connection on its critical path: its clients are
         clones)."""
         count = len(getattr(member, "shard_ports", None) or [])
@@ -402,7 +406,7 @@ class FaultTolerantComm:
 
         th = threading.Thread(target=build, name=f"recover-build-g{g}", daemon=True)
         th.start()
-        deadline = time.monotonic() + self.timeout_s
+        deadline = Deadline(self.timeout_s)
         watch = self._watch(g)
         pace = self.poll_s
         while th.is_alive():
@@ -412,7 +416,7 @@ class FaultTolerantComm:
             if th.is_alive() and self.member.generation() != g:
                 raise ReplicaFault(g, self._lost_since(g), "superseded while building")
             watch.turn(time.monotonic() - t1)  # gloo's connect names no peer: probe them
-            if time.monotonic() > deadline:
+            if deadline.passed():
                 self._report_fail(watch, g)  # ask for a rebuild rather than wait for nobody
                 raise ReplicaFault(g, [], "communicator build timed out")
         if "err" in box:
@@ -504,9 +508,9 @@ class FaultTolerantComm:
         evicted only if that convicts it, `admission.convicted`: its main thread stalled, or it
         reaches nobody), and the naming is withdrawn if it arrives after all.
         The last to arrive sets `{prefix}/all`; the others block on it (`KeyWaiter`, woken by a
-        newer generation) instead of polling the count: at 64 ranks, polling every 2 ms was
-        ~30k store requests a second during a rebuild, which slowed every survivor's protocol
-        round trips through the one store server."""
+        newer generation) instead of polling the count: every member polling floods the one
+        store server during a rebuild and slows every survivor's protocol round trips through
+        it."""
         store = self.rendezvous
         rank = self.member.members(g).index(self.member.replica)
         store.set(f"{prefix}/arrived/{rank}", "1")
@@ -514,20 +518,20 @@ class FaultTolerantComm:
             store.set(f"{prefix}/all", "1")
             return
         start = time.monotonic()
-        deadline = start + self.timeout_s
+        deadline, suspect = Deadline(self.timeout_s, at=start), Deadline(self.suspect_s, at=start)
         named, accused = False, False
         while True:
-            until = deadline if named else min(deadline, start + self.suspect_s)
-            if self._waiter.get(f"{prefix}/all", g, max(0.0, until - time.monotonic())):
+            until = deadline if named else deadline.sooner(suspect)
+            if self._waiter.get(f"{prefix}/all", g, until.left()):
                 if accused:
                     self.member.report_arrived(g)  # they were late, not lost: withdraw
                 return
             self._superseded(g)
             self.member.check()
-            if time.monotonic() > deadline:
+            if deadline.passed():
                 self.member.report_fail(g)
                 raise ReplicaFault(g, [], "barrier timed out")
-            if not named and time.monotonic() - start >= self.suspect_s:
+            if not named and suspect.passed():
                 named = True
                 members = self.member.members(g)
                 missing = [members[r] for r in range(size)
@@ -542,7 +546,7 @@ class FaultTolerantComm:
         # A peer may be hung with its sockets open: gloo would write into `bufs` until its own
         # timeout. Shutting the group's connections down for reading ends the op within ms (`sever`:
         # not for writing, which can lose a send inside gloo; the peers shut their own for the same
-        # generation); without a socket known, a dead peer still fails it in ~40 ms
+        # generation); without a socket known, a dead peer still fails it well within the settle
         # (docs/MEASUREMENTS.md, "gloo on CPU"). Only an op running after the settle keeps its
         # buffers held (`in_use`).
         severed = self._sever(pg, socket.SHUT_RD)
@@ -552,14 +556,15 @@ class FaultTolerantComm:
             with contextlib.suppress(Exception):
                 pg.abort()  # type: ignore[attr-defined]
         else:
-            # Severed, the op fails as soon as gloo's loop thread runs (ms; on a loaded machine
-            # > 0.25 s, then a second buffer was made): wait longer, woken by its futures.
+            # Severed, the op fails as soon as gloo's loop thread runs (ms, but on a loaded host
+            # past a short settle, and then a second buffer is made: docs/MEASUREMENTS.md,
+            # "Memory"): wait longer, woken by its futures.
             ended = threading.Event()
             for fut in futs:
                 fut.add_done_callback(lambda _: ended.set())
-            settle = time.monotonic() + (SEVERED_SETTLE_S if severed else ABANDON_SETTLE_S)
-            while not all(f.done() for f in futs) and time.monotonic() < settle:
-                ended.wait(max(0.0, settle - time.monotonic()))
+            settle = Deadline(SEVERED_SETTLE_S if severed else ABANDON_SETTLE_S)
+            while not all(f.done() for f in futs) and not settle.passed():
+                ended.wait(settle.left())
                 ended.clear()
         if not all(f.done() for f in futs):
             # After an NCCL abort nothing writes into the buffers any more: only gloo's are held.

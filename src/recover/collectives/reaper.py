@@ -7,11 +7,11 @@ another owner keeps it: then its release is that owner's); one daemon thread the
 reference, so the destructor runs on that thread. `retire` never blocks on a destruction (it
 only takes a lock that the reaper holds for list bookkeeping, never across a destructor).
 
-Why: a gloo group's destructor joins its work threads (it waits out an op in flight: a survivor's
-exit once took 55 s, the group timeout, after a peer's link was cut) and closes one pair per peer
-(measured inside the survivors' `agree`: 14 ms at 4 ranks, 1 s at 128 on a loaded 2-core
-machine). torch's Python holder of a process group or work releases the GIL while the C++
-destructor runs, so the trainer's thread keeps running meanwhile.
+Why: a gloo group's destructor joins its work threads (it waits out an op in flight: up to the
+group timeout after a peer's link is cut) and closes one pair per peer (a cost that grows with R
+and lands inside the survivors' `agree`: docs/MEASUREMENTS.md, "gloo on CPU"). torch's Python
+holder of a process group or work releases the GIL while the C++ destructor runs, so the
+trainer's thread keeps running meanwhile.
 
 The thread exists only while something is held (it exits when nothing is left, so a fork server
 that checks it is single-threaded is not affected by an idle process). At interpreter exit it

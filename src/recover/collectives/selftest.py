@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from recover.collectives import Identity, Member, ReplicaFault, connect
+from recover.collectives import ReplicaFault, connect
+from recover.control import Identity, Member
 from recover.settings import FaultTolerance, LaunchEnv
 
 

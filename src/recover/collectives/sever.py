@@ -9,15 +9,15 @@ duplicates (the connections then close when gloo closes its own descriptors).
 
 Why: gloo cannot abort an operation in flight (`abort()`/`shutdown()` do not unblock it:
 docs/MEASUREMENTS.md, "gloo on CPU"), so an operation stuck on a peer whose process hangs with its
-sockets open kept its buffers, and its group's destructor blocked, until gloo's own timeout.
+sockets open keeps its buffers, and its group's destructor blocks, until gloo's own timeout.
 Shutting the group's sockets down makes gloo fail the operation at once ("connection closed",
-measured ~5 ms on loopback), after which its buffers are free and destroying the group is cheap;
-which side to shut is `sever`'s `how` (docs/MEASUREMENTS.md, "Severing a gloo operation"). The
-peers' side fails too once we shut ours for writing, which is what they need: the operation belongs
-to a generation nobody can commit in.
+within milliseconds on loopback), after which its buffers are free and destroying the group is
+cheap; which side to shut is `sever`'s `how` (docs/MEASUREMENTS.md, "Severing a gloo
+operation"). The peers' side fails too once we shut ours for writing, which is what they need:
+the operation belongs to a generation nobody can commit in.
 Holding the duplicates makes a sever one system call per socket: every survivor of a failure severs
-its R - 1 connections at once, so at R = 64 on 2 cores the readlink + dup + close per socket it used
-to cost showed in the survivors' agreement time (docs/MEASUREMENTS.md, "Severing a gloo operation").
+its R - 1 connections at once, so at a large R a readlink + dup + close per socket would show in
+the survivors' agreement time (docs/MEASUREMENTS.md, "Severing a gloo operation").
 Linux only (/proc/self/fd); elsewhere nothing is tracked and the caller holds the buffers.
 """
 
@@ -77,12 +77,11 @@ def sever(socks: list[socket.socket], how: int = socket.SHUT_RDWR) -> int:
     reads end-of-file on every pair and fails the operation. A shut writing side makes a send the
     operation still issues fail with `EPIPE`, which gloo's asynchronous write takes for "try again
     later" and queues; a queued send of an unbound buffer (ring all-reduce's) is not failed by the
-    pair's error, so the operation waited in `waitSend` until the group's timeout. Once both sides
+    pair's error, so the operation waits in `waitSend` until the group's timeout. Once both sides
     are shut, data a peer still sends is answered with a reset, and the peer's send can be lost the
     same way. With nothing of ours in flight, the writing side alone (`SHUT_WR`): the peers read
     end-of-file, and their sends still land. (Measured, docs/MEASUREMENTS.md, "Severing a gloo
-    operation": 4 of 8 cuts of in-flight 4 MB all-reduces at 4 ranks hung with `SHUT_RDWR`, 0 of 30
-    with `SHUT_RD`.)
+    operation": cuts of in-flight all-reduces hang with `SHUT_RDWR`, not with `SHUT_RD`.)
     """
     n = 0
     for s in socks:

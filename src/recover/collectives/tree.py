@@ -13,8 +13,7 @@ gloo still holds after a failed wait never writes into freed memory.
 
 Why not gloo's ring for these (docs/MEASUREMENTS.md, "The tree for small payloads"): on CPU,
 gloo's `allreduce` takes 2(R - 1) steps, each a hand-off between gloo's threads, so its CPU and
-latency per member grow with R however small the payload: 1,024 floats cost the busiest member
-0.78 / 7.95 / 11.66 ms of CPU at 4 / 16 / 64 ranks, the tree 0.28 / 0.35 / 0.34 ms (at most 3
+latency per member grow with R however small the payload, while the tree's stay flat (at most 3
 peers per member: O(1) in R; `bench/tree.py`). Past `TREE_MAX_BYTES` the ring's 2 bytes moved
 per byte reduced beat the tree's 6 on its inner nodes, so larger payloads keep gloo's ring.
 """
@@ -34,10 +33,10 @@ __all__ = ["TREE_MAX_BYTES", "TreeDriver", "fits"]
 
 log = logging.getLogger(__name__)
 
-# Payloads up to this size go up and down the tree; larger ones through gloo's ring. At 4 ranks
-# the tree cost the busiest member less CPU at 512 KiB and more at 4 MiB (docs/MEASUREMENTS.md,
-# "The tree for small payloads"); the first bucket issued (`recovery.buckets.FIRST_BUCKET_BYTES`,
-# 1 MiB) fits.
+# Payloads up to this size go up and down the tree; larger ones through gloo's ring, whose fewer
+# bytes moved per byte reduced cost the busiest member less CPU past about this size at small R
+# (docs/MEASUREMENTS.md, "The tree for small payloads"); the first bucket issued
+# (`recovery.buckets.FIRST_BUCKET_BYTES`, 1 MiB) fits.
 TREE_MAX_BYTES = 1 << 20
 _TAGS = 1 << 30  # tags wrap here (gloo takes a non-negative int)
 _IDLE_S = 1.0  # the thread's wait for work, between checks that it is still wanted

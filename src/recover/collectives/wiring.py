@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from recover.collectives.comm import FaultTolerantComm
-from recover.collectives.member import Member
+from recover.control.member import Member
 from recover.settings import FaultTolerance, Hooks, Numerics
 
 

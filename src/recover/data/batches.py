@@ -20,9 +20,10 @@ from torch import Tensor
 
 from recover.data.order import EpochOrder, random_draws
 from recover.data.tokens import TokenWindows, open_prepared
+from recover.workload.ids import Stream
 
 SAMPLINGS = ("epoch", "random")
-SAMPLE_STREAM = 0  # id_seed stream of random draws (recover's windows since 0.1: kept so)
+SAMPLE_STREAM = Stream.SAMPLE  # id_seed's stream of random draws (the registry: `Stream`)
 
 
 class IdBatches:

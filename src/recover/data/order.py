@@ -11,22 +11,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from recover.workload.ids import id_seed
+from recover.workload.ids import Stream, id_seed, mix64
 
-ORDER_STREAM = 3  # id_seed stream of the epoch keys (0: random windows, 1: dropout, 2: eval)
+ORDER_STREAM = Stream.ORDER  # id_seed's stream of the epoch keys (the registry: `Stream`)
 ROUNDS = 6  # Feistel rounds: 3 give a pseudo-random permutation (Luby-Rackoff); 6 mix small sizes
 _U64 = np.uint64
-_M64 = (1 << 64) - 1
 # Up to this many indices `permute` walks each with Python integers (a microbatch's samples);
 # more go through numpy at once. Both give the same images (tests/test_data_order.py).
 SMALL = 64
-
-
-def _mix(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser on uint64 arrays (wraps modulo 2^64, as intended)."""
-    z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
-    return z ^ (z >> _U64(31))
 
 
 def _half_bits(size: int) -> int:
@@ -39,17 +31,14 @@ def _round_keys(key: int) -> list[int]:
 
 
 def _walk(y: int, size: int, h: int, keys: list[int]) -> int:
-    """`permute` of one index with Python integers: the same arithmetic as `_mix` and the
-    vectorised rounds, modulo 2^64 by masking (a microbatch's few samples: numpy's per-call
-    overhead made its 8 lookups cost 1.2 ms)."""
+    """`permute` of one index with Python integers: the same rounds as the vectorised ones
+    (`mix64` masks modulo 2^64 either way), for a microbatch's few samples, where numpy's
+    per-call overhead would cost more than the arithmetic."""
     mask = (1 << h) - 1
     while True:
         left, right = y >> h, y & mask
         for k in keys:
-            z = right ^ k
-            z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-            left, right = right, left ^ ((z ^ (z >> 31)) & mask)
+            left, right = right, left ^ (mix64(right ^ k) & mask)
         y = (left << h) | right
         if y < size:  # cycle walking, as below
             return y
@@ -81,7 +70,7 @@ def permute(index: np.ndarray, size: int, key: int) -> np.ndarray:
         y = out[todo]
         left, right = y >> _U64(h), y & mask
         for k in keys:
-            left, right = right, left ^ (_mix(right ^ k) & mask)
+            left, right = right, left ^ (mix64(right ^ k) & mask)
         y = (left << _U64(h)) | right
         out[todo] = y
         todo[todo] = y >= _U64(size)
@@ -115,7 +104,8 @@ class EpochOrder:
         return permute(np.arange(self.size), self.size, self.epoch_key(epoch))
 
 
-def random_draws(seed: int, mb_id: int, count: int, high: int, stream: int = 0) -> np.ndarray:
+def random_draws(seed: int, mb_id: int, count: int, high: int,
+                 stream: int = Stream.SAMPLE) -> np.ndarray:
     """`count` integers in [0, high) drawn with replacement from microbatch `mb_id`'s own
     generator (PCG64 seeded by `id_seed(seed, mb_id, stream)`): recover's random windows."""
     rng = np.random.Generator(np.random.PCG64(id_seed(seed, mb_id, stream=stream)))

@@ -1,10 +1,14 @@
-"""recover's prepared token shards (`recover prepare`'s output), and the training windows over them.
+"""recover's one prepared-token format, and the training windows over it.
 
-Invariant: a prepared folder is read only through its `meta.json` (format `FORMAT`): every shard
-it lists must exist with exactly `tokens x itemsize` bytes, or opening fails with one DataError
-line; shards are memory-mapped read-only. `TokenWindows` cuts a split into fixed windows of
-`block_size + 1` tokens at stride `block_size` (each token is a target once per epoch), never
-across a shard boundary; window `i`'s tokens are a pure function of the shards and `i`.
+A prepared folder is `recover prepare`'s output, or the folder `recover train` tokenises a run's
+data into (two shards, `train.bin` and `val.bin`, with where they came from in its meta.json).
+
+Invariant: a prepared folder is read only through its `meta.json` (format `FORMAT`; `open_shards`
+takes that description once read): every shard it lists must exist with exactly
+`tokens x itemsize` bytes, or opening fails with one DataError line; shards are memory-mapped
+read-only. `TokenWindows` cuts a split into fixed windows of `block_size + 1` tokens at stride
+`block_size` (each token is a target once per epoch), never across a shard boundary; window
+`i`'s tokens are a pure function of the shards and `i`.
 """
 
 from __future__ import annotations
@@ -72,6 +76,12 @@ def open_prepared(path: str | Path) -> Prepared:
                         ) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise DataError(f"{root / META} is not a `recover prepare` meta.json")
+    return open_shards(root, meta)
+
+
+def open_shards(root: Path, meta: dict[str, Any]) -> Prepared:
+    """The folder `root` as its `meta` (a `FORMAT` meta.json's contents) describes it; the
+    DataErrors of `open_prepared`."""
     if meta.get("version") != FORMAT_VERSION or meta.get("dtype") not in DTYPES:
         raise DataError(f"{root / META}: format version {meta.get('version')!r} with dtype "
                         f"{meta.get('dtype')!r} is not one this recover reads (version "

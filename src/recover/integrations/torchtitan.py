@@ -28,22 +28,24 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import init_device_mesh
 
-from recover.data import IdBatches
-from recover.parallel import Replica
+from recover.data import IdBatches, TokenWindows
 from recover.recovery import StepResult
+from recover.replica import Replica
 from recover.settings import Hooks, ReplicaConfig
 
 try:
     from torchtitan.components.dataloader import BaseDataLoader
     from torchtitan.trainer import Trainer
 except ImportError as e:  # one clear line naming the extra (the CLI prints it, no traceback)
-    raise ImportError("recover.integrations.torchtitan needs torchtitan: pip install "
-                      "'recover[torchtitan]' && pip install --no-deps torchtitan==0.3.0") from e
+    raise ImportError(f"recover.integrations.torchtitan needs {e.name or 'torchtitan'}, which is "
+                      "not installed: pip install 'recover[torchtitan]' && pip install --no-deps "
+                      "torchtitan==0.3.0", name=e.name) from e
 
 log = logging.getLogger(__name__)
 
@@ -96,23 +98,16 @@ def cpu_attention(model_config: Any) -> None:
             layer.attention.inner_attention = ScaledDotProductAttention.Config()
 
 
-class TokenWindows:
-    """A map-style dataset of `seq_len + 1`-token windows (item i: tokens [i*L, i*L + L + 1))
-    of texts tokenised once by torchtitan's tokenizer: `IdBatches` makes them id-addressable."""
-
-    def __init__(self, tokenizer: Any, texts: list[str], seq_len: int) -> None:
-        ids: list[int] = []
-        for t in texts:
-            ids.extend(tokenizer.encode(t, add_bos=True, add_eos=True))
-        self.tokens, self.seq_len = torch.tensor(ids, dtype=torch.long), seq_len
-        if len(self) < 1:
-            raise ValueError(f"{len(ids)} tokens make no window of {seq_len + 1}")
-
-    def __len__(self) -> int:
-        return (len(self.tokens) - 1) // self.seq_len
-
-    def __getitem__(self, i: int) -> Tensor:
-        return self.tokens[i * self.seq_len: i * self.seq_len + self.seq_len + 1]
+def token_windows(tokenizer: Any, texts: list[str], seq_len: int) -> TokenWindows:
+    """recover's `TokenWindows` of `seq_len + 1` tokens (window i: tokens [i*L, i*L + L + 1))
+    over texts tokenised once by torchtitan's tokenizer: `IdBatches` makes them id-addressable."""
+    ids: list[int] = []
+    for t in texts:
+        ids.extend(tokenizer.encode(t, add_bos=True, add_eos=True))
+    windows = TokenWindows([np.asarray(ids, dtype=np.int64)], seq_len)
+    if len(windows) < 1:
+        raise ValueError(f"{len(ids)} tokens make no window of {seq_len + 1}")
+    return windows
 
 
 def read_texts(path: str) -> list[str]:
@@ -138,7 +133,7 @@ class IdDataLoader(BaseDataLoader):
                  seq_len: int, local_batch_size: int, **kwargs: Any) -> None:
         if not config.dataset_path:
             raise ValueError("IdDataLoader.Config needs dataset_path (a local .txt or .jsonl)")
-        windows = TokenWindows(tokenizer, read_texts(config.dataset_path), seq_len)
+        windows = token_windows(tokenizer, read_texts(config.dataset_path), seq_len)
         self.batches = IdBatches(windows, local_batch_size * dp_world_size, seed=config.seed)
         self.rank, self.ranks = dp_rank, dp_world_size
         self.microbatches = 0  # N: set by the trainer (torchtitan builds the loader first)
@@ -146,8 +141,7 @@ class IdDataLoader(BaseDataLoader):
     def batch(self, mb_id: int) -> tuple[dict[str, Tensor], Tensor]:
         """This rank's rows of microbatch `mb_id` as torchtitan's loaders yield them: inputs
         (each row one document: positions 0..T-1) and labels."""
-        w = self.batches.batch(mb_id, self.rank, self.ranks)
-        x, y = w[:, :-1], w[:, 1:]
+        x, y = self.batches.batch(mb_id, self.rank, self.ranks)
         return {"input": x, "positions": torch.arange(x.shape[1]).expand(x.shape[0], -1)}, y
 
     def __iter__(self) -> Any:  # a plain Trainer reads the ids in order

@@ -16,21 +16,21 @@ Invariants:
 - An entry read from the store is checked against the step's definition before it is used
   (`entry_problem`): ids of `step_ids(t, N)` only, each at most once in the entry, owners that
   are replica ids, and (for a strategy that keeps work) every id of the step owned exactly once
-  once the chain holds a plan. With a run token it is also sealed (collectives/sealed.py). An
+  once the chain holds a plan. With a run token it is also sealed (control/sealed.py). An
   entry that fails either is absent: readers wait past it, the proposer replaces it; it never
-  decides what is trained (the attack in issue #50: a forged entry naming step 0's ids).
+  decides what is trained (a forged entry naming step 0's ids, say, is never trained).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
-from recover.collectives import Member, keys, sealed
-from recover.collectives.waiter import KeyWaiter
+from recover.control import Member, keys, sealed
+from recover.control.waiter import KeyWaiter
+from recover.deadline import Deadline
 from recover.recovery.failures import RecoveryError
 from recover.recovery.speaker import ReplicaLink, speak
 from recover.recovery.strategy import Chain, StepStrategy
@@ -57,7 +57,7 @@ class OwnershipChain:
         self.me, self.position, self.positions = member.replica, position, positions
         self.timeout_s, self.speed_aware = ft.reduce_timeout_s, ft.speed_aware
         self.hooks = hooks  # fault injection's scheduled joins (replica -> step)
-        self.token = getattr(member, "token", None)  # seals the entries (collectives/sealed)
+        self.token = getattr(member, "token", None)  # seals the entries (control/sealed)
         self.shared_speeds = positions == 1
         self.speeds: dict[int, float] = {}
         self._proposed: set[int] = set()  # join epochs this rank proposed an admission for
@@ -103,7 +103,7 @@ class OwnershipChain:
             chain.append(self._plan_entry(step, implied[1], self._members_of(implied[1])))
             if self.link is not None:
                 return chain  # one entry a call (see above)
-        deadline = time.monotonic() + 3 * self.timeout_s
+        deadline = Deadline(3 * self.timeout_s)
 
         def learn() -> bytes:  # the next entry from the store (the membership may change)
             nonlocal g, members
@@ -162,7 +162,7 @@ class OwnershipChain:
         return valid
 
     def _read(self, step: int, tag: int | str, chain: Chain, g: int, members: list[int],
-              deadline: float) -> tuple[bytes, int, list[int]]:
+              deadline: Deadline) -> tuple[bytes, int, list[int]]:
         """Entry len(chain) of the chain as stored, writing our proposal if we propose it, else
         waiting for it; with the generation and members it was read at (the membership may
         change meanwhile: then we may propose it)."""
@@ -177,12 +177,11 @@ class OwnershipChain:
                 except ValueError as e:
                     raise RecoveryError(f"step {step}: {e}") from None
                 return raw, g, members
-            raw = self.waiter.get(key, g, max(0.0, deadline - time.monotonic()),
-                                  accept=keys.opener(token, key, valid))
+            raw = self.waiter.get(key, g, deadline.left(), accept=keys.opener(token, key, valid))
             if raw is not None:
                 return raw, g, members
             self.member.check()  # the membership changed meanwhile: maybe we propose now
-            if time.monotonic() > deadline:
+            if deadline.passed():
                 raise RecoveryError(f"no plan for step {step} within {3 * self.timeout_s:.0f}s")
             g = self.member.generation()
             members = self.member.members(g)
@@ -258,13 +257,13 @@ class OwnershipChain:
                 continue
             # Shorter than the others' wait for this plan (3 x timeout): if the replacement
             # never registers (it died too), they get a plan without it, not a timeout.
-            deadline = time.monotonic() + self.timeout_s
-            while time.monotonic() < deadline and not self.member.coordinator_lost:
+            deadline = Deadline(self.timeout_s)
+            while not deadline.passed() and not self.member.coordinator_lost:
                 if replica in self.member.join_requests:
                     self.hooks.seen_joins.add(replica)
                     return
                 self.member.watch.progress()
-                time.sleep(0.01)
+                deadline.sleep(0.01)
 
 
 def entry_problem(entry: Any, step: int, n: int, chain: Chain, replicas: int,

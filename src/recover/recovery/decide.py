@@ -4,7 +4,7 @@ Invariant: an attempt's decision (`step/{t}/g{g}/decision`) is written once, on 
 by compare-and-set, sealed with the run's token (a value there that is not authentic is
 replaced and never read as a decision: `keys.put_once`, `keys.opener`); `commit` only when
 every position of every surviving member of g holds a verified result. A store shard's
-decision key (collectives/shards.py) only ever holds a copy of it. Failure-free this costs
+decision key (control/shards.py) only ever holds a copy of it. Failure-free this costs
 each counting rank two round trips (with store shards too: the coordinator tops the count
 tree); after a membership change the survivors decide on evidence (their written outcomes)
 instead.
@@ -26,9 +26,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from recover.collectives import Member, keys, shards
-from recover.collectives.waiter import KeyWaiter
-from recover.recovery.counting import CountingStore
+from recover.control import Member, keys, shards
+from recover.control.storecount import CountedStore, Tally
+from recover.control.waiter import KeyWaiter
+from recover.deadline import Deadline
 from recover.recovery.failures import RecoveryError
 from recover.recovery.speaker import ReplicaLink, speak
 from recover.recovery.strategy import Chain
@@ -48,7 +49,8 @@ class CommitDecision:
     """One rank's side of every attempt's decision.
 
     `store` (counted) and `waiter` are the rank's main-store client and its blocking reads;
-    with store shards a counting rank builds its own client of its shard and a waiter on it.
+    with store shards a counting rank builds its own client of its shard, counted in `tally`
+    (the engine's: `stats["store_ops"]`), and a waiter on it.
     `commit_value(step, g)` is what a commit writes (`commit`, or `commit-plan` when the next
     plan must go through the store: recovery/chain.py). `link`: this replica's `ReplicaLink`
     (a multi-rank replica with a speaker; see the module's docstring).
@@ -56,11 +58,11 @@ class CommitDecision:
 
     def __init__(self, member: Member, store: Any, waiter: KeyWaiter, position: int,
                  positions: int, timeout_s: float, commit_value: Callable[[int, int], bytes],
-                 stats: dict[str, float], link: ReplicaLink | None = None) -> None:
+                 tally: Tally, link: ReplicaLink | None = None) -> None:
         self.member, self.store, self.waiter = member, store, waiter
         self.me, self.position, self.positions = member.replica, position, positions
         self.timeout_s, self.commit_value = timeout_s, commit_value
-        self.token = getattr(member, "token", None)  # seals the decisions (collectives/sealed)
+        self.token = getattr(member, "token", None)  # seals the decisions (control/sealed)
         self.link = link if positions > 1 else None
         at, counters, self.weight = counting(position, positions, self.link is not None)
         self.counts = self.link is None or position == 0  # this rank talks to the store
@@ -72,7 +74,7 @@ class CommitDecision:
         if n_shards and self.counts:
             self.shard_index = shards.shard_of(self.me, at, counters, n_shards)
             client = member.connect_shard(self.shard_index)
-            self.shard = CountingStore(client, stats)
+            self.shard = CountedStore(client, tally, f"shard:{self.shard_index}")
             self.shard_waiter = KeyWaiter(member, client)
             self.shard_totals = shards.ShardTotals(counters, n_shards, self.weight)
 
@@ -185,7 +187,7 @@ class CommitDecision:
 
     def _decide_sharded(self, step: int, tag: int | str, g: int, dkey: str,
                         meanwhile: Callable[[], None] | None) -> bytes:
-        """`decide` through this rank's store shard (collectives/shards.py): count there, then
+        """`decide` through this rank's store shard (control/shards.py): count there, then
         wait there; the rank completing its shard's count tells the coordinator (a line on its
         liveness socket, no round trip), which decides on the main store once every shard's
         count is complete and copies the decision into the shards. Two round trips, whoever
@@ -228,10 +230,10 @@ class CommitDecision:
         decision. A rank whose reduce failed never counts (it wrote `redo` at once), and a rank
         that counted and then died held a verified result too: so a commit never leaves a live
         rank without one. O(1) round trips per rank per membership change (reading every
-        rank's outcome, as this did before, was O(R x P) per rank: 121 at 16 x 8). The decision
+        rank's outcome would be O(R x P) per rank). The decision
         names the generation counted (`_evidence_value`), so the next step's plan stays implied."""
         # A sibling position may legitimately take barrier + build + reduce (3 timeouts) first.
-        deadline = time.monotonic() + 3 * self.timeout_s
+        deadline = Deadline(3 * self.timeout_s)
         counted = -1
         while True:
             seen = self.member.generation()
@@ -242,7 +244,7 @@ class CommitDecision:
                                   self.weight) == \
                         len(live) * self.positions:
                     return self._put(dkey, self._evidence_value(step, g, seen))
-            left = deadline - time.monotonic()
+            left = deadline.left()
             if left <= 0:
                 raise RecoveryError(f"no commit decision for step {tag} within "
                                     f"{3 * self.timeout_s:.0f}s")

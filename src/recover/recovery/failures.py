@@ -10,12 +10,14 @@ outside the protocol (or the protocol has a bug), and this rank ends rather than
 
 from __future__ import annotations
 
+from recover.errors import RecoverError
 
-class RecoveryError(RuntimeError):
+
+class RecoveryError(RecoverError, RuntimeError):
     """A step could not be completed within its bounds."""
 
 
-class BelowMinReplicas(RuntimeError):
+class BelowMinReplicas(RecoverError, RuntimeError):
     """Fewer live replicas than the user's minimum: the run must stop (after a checkpoint)."""
 
 

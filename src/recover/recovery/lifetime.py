@@ -17,10 +17,10 @@ and the wire protocol"):
   commit i one whole step before, and every request it sent about commit i was served, even a
   write sent without waiting for a reply (a decision's copy on a shard after a failed reduce,
   `set`): the requests it made later on that client (commit i + 1's) were answered after it.
-  The coordinator's copies into the shards (collectives/shards.py) come before any rank of a
+  The coordinator's copies into the shards (control/shards.py) come before any rank of a
   shard reads its decision, so before any of them counts commit i + 1.
 - A rank not in those generations was dropped from the membership: dead, or fenced as soon as it
-  learns of the newer generation (collectives/member.py). Until then it may still block on, or
+  learns of the newer generation (control/member.py). Until then it may still block on, or
   even re-create, one of commit i's keys; that misleads only itself, and leaves a key behind.
 - A joiner starts at a stored entry 0 of the step it is admitted at (recovery/chain.py) and reads
   no earlier step's keys; a restarted coordinator starts with an empty store.
@@ -55,7 +55,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from recover.collectives import Member, keys, shards
+from recover.control import Member, keys, shards
 from recover.recovery.decide import counting
 from recover.recovery.strategy import Chain
 
@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 KEEP = 2  # commits whose keys stay: commit i's keys go when commit i + KEEP is decided
 QUEUE_MAX = 16  # deletion jobs waiting at most; beyond, their keys wait in the spill
 # Key names held past a full queue, at most: the deletion client's connect can sit 5 s in a
-# DNS lookup (docs/MEASUREMENTS.md, "TCPStore"), 1,000+ steps of a tiny model; beyond, a step's
+# DNS lookup (docs/MEASUREMENTS.md, "TCPStore"), many steps of a tiny model; beyond, a step's
 # keys are left (see above). ~30 bytes a name.
 SPILL_MAX = 100_000
 CLOSE_WAIT_S = 2.0  # how long `close` waits for a deletion in flight
@@ -100,7 +100,7 @@ def protocol_keys(old: Committed, newest: int, counts: bool = True,
     """The main store's keys of commit `old`; evidence counters up to generation `newest`
     (counted while a decision waited: none in a failure-free step). `counts`: the counts too
     (not with store shards: the ranks count on their shards, the coordinator tops the tree in
-    its memory, collectives/shards.py)."""
+    its memory, control/shards.py)."""
     first = 1 if old.implied else 0
     out = [keys.chain_key(old.tag, k) for k in range(first, len(old.chain))]
     for g in sorted({int(e["gen"]) for e in old.chain}):

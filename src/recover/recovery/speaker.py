@@ -18,7 +18,7 @@ from typing import Protocol
 
 from torch.distributed import DistError
 
-from recover.collectives import CoordinatorLost
+from recover.control import CoordinatorLost
 from recover.recovery.failures import RecoveryError
 
 

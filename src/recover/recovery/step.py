@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 import torch
 from torch.profiler import record_function
 
-from recover.collectives import FaultTolerantComm, Member, ReplicaFault, keys
+from recover.collectives import FaultTolerantComm, ReplicaFault
 from recover.collectives.comm import Flight
-from recover.collectives.waiter import KeyWaiter
+from recover.control import Member, keys
+from recover.control.storecount import CountedStore, Tally
+from recover.control.waiter import KeyWaiter
 from recover.recovery.buckets import BucketPlan, Overlap, StreamedGrad
 from recover.recovery.chain import OwnershipChain
-from recover.recovery.counting import CountingStore
 from recover.recovery.decide import CommitDecision
 from recover.recovery.failures import BelowMinReplicas, CommitRefused, RecoveryError
 from recover.recovery.grads import GradAccess, TensorGrad
@@ -153,7 +154,12 @@ class StepEngine:
         self.stats: dict[str, float] = dict.fromkeys(
             ("steps", "attempts", "compute_s", "reduce_s", "decide_s", "store_ops",
              "store_deletes"), 0)
-        store = CountingStore(member.store, self.stats)
+        # Every request of the step's critical path (the chain, the count, the decision, the
+        # evidence) goes through a client counted here, so `stats["store_ops"]` is exactly those
+        # round trips; blocking key waits run on the waiter's own client (`store_waits`), and
+        # key deletions off the critical path on the key lifetime's (`stats["store_deletes"]`).
+        self.requests = Tally(stats=self.stats)
+        store = CountedStore(member.store, self.requests, "main")
         self.waiter = KeyWaiter(member)
         self.chains = OwnershipChain(member, store, self.waiter, self.strategy, n,
                                      self.position, positions, self.ft, self.hooks, link)
@@ -161,7 +167,7 @@ class StepEngine:
             self.chains.shared_speeds = shared_speeds
         self.decision = CommitDecision(member, store, self.waiter, self.position, positions,
                                        self.ft.reduce_timeout_s, self.chains.commit_value,
-                                       self.stats, link)
+                                       self.requests, link)
         self.lifetime = KeyLifetime(member, self.position, positions, self.stats,
                                     speaker=self.decision.link is not None)
         self.mb_time: float | None = None  # EMA of this replica's seconds per microbatch

@@ -4,7 +4,7 @@
 which global microbatch ids; `recover.workload.ids` maps an id to its data and randomness.
 """
 
-from recover.workload.ids import id_checksum, id_seed, step_ids
+from recover.workload.ids import Stream, id_checksum, id_seed, step_ids
 from recover.workload.policy import plan, quotas, reassign
 
-__all__ = ["id_checksum", "id_seed", "plan", "quotas", "reassign", "step_ids"]
+__all__ = ["Stream", "id_checksum", "id_seed", "plan", "quotas", "reassign", "step_ids"]

@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 
 from recover.workload.ids import step_ids
 
-# Relative speeds are rounded to this, so timing noise (easily +-10% on a shared CPU) does not
-# churn plans; a real straggler (2x slower: 0.5) still stands out.
+# Relative speeds are rounded to this, so timing noise on a shared CPU (docs/MEASUREMENTS.md,
+# "Threads and start-up") does not churn plans; a real straggler (2x slower: 0.5) still stands out.
 SPEED_RESOLUTION = 0.25
 
 

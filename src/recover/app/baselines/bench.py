@@ -4,7 +4,8 @@ Invariant: every system runs the same model, data, seed, N and fault schedule, o
 this machine, with the real trainer (real processes, real SIGKILLs); only the reaction to a fault
 differs. The failure-free reference runs first (the trajectory every deviation is measured
 against, and the step time Young-Daly needs). Outputs: DIR/bench.md, DIR/bench.png, DIR/bench.json
-(the `recover.sim.calibrate` schema); the last line on stdout is `effective_throughput_ratio=<x>`.
+(the `recover.app.sim.calibrate` schema); the last line on stdout is
+`effective_throughput_ratio=<x>`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import time
 from pathlib import Path
 
+from recover.app import rundir
 from recover.app.baselines.ckpt_restart import run_ckpt_restart, young_daly_k
 from recover.app.baselines.measure import calibration, step_period, summarize
 from recover.app.baselines.report import plot, write_md
@@ -23,12 +25,12 @@ from recover.app.baselines.runs import SystemRun, dump_runs, measure_ckpt_cost, 
 from recover.app.baselines.schedule import bench_schedule, describe
 from recover.app.config import PRESETS, RunConfig, preset
 from recover.app.faults import Fault
+from recover.app.sim.calibrate import validation_rows
 from recover.errors import HelpFormatter, RecoverError
-from recover.sim.calibrate import validation_rows
 
 log = logging.getLogger(__name__)
-QUICK = {"replicas": 4, "steps": 20}  # ~2-4 min on 2 cores
-# The smallest bench with every part (a kill, a checkpoint restart, a shrunk batch): ~30 s. CI
+QUICK = {"replicas": 4, "steps": 20}  # minutes on a small CPU host
+# The smallest bench with every part (a kill, a checkpoint restart, a shrunk batch), so CI
 # runs it (tests/test_bench.py), and checks its trajectories and the simulator against it.
 SMOKE = {"replicas": 2, "steps": 20}
 SYSTEMS = ("recover", "ckpt-restart", "shrink-batch")
@@ -71,12 +73,13 @@ def _config(args: argparse.Namespace) -> RunConfig:
     base.layout.replicas = args.replicas or (size["replicas"] if size else 8)
     base.run.steps = args.steps or (size["steps"] if size else base.run.steps)
     base.data.path = args.data
-    base.ft.join_timeout_s = 600.0  # R processes importing torch on a busy machine: minutes
-    # A SIGKILL is seen at once (the liveness socket closes); the heartbeat threshold only catches
-    # hangs, and at 1 s it fired falsely on this 2-core machine under other jobs' load (a replica
-    # "lost" that was alive), which would give one system an extra fault. Same for every system.
-    base.ft.stale_s = 5.0
-    base.validate()
+    # join_timeout_s: R processes importing torch on a busy machine take minutes. stale_s: a
+    # SIGKILL is seen at once (the liveness socket closes); the heartbeat threshold only catches
+    # hangs, and a tight one fires falsely on a host shared with other jobs (a replica "lost"
+    # that is alive: docs/MEASUREMENTS.md, "Liveness and detection"), which would give one system
+    # an extra fault. Same for every system.
+    base = base.replace(ft={"join_timeout_s": 600.0, "stale_s": 5.0})
+    base.validate()  # a bad flag is one line before the first run; each launch checks its own
     return base
 
 
@@ -125,9 +128,9 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     budget = args.budget_s or ref.wall_s
     target = min(base.run.steps, args.target_step or max(1, (3 * base.run.steps) // 4))
     rows = [summarize(r, ref, budget, target) for r in (*runs.values(), ref)]
-    dump_runs(out / "bench_runs.json", [*runs.values(), ref])
+    dump_runs(out / rundir.BENCH_RUNS, [*runs.values(), ref])
     calib = calibration(runs, ref, faults, c_pre)
-    (out / "bench.json").write_text(json.dumps(calib, indent=2) + "\n")
+    (out / rundir.BENCH_CALIBRATION).write_text(json.dumps(calib, indent=2) + "\n")
     validation = validation_rows(calib)
     pooled = validation_rows({k: v for k, v in calib.items() if k != "per_system"})
     ratio = rows[0]["effective_throughput"] / rows[1]["effective_throughput"]
@@ -143,10 +146,11 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
             "kills": len(faults), "budget_s": budget, "target_step": target,
             "restart_lines": _restart_lines(runs["ckpt-restart"]), "ratio": ratio,
             "ratio_incl_startup": ratio_incl}
-    write_md(out / "bench.md", rows, info, validation, pooled)
-    plot(out / "bench.png", [*runs.values(), ref])
+    write_md(out / rundir.BENCH_TABLE, rows, info, validation, pooled)
+    plot(out / rundir.BENCH_PLOT, [*runs.values(), ref])
     _print_results(rows, validation)
-    log.info("done in %.0fs; %s, %s", time.time() - t_bench, out / "bench.md", out / "bench.png")
+    log.info("done in %.0fs; %s, %s", time.time() - t_bench, out / rundir.BENCH_TABLE,
+             out / rundir.BENCH_PLOT)
     print(f"effective_throughput_ratio_incl_startup={ratio_incl:.3f}", flush=True)
     print(f"effective_throughput_ratio={ratio:.3f}", flush=True)
     return 0

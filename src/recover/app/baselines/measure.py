@@ -14,10 +14,12 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from recover.app import rundir
 from recover.app.baselines.runs import SystemRun
 from recover.app.faults import Fault
 from recover.app.rundir import read_jsonl
 from recover.app.train.reference import max_rel_loss_diff
+from recover.control.membership import LEFT_CLEANLY
 
 
 def summarize(run: SystemRun, ref: SystemRun, budget_s: float, target_step: int) -> dict[str, Any]:
@@ -104,7 +106,7 @@ _PHASE_OFFSET = {"forward": 0.0, "reduce": 1.0, "commit": 1.0, "optimizer": 1.0}
 
 def calibration(runs: dict[str, SystemRun], ref: SystemRun, faults: list[Fault],
                 ckpt_cost_pre_s: float) -> dict[str, Any]:
-    """The bench.json of `recover.sim.calibrate` from this bench's measurements."""
+    """The bench.json of `recover.app.sim.calibrate` from this bench's measurements."""
     cfg = ref.cfg
     n, r0 = cfg.data.microbatches, cfg.layout.replicas
     rec, ckr = runs["recover"], runs["ckpt-restart"]
@@ -139,7 +141,7 @@ def calibration(runs: dict[str, SystemRun], ref: SystemRun, faults: list[Fault],
         "restart_cost_s": max(0.0, statistics.mean(restart)) if restart else 0.0,
         "restart_detect_s": (max(0.0, statistics.mean(x["detect_s"] for x in restarts))
                              if restarts else 0.0),
-        "detect_s": _detect_s(Path(rec.cfg.run.out) / "coordinator.jsonl"),
+        "detect_s": _detect_s(Path(rec.cfg.run.out) / rundir.COORDINATOR_LOG),
         "rebuild_s": _rebuild_s(rec, table, allreduce, n),
         "fault_steps": [f.step for f in faults],
         "fault_offset_frac": statistics.mean(offsets) if offsets else 0.5,
@@ -155,8 +157,8 @@ def _own_step_times(run: SystemRun, pooled: dict[int, float], allreduce: float, 
                     ) -> dict[str, Any]:
     """A system's step times measured in its own run, in the simulator's terms (N over r).
 
-    The load of a shared machine changes between runs (identical steps measured up to 2x apart
-    minutes later), so each system is also simulated with its own step times. shrink-batch's
+    The load of a shared machine changes between runs (identical steps can take very different
+    times minutes apart), so each system is also simulated with its own step times. shrink-batch's
     steps hold its fixed quota q, not ceil(N / r): its period P is mapped back through the
     simulator's step model, P = t_r + (q - c) * (t_r - allreduce) / c with c = ceil(N / r).
     """
@@ -178,7 +180,8 @@ def _detect_s(log: Path) -> float:
     events = read_jsonl(log)
     out, t = [], None
     for e in events:
-        if e["event"] == "evidence" and "left cleanly" not in e["reason"] and t is None:
+        if (e["event"] == "evidence" and not e["reason"].startswith(LEFT_CLEANLY)
+                and t is None):
             t = e["time"]
         elif e["event"] == "generation" and t is not None:
             out.append(e["time"] - t)

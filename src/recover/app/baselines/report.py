@@ -70,11 +70,12 @@ def write_md(path: Path, rows: list[dict[str, Any]], info: dict[str, Any],
     lines += ["", f"**effective_throughput_ratio (recover / ckpt-restart) = "
               f"{info['ratio']:.3f}** (including the one-off startup: "
               f"{info['ratio_incl_startup']:.3f})", "", "## Simulator validation", "",
-              "`recover.sim.calibrate.predict_wall_times(bench.json)`, fed with the per-step and "
-              "per-event costs measured in these runs (never with their wall times). \"own step "
-              "times\": each system simulated with the step times of its own run (bench.json "
-              "`per_system`), which the simulator needs because this machine's load changes "
-              "between runs; \"one set\": every system with the same pooled step times.", "",
+              "`recover.app.sim.calibrate.predict_wall_times(bench.json)`, fed with the per-step "
+              "and per-event costs measured in these runs (never with their wall times). "
+              "\"own step times\": each system simulated with the step times of its own run "
+              "(bench.json `per_system`), which the simulator needs because this machine's load "
+              "changes between runs; \"one set\": every system with the same pooled step "
+              "times.", "",
               "| system | predicted s (own step times) | error | predicted s (one set) | error "
               "| measured s |", "|---|---|---|---|---|---|"]
     for (name, pred, meas, err), (_, pred1, _, err1) in zip(validation, pooled, strict=True):

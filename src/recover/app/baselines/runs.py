@@ -15,20 +15,22 @@ import shutil
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from recover.app import rundir
 from recover.app.config import RunConfig
 from recover.app.faults import Fault
 from recover.app.rundir import read_jsonl
-from recover.app.train.checkpoint import save_checkpoint
+from recover.app.train.checkpoint.dcp import save_checkpoint
 from recover.app.train.launch import RunResult, launch
 from recover.app.train.metrics import read_metrics
 from recover.app.train.model import build_model
 from recover.app.train.optim import build_optimizer
+from recover.control.membership import LEFT_CLEANLY
 from recover.errors import RecoverError
 
 
@@ -92,7 +94,7 @@ class SystemRun:
 
     def loss_times(self) -> list[float]:
         """Seconds since t0 at which a replica was lost (the coordinator's evidence of it)."""
-        events = _lost_evidence(Path(self.cfg.run.out) / "coordinator.jsonl")
+        events = _lost_evidence(Path(self.cfg.run.out) / rundir.COORDINATOR_LOG)
         out = []
         for i, a in enumerate(self.attempts):
             stop = (self.attempts[i + 1].t_call if i + 1 < len(self.attempts) else float("inf"))
@@ -111,7 +113,8 @@ def _lost_evidence(log: Path) -> list[float]:
         if e.get("event") == "start":
             seen = set()
         elif (e.get("event") == "evidence" and e.get("replica") is not None
-              and "left cleanly" not in e.get("reason", "") and e["replica"] not in seen):
+              and not str(e.get("reason", "")).startswith(LEFT_CLEANLY)
+              and e["replica"] not in seen):
             seen.add(e["replica"])
             out.append(float(e["time"]))
     return out
@@ -133,7 +136,7 @@ def run_once(name: str, base: RunConfig, out: Path, faults: list[Fault],
     run.attempts.append(Attempt(list(range(cfg.layout.replicas)), 0, t, res))
     if not res.ok:
         raise RecoverError(f"bench: {name} failed: {res.message}")
-    run.records = read_metrics(out / "metrics.jsonl")
+    run.records = read_metrics(out / rundir.METRICS)
     return run
 
 
@@ -159,8 +162,8 @@ def measure_ckpt_cost(base: RunConfig, repeats: int = 3) -> float:
 
 
 def dump_runs(path: Path, runs: list[SystemRun]) -> None:
-    """Every launch's raw timings and records (DIR/bench_runs.json), to recompute figures."""
-    data = [{"name": s.name, "config": json.loads(s.cfg.to_json()), "extra": s.extra,
+    """Every launch's raw timings and records (`rundir.BENCH_RUNS`), to recompute figures."""
+    data = [{"name": s.name, "config": asdict(s.cfg), "extra": s.extra,
              "records": s.records,
              "attempts": [{"replicas": a.replicas, "start_step": a.start_step, "t_call": a.t_call,
                            "t_start": a.result.t_start, "t_abort": a.result.t_abort,

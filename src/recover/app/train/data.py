@@ -4,9 +4,11 @@ Invariant: the token windows of a microbatch are a pure function of
 `(tokens, block_size, batch_size, seed, sampling, mb_id)` (`recover.data.IdBatches`: epochs
 without replacement, or random windows from the id's own generator), never of a global RNG or of
 how many batches a caller drew before. So whichever replica computes id `i`, in whatever order, it
-trains on the same samples. The run's `data/` folder is a pure function of the data source: byte
-or uint16 token files with their sha256 in `meta.json`, or a pointer to a folder written by
-`recover prepare` (read in place, never copied).
+trains on the same samples. The run's `data/` folder is a pure function of the data source: a
+prepared folder in recover's one format (`recover.data.tokens`: the uint16 shards `train.bin`
+and `val.bin`, the tokens' sha256 and source in `meta.json`), or a pointer to a folder written by
+`recover prepare` (read in place, never copied). A `data/` folder written before its meta.json
+named the format is read as the same two shards.
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ import numpy as np
 from torch import Tensor
 
 from recover.data import IdBatches, TokenWindows, is_prepared, open_prepared
+from recover.data.tokens import FORMAT, FORMAT_VERSION, open_shards
 from recover.errors import DataError
+from recover.workload import Stream
 
 BYTE_VOCAB = 256
 _STDLIB_CAP = 5 * 1024 * 1024  # about the size of the Shakespeare corpus
 _TOKEN_DTYPE = np.dtype("<u2")  # nanoGPT's .bin convention: little-endian uint16
-_EVAL_STREAM = 2  # validation windows never share random numbers with training
+_EVAL_STREAM = Stream.EVAL  # validation windows never share random numbers with training
 
 
 def _sorted_files(root: Path, pattern: str) -> list[Path]:
@@ -149,8 +153,8 @@ def prepare_data(data: str | None, data_dir: Path, val_fraction: float,
         raise DataError(f"{source} has {n} tokens: too few for a {val_fraction:g} validation split "
                         f"(train {n_train}, val {n_val}; each needs one window of {window} tokens)")
     stream = tokens.astype(_TOKEN_DTYPE, copy=False).tobytes()
-    meta = {"source": source, "vocab_size": vocab_size, "n_train": n_train, "n_val": n_val,
-            "sha256": hashlib.sha256(stream).hexdigest()}
+    meta = {**_format(vocab_size, n_train, n_val), "source": source, "n_train": n_train,
+            "n_val": n_val, "sha256": hashlib.sha256(stream).hexdigest()}
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     if _read_meta(data_dir) == meta and _sizes_ok(data_dir, meta):
@@ -163,9 +167,18 @@ def prepare_data(data: str | None, data_dir: Path, val_fraction: float,
     return meta
 
 
+def _format(vocab_size: int, n_train: int, n_val: int) -> dict[str, Any]:
+    """What makes a run's `data/` meta.json a prepared folder's (`recover.data.tokens`)."""
+    return {"format": FORMAT, "version": FORMAT_VERSION, "dtype": "uint16",
+            "vocab_size": vocab_size,
+            "shards": [{"file": "train.bin", "split": "train", "tokens": n_train},
+                       {"file": "val.bin", "split": "val", "tokens": n_val}]}
+
+
 def _point_at_prepared(folder: Path, data_dir: Path, block_size: int) -> dict[str, Any]:
     """`data_dir/meta.json` naming a `recover prepare` folder (read in place: shards can be far
-    larger than a run directory should copy); DataError unless each split holds a window."""
+    larger than a run directory should copy); DataError unless each split holds a window. A
+    folder that is `data_dir` itself (a run's own, given as the data) is read as it is."""
     prepared = open_prepared(folder)
     for split, shards in prepared.splits.items():
         if len(TokenWindows(shards, block_size)) < 1:
@@ -173,6 +186,8 @@ def _point_at_prepared(folder: Path, data_dir: Path, block_size: int) -> dict[st
             raise DataError(f"prepared data {folder}: its {split} split has {n} tokens, fewer "
                             f"than one window of {block_size + 1}; prepare more text or give a "
                             f"smaller --block-size")
+    if folder == data_dir.resolve():
+        return prepared.meta
     raw = (folder / "meta.json").read_bytes()
     meta = {"source": f"prepared {folder}", "prepared": str(folder),
             "vocab_size": prepared.vocab_size, "sha256": hashlib.sha256(raw).hexdigest(),
@@ -222,16 +237,15 @@ def load_data(data_dir: Path) -> Corpus:
         raise DataError(f"no prepared data in {data_dir}: meta.json is missing or unreadable")
     if isinstance(meta.get("prepared"), str):
         prepared = open_prepared(meta["prepared"])
-        return Corpus(train=prepared.splits["train"], val=prepared.splits["val"],
-                      vocab_size=prepared.vocab_size, meta=meta)
-    if not _sizes_ok(data_dir, meta) or not isinstance(meta.get("vocab_size"), int):
+    elif not _sizes_ok(data_dir, meta) or not isinstance(meta.get("vocab_size"), int):
         raise DataError(f"prepared data in {data_dir} is corrupt: train.bin/val.bin are missing "
                         "or do not match meta.json; delete the folder to prepare it again")
-    # mode="r": the splits are shared by every sampler and must never be written through.
-    train = np.memmap(data_dir / "train.bin", dtype=_TOKEN_DTYPE, mode="r",
-                      shape=(meta["n_train"],))
-    val = np.memmap(data_dir / "val.bin", dtype=_TOKEN_DTYPE, mode="r", shape=(meta["n_val"],))
-    return Corpus(train=[train], val=[val], vocab_size=meta["vocab_size"], meta=meta)
+    else:  # read-only memory maps: the splits are shared by every sampler
+        described = meta if meta.get("format") == FORMAT else {
+            **meta, **_format(meta["vocab_size"], meta["n_train"], meta["n_val"])}
+        prepared = open_shards(data_dir, described)
+    return Corpus(train=prepared.splits["train"], val=prepared.splits["val"],
+                  vocab_size=prepared.vocab_size, meta=meta)
 
 
 def check_token_ids(corpus: Corpus, vocab_size: int) -> None:

@@ -292,7 +292,7 @@ def logits_fn(m: ModelConfig) -> Logits:
 def loss_fn(m: ModelConfig) -> Loss:
     """(model, x, y) -> mean cross-entropy over the microbatch's B*T tokens."""
     if kind(m.name) == "gpt":
-        return lambda model, x, y: model(x, y)[1]  # the GPT's own loss, as it always was
+        return lambda model, x, y: model(x, y)[1]  # the GPT's own loss, the trajectory's
     logits = logits_fn(m)
 
     def loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
@@ -305,7 +305,7 @@ def loss_fn(m: ModelConfig) -> Loss:
 def seeded_forward(m: ModelConfig) -> bool:
     """Whether a microbatch's forward must run on an RNG seeded by its id: the GPT's when it has
     dropout; a foreign model's always (its dropout is its own config's, unknown here; seeding
-    costs ~0.25 ms a microbatch)."""
+    has a cost per microbatch: docs/MEASUREMENTS.md, "Threads and start-up")."""
     return m.dropout > 0 if kind(m.name) == "gpt" else True
 
 

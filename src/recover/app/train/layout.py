@@ -3,9 +3,9 @@ model, `--model hf:` or `module:`, plain or hsdp).
 
 Invariant: whatever the layout, `forward_backward(x, y)` adds this rank's share of
 grad(mean loss of microbatch (x, y)) / N to its parameters' gradients and returns this rank's view
-of that loss (`recover.parallel.Replica` weighs the views into the microbatch loss), and
+of that loss (`recover.Replica` weighs the views into the microbatch loss), and
 `evaluate(x, y)` does the forward only. The model never sees `torch.distributed`: its parallelize
-plans (`recover.app.train.parallelize`, on `recover.parallel`'s model-agnostic pieces) wrap it, and
+plans (`recover.app.train.parallelize`, on `recover.layouts`' model-agnostic pieces) wrap it, and
 only the ranks of one replica share its default group.
 """
 
@@ -66,8 +66,8 @@ def build(cfg: RunConfig, host: str, port: int, replica: int, rank: int,
     if cfg.layout.name == "plain":
         return _dense(model, n, None, lambda t: t.to(device), amp, loss)
     from recover.app.train import parallelize as plan  # DTensor/FSDP2: seconds to import
-    from recover.parallel import init_replica_group, replica_mesh
-    from recover.parallel.hsdp import local_rows
+    from recover.layouts import init_replica_group, replica_mesh
+    from recover.layouts.hsdp import local_rows
 
     lay = cfg.layout
     init_replica_group(host, port, replica, rank, lay.ranks_per_replica(), cfg.ft.reduce_timeout_s,

@@ -24,41 +24,44 @@ from typing import TextIO
 import torch
 from torch.distributed import DistError
 
-from recover.app.config import RunConfig, replica_config
-from recover.app.faults import FaultInjector, validate_faults
+from recover.app import rundir
+from recover.app.config import CheckedConfig, RunConfig, replica_config
+from recover.app.faults import FaultInjector
 from recover.app.runtoken import run_token
 from recover.app.train import foreign, layout
-from recover.app.train.ckpt_rank import EXACT_MAX, RankCheckpoints
+from recover.app.train.checkpoint.ranks import EXACT_MAX, RankCheckpoints
 from recover.app.train.data import eval_batches, load_data, train_batches
 from recover.app.train.metrics import StepTimer, seal_record, step_record
 from recover.app.train.optim import build_optimizer, lr_at, set_lr
 from recover.app.train.preempt import Preemption, die_by_sigterm
 from recover.app.train.progress import Eta, step_line
-from recover.collectives import (
-    CoordinatorGone,
-    CoordinatorLost,
-    GlooInterfaceError,
-    RunOver,
-    keys,
-)
-from recover.errors import ExitCode
-from recover.parallel import Replica
-from recover.parallel.digest import replica_digest
+from recover.control import CoordinatorGone, CoordinatorLost, GlooInterfaceError, RunOver, keys
+from recover.control.member import PREEMPTED
+from recover.deadline import Deadline
+from recover.errors import ExitCode, first_line
 from recover.recovery import BelowMinReplicas, ExactOverflow, StepResult, StepStrategy
+from recover.replica import Replica
+from recover.replica.digest import replica_digest
 from recover.settings import LaunchEnv
-from recover.workload import id_seed
+from recover.workload import Stream, id_seed
 
 log = logging.getLogger(__name__)
 RECORDS_KEPT = 256  # offered again to a restarted coordinator (the launcher may not have read them)
 PROGRESS_LINES = 100  # a run logs about this many per-step progress lines (and every recovery)
 
 
-def run(run_dir: Path, replica: int, rank: int, host: str, port: int) -> int:
-    """Train this rank of `replica` to the run's end; the process's exit code."""
-    torch.set_num_threads(1)  # measured: 2 threads x 4 processes on 2 cores is 10x slower
-    cfg = RunConfig.load(run_dir / "config.json")  # the worker checked rank and replica on it
+def run(run_dir: Path, replica: int, rank: int, host: str, port: int,
+        config: CheckedConfig | None = None) -> int:
+    """Train this rank of `replica` to the run's end; the process's exit code. `config`: the
+    run's config.json as the worker checked it (None: read and checked here)."""
+    # One intra-op thread: more oversubscribe the cores the replicas share, and every process
+    # slows (docs/MEASUREMENTS.md, "Threads and start-up").
+    torch.set_num_threads(1)
+    if config is None:
+        config = RunConfig.load(run_dir / rundir.CONFIG).checked()
+    cfg = config.cfg
     try:
-        trainer = Trainer(run_dir, cfg, replica, rank, f"{host}:{port}")
+        trainer = Trainer(run_dir, config, replica, rank, f"{host}:{port}")
     except CoordinatorLost as e:  # another run's coordinator, or this rank runs already
         log.error(f"cannot join: {e}")
         return ExitCode.USAGE
@@ -98,12 +101,13 @@ class Trainer:
     may carry, and the step the loop goes on from after a rejoin.
     """
 
-    def __init__(self, run_dir: Path, cfg: RunConfig, replica: int, rank: int,
+    def __init__(self, run_dir: Path, config: CheckedConfig, replica: int, rank: int,
                  coordinator: str) -> None:
+        cfg = config.cfg
         self.run_dir, self.cfg, self.replica, self.rank = run_dir, cfg, replica, rank
         self.coordinator = coordinator
         self.nranks = cfg.layout.ranks_per_replica()
-        self.corpus = load_data(run_dir / "data")
+        self.corpus = load_data(run_dir / rundir.DATA)
         host, port = coordinator.rsplit(":", 1)
         self.token = run_token(run_dir).decode()
         self.rm = layout.build(cfg, host, int(port), replica, rank, self.token)
@@ -111,9 +115,7 @@ class Trainer:
         # Before Replica: both build groups of the replica's ranks, in the same order on every rank.
         self.ckpts = RankCheckpoints(run_dir, cfg, self.rm, self.opt)
         self.applied = self.ckpts.resume() if cfg.run.resume else 0
-        self.faults = FaultInjector(validate_faults(cfg.ft.faults, cfg.layout.replicas,
-                                                    cfg.run.steps, self.nranks),
-                                    replica, rank, self.nranks)
+        self.faults = FaultInjector(list(config.faults), replica, rank, self.nranks)
         m, d = cfg.model, cfg.data
         self.evals = eval_batches(self.corpus.val, m.block_size, d.microbatch_size, cfg.run.seed,
                                   d.eval_microbatches)
@@ -141,7 +143,7 @@ class Trainer:
         (logged) if the coordinator refused it or never answered."""
         ft = self.cfg.ft
         config = replica_config(self.cfg, self.coordinator, self.replica, self.token)
-        wait_until = time.monotonic() + ft.coordinator_wait_s
+        wait = Deadline(ft.coordinator_wait_s)
         while True:
             try:
                 self.rep = Replica(self.rm.module, self.cfg.data.microbatches, mesh=self.rm.mesh,
@@ -157,7 +159,7 @@ class Trainer:
             except CoordinatorGone as e:
                 # A replacement whose coordinator died while it was being admitted tries again
                 # with the restarted one (bounded like every replica's wait for it).
-                if time.monotonic() < wait_until:
+                if not wait.passed():
                     time.sleep(0.2)
                     continue
                 log.error(f"cannot join: {e}")
@@ -247,8 +249,8 @@ class Trainer:
                 self.log_windows(mb_id, step)
             seeded = foreign.seeded_forward(m)
             with torch.random.fork_rng(devices=[], enabled=seeded):
-                if seeded:  # dropout is the id's own (manual_seed costs ~0.25 ms a call)
-                    torch.manual_seed(id_seed(seed, mb_id, stream=1))
+                if seeded:  # dropout is the id's own (manual_seed is not free)
+                    torch.manual_seed(id_seed(seed, mb_id, stream=Stream.DROPOUT))
                 self.faults.at("forward", step, j)
                 return self.rm.forward_backward(x, y, lambda: self.faults.at("backward", step, j))
 
@@ -267,14 +269,14 @@ class Trainer:
 
         Every survivor offers the record, on this thread, before its next step; any one that
         lands will do (they agree on everything but their own clocks). A `set` is sent without
-        waiting for a reply (a compare-and-set waited ~2 ms a step for the store's thread on a
-        loaded host), and it reaches the server before this replica's next request on the same
-        client: before it counts its next step, so before the sink can have read step + 2 and
-        deleted this key. Only the leader, from a background thread, was tried: a leader killed
-        before its offer left, with every other replica killed in the next step, lost a line
-        (CHANGELOG.md, 0.3.1). At a save point the writer offers its record after the save, with
-        the outcome; the others' records say `ckpt_pending` and the sink waits for the writer's
-        (`MetricsSink`).
+        waiting for a reply (a compare-and-set waits for the store's thread, milliseconds a step
+        on a loaded host: docs/MEASUREMENTS.md, "TCPStore"), and it reaches the server before
+        this replica's next request on the same client: before it counts its next step, so
+        before the sink can have read step + 2 and deleted this key. Not the leader alone, from a
+        background thread: a leader killed before its offer left, with every other replica
+        killed in the next step, would lose a line. At a save point the writer offers its record
+        after the save, with the outcome; the others' records say `ckpt_pending` and the sink
+        waits for the writer's (`MetricsSink`).
         """
         if self.rank == 0:
             self.recent.append((step, seal_record(self.token, step, rec)))
@@ -343,7 +345,7 @@ class Trainer:
                 log.info(f"preempted: saved a checkpoint at step {self.applied}")
         log.warning(f"preempted (SIGTERM): leaving at the step boundary after step "
                     f"{self.applied - 1}" + ("" if whole else "; the others take over"))
-        rep.leave("preempted")
+        rep.leave(PREEMPTED)
         return ExitCode.OK
 
     def rejoin_coordinator(self, e: Exception, end: int) -> bool:
@@ -352,7 +354,7 @@ class Trainer:
         wait_s, self.refused = self.cfg.ft.coordinator_wait_s, None
         if self.applied >= end or wait_s <= 0:
             return False
-        log.warning(f"the coordinator is unreachable ({_first_line(e)}); keeping the state of "
+        log.warning(f"the coordinator is unreachable ({first_line(e)}); keeping the state of "
                     f"step {self.applied} and waiting up to {wait_s:g}s for it to restart")
         try:
             if not self.rep.reconnect(self.applied, wait_s):
@@ -375,7 +377,7 @@ class Trainer:
 
     def stop_coordinator_lost(self, e: Exception, end: int) -> int:
         """No coordinator to go on with: the last leader checkpoints, and every rank stops."""
-        why = self.refused or _first_line(e)
+        why = self.refused or first_line(e)
         wait_s = self.cfg.ft.coordinator_wait_s
         if self.applied < end and wait_s > 0:  # it waited (rejoin_coordinator) in vain
             why = f"no coordinator came back within {wait_s:g}s ({why})"
@@ -396,15 +398,12 @@ class Trainer:
         self.rep.leave()
 
 
-def _first_line(e: Exception) -> str:
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
-
 
 def _run_start(run_dir: Path) -> float:
     """When the run started (the launcher's `run_start`: elapsed times in every log count from
     it); this process's start where the file is missing or unreadable."""
     try:
-        return float((run_dir / "run_start").read_text())
+        return float((run_dir / rundir.RUN_START).read_text())
     except (OSError, ValueError):
         return time.time()
 
@@ -429,9 +428,9 @@ def _strategy(cfg: RunConfig) -> StepStrategy | None:
 def _dump_final(run_dir: Path, module: torch.nn.Module, replica: int, rank: int,
                 nranks: int) -> None:
     """Each rank's final local parameters, to compare replicas bitwise (tests, debugging)."""
-    from recover.parallel.grads import local_tensor
+    from recover.layouts.sharded import local_tensor
 
-    (run_dir / "final").mkdir(exist_ok=True)
-    name = f"replica{replica}.pt" if nranks == 1 else f"replica{replica}.rank{rank}.pt"
+    (run_dir / rundir.FINAL).mkdir(exist_ok=True)
+    name = rundir.final_params(replica, rank, nranks)
     state = {k: local_tensor(v.detach()).clone() for k, v in module.state_dict().items()}
-    torch.save(state, run_dir / "final" / name)
+    torch.save(state, run_dir / rundir.FINAL / name)

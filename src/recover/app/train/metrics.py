@@ -11,7 +11,7 @@ carries the save's outcome (`ckpt`: the step written, or `ckpt_error`: why not, 
 console line) whenever the writer lived to offer it.
 
 Nothing read or written here ends the launcher. A record is sealed by its writer with the run
-token (`recover.collectives.sealed`, bound to its key): one that does not open (written without the
+token (`recover.control.sealed`, bound to its key): one that does not open (written without the
 token), is not JSON, or lacks a field of the right type is treated as absent and logged
 (rate-limited, once per key per interval), so a stranger's value can at worst delay a line until
 the replicas' own record replaces it. An append to `metrics.jsonl` the file system refuses (a full
@@ -32,11 +32,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from recover.app import rundir
 from recover.app.rundir import read_jsonl
 from recover.app.train.progress import ProgressView
 from recover.app.train.writers import Writers
-from recover.collectives import keys
-from recover.collectives.sealed import open_value, rejected, seal
+from recover.control import keys
+from recover.control.sealed import open_value, rejected, seal
 from recover.recovery import StepResult
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ def step_record(res: StepResult, lr: float, grad_norm: float, timer: StepTimer) 
 
 def seal_record(token: str | None, step: int, rec: dict[str, Any]) -> str:
     """A step record as its writer stores it (`rec/{step}`): JSON sealed with the run token
-    (`recover.collectives.sealed`), which the launcher's sink opens; ASCII throughout."""
+    (`recover.control.sealed`), which the launcher's sink opens; ASCII throughout."""
     return seal(token, keys.record_key(step), json.dumps(rec).encode()).decode("ascii")
 
 
@@ -280,7 +281,7 @@ class MetricsSink:
         source that says why a member went: lost, evicted on evidence, fenced)."""
         # The coordinator may be writing its last line right now: read_jsonl skips that one.
         try:
-            events = read_jsonl(self.path.parent / "coordinator.jsonl")
+            events = read_jsonl(self.path.parent / rundir.COORDINATOR_LOG)
         except OSError:
             return ""
         gens = {e["gen"]: e.get("reason", "") for e in events if e.get("event") == "generation"}

@@ -3,7 +3,7 @@ becomes a replica.
 
 Invariant: a plan only relabels or partitions the model's parameters; the function every replica
 computes, and every AdamW update, are those of the plain model. The model owns its plans (as in
-torchtitan): `recover.parallel` holds only model-agnostic pieces (FSDP2 over a shard group, a
+torchtitan): `recover.layouts` holds only model-agnostic pieces (FSDP2 over a shard group, a
 GPipe schedule over any stage module, the mesh), and this module names the GPT's submodules
 (`blocks`, `attn.c_attn`, `attn.c_proj`, `mlp.c_fc`, `mlp.c_proj`, `wte`, `lm_head`).
 
@@ -34,8 +34,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from recover.app.train.foreign import decoder_layers
-from recover.parallel.hsdp import shard_model
-from recover.parallel.pp import Pipeline, stage_blocks
+from recover.layouts.hsdp import shard_model
+from recover.layouts.pp import Pipeline, stage_blocks
 
 
 def qkv_order(n_embd: int, tp: int) -> torch.Tensor:

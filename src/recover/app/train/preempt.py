@@ -2,8 +2,8 @@
 
 Invariant: the first SIGTERM only asks (an Event, read at a point where stopping loses nothing:
 a replica's step boundary, the launcher's supervision loop); the second SIGTERM takes the path a
-SIGTERM took before preemption was handled (`fallback`: a replica ends at once, as killed; the
-launcher is interrupted). A replica also arms SIGALRM for the grace period: not gone by then, it
+SIGTERM takes without this handler (`fallback`: a replica ends at once, as killed; the launcher
+is interrupted). A replica also arms SIGALRM for the grace period: not gone by then, it
 ends as a crash (SIGALRM's default action) before the scheduler's SIGKILL would. The handler
 itself only sets flags and signals: no logging, no locks (it runs between any two bytecodes).
 """

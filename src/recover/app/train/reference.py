@@ -11,6 +11,8 @@ from typing import Any
 
 import matplotlib
 
+from recover.app import rundir
+
 matplotlib.use("Agg")  # headless: the plot is a file
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -29,9 +31,9 @@ def compare_final_params(run_dir: Path, ref_dir: Path) -> tuple[bool, float]:
     import torch
 
     ref_files: dict[str, Path] = {}
-    for f in sorted((ref_dir / "final").glob("replica*.pt")):
+    for f in sorted((ref_dir / rundir.FINAL).glob(rundir.FINAL_GLOB)):
         ref_files.setdefault(_rank_of(f), f)
-    run_files = sorted((run_dir / "final").glob("replica*.pt"))
+    run_files = sorted((run_dir / rundir.FINAL).glob(rundir.FINAL_GLOB))
     if not run_files or not ref_files:
         raise ValueError(f"no final parameters to compare in {run_dir} and {ref_dir}")
     equal, num, den = True, 0.0, 0.0

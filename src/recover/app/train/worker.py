@@ -16,13 +16,24 @@ import os
 import signal
 import socket
 import sys
-import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from recover.app import logs
-from recover.errors import ConfigError, RecoverError, UsageParser, usage_line
+from recover.app.rundir import CONFIG, COORDINATOR_FAILED, COORDINATOR_PORT
+from recover.deadline import poll_until
+from recover.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    RecoverError,
+    UsageParser,
+    usage_line,
+)
 from recover.settings import Bounds, LaunchEnv, Number, parse_address
+
+if TYPE_CHECKING:  # recover.app.config imports torch: not before the checks that do not
+    from recover.app.config import CheckedConfig
 
 log = logging.getLogger(__name__)
 
@@ -30,20 +41,18 @@ PROG = "python -m recover.app.train.worker"
 ID = Bounds(0)  # a replica id or a rank: >= 0 (the run's config.json bounds them above)
 WAIT = Bounds(0, 86_400)  # --wait-s: a day at most (a typo of hours must not hang a task)
 POLL_S = 0.2
-# In the run directory: the coordinator's port, written once it listens (`recover train`'s
-# coordinator, `CoordinatorConfig.port_file`), and, if it could not start, the reason.
-COORDINATOR_PORT = "coordinator.port"
-COORDINATOR_FAILED = "coordinator.failed"
 
 
 class Where(NamedTuple):
-    """Which rank of which replica this process is, of which run, and where its coordinator is."""
+    """Which rank of which replica this process is, of which run, and where its coordinator is;
+    and the run's config.json, checked (`check`: the rank's one check, handed to the loop)."""
 
     run_dir: Path
     replica: int
     rank: int
     host: str
     port: int
+    config: CheckedConfig | None = None
 
 
 def parser() -> UsageParser:
@@ -86,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         return run(*where)
-    except RecoverError as e:  # the run's data or checkpoint, found wanting as the rank sets up
+    # The run's config, data or checkpoint, found wanting as the rank sets up: not every
+    # RecoverError, since a run's fault (ReplicaFault, CoordinatorLost, ...) is one too and ends
+    # with its traceback and its own exit code, never as a usage error.
+    except (ConfigError, DataError, CheckpointError) as e:
         return usage_line(ap.prog, e)
 
 
@@ -108,8 +120,7 @@ def check(run_dir: str, replica: int | None, rank: int | None, coordinator: str 
     if gloo_ifname is not None:
         _check_interfaces(gloo_ifname)
     where = Where(Path(run_dir), replica, rank, host, port)
-    _check_run_dir(where)
-    return where
+    return where._replace(config=_check_run_dir(where))
 
 
 def _await_config(run_dir: Path, wait_s: float) -> None:
@@ -119,16 +130,17 @@ def _await_config(run_dir: Path, wait_s: float) -> None:
     launcher writes DIR/run.token before config.json, and config.json by a rename: once it
     exists, both are whole. ConfigError (one line) if the coordinator could not start
     (DIR/coordinator.failed): dialling its port would reach whatever holds it."""
-    deadline = time.monotonic() + wait_s
-    want = ["config.json", COORDINATOR_PORT] if wait_s > 0 else ["config.json"]
+    if wait_s <= 0:
+        return
+
     # os.path.isfile: a name the file system refuses is "not there", for `check` to name.
-    while time.monotonic() < deadline:
+    def ready() -> bool:
         if os.path.isfile(run_dir / COORDINATOR_FAILED):
             why = (run_dir / COORDINATOR_FAILED).read_text(errors="replace").strip()
             raise ConfigError(f"{run_dir}: {why or 'the coordinator did not start'}")
-        if all(os.path.isfile(run_dir / name) for name in want):
-            return
-        time.sleep(POLL_S)
+        return all(os.path.isfile(run_dir / name) for name in (CONFIG, COORDINATOR_PORT))
+
+    poll_until(ready, wait_s, POLL_S)
 
 
 def _check_interfaces(names: str) -> None:
@@ -140,16 +152,16 @@ def _check_interfaces(names: str) -> None:
                               f"(it has {', '.join(have)})")
 
 
-def _check_run_dir(where: Where) -> None:
+def _check_run_dir(where: Where) -> CheckedConfig:
     """The run directory holds a valid config.json, which this replica and rank belong to, and
-    the run's token (the file, or RECOVER_RUN_TOKEN)."""
+    the run's token (the file, or RECOVER_RUN_TOKEN); that config, checked."""
     from recover.app.runtoken import run_token
 
     d = where.run_dir
     try:
         if not str(d).strip() or not d.is_dir():
             raise ConfigError(f"--run-dir {str(d)!r}: no such directory")
-        if not (d / "config.json").is_file():
+        if not (d / CONFIG).is_file():
             raise ConfigError(f"--run-dir {d} holds no config.json: start the workers once "
                               "recover train (--external-workers) has written it")
     except OSError as e:  # a name too long for the file system, a folder it may not enter
@@ -157,7 +169,8 @@ def _check_run_dir(where: Where) -> None:
     run_token(d)  # a ConfigError that names the missing token and where it was looked for
     from recover.app.config import RunConfig  # imports torch: after the checks that do not
 
-    cfg = RunConfig.load(d / "config.json").validate()
+    checked = RunConfig.load(d / CONFIG).checked()
+    cfg = checked.cfg
     if where.replica >= cfg.layout.replicas:
         raise ConfigError(f"--replica {where.replica} is not in [0, {cfg.layout.replicas}): the "
                           "run's replica ids (config.json)")
@@ -165,6 +178,7 @@ def _check_run_dir(where: Where) -> None:
     if where.rank >= nranks:
         raise ConfigError(f"--rank {where.rank} is not in [0, {nranks}): --layout "
                           f"{cfg.layout.name} has {nranks} rank(s) per replica")
+    return checked
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
+from recover.app import rundir
 from recover.app.config import RunConfig, flatten
 from recover.errors import ConfigError
 
@@ -45,7 +46,7 @@ def tensorboard_dir(cfg: RunConfig) -> Path | None:
     if want.lower() in OFF:
         return None
     if want.lower() == AUTO:
-        return Path(cfg.run.out) / "tensorboard" if _installed("tensorboard") else None
+        return Path(cfg.run.out) / rundir.TENSORBOARD if _installed("tensorboard") else None
     return Path(want)
 
 
