@@ -1,4 +1,4 @@
-"""Multi-rank replicas (recover.parallel): HSDP, TP and PP replicas, real processes on CPU gloo.
+"""Multi-rank replicas (recover.layouts): HSDP, TP and PP replicas, real processes on CPU gloo.
 
 Failure-free, each layout follows the same trajectory as torch's native HSDP (for hsdp) or a
 single-process run (tp, pp): losses within relative 1e-5 at every step. With one rank of one
