@@ -40,7 +40,10 @@ BIN = Path(sys.executable).parent
 # torch, 3.5 s here) must be back before the 14th step; at 6x the 13 steps after the kill took
 # 3.2-4 s on a quiet 2-core host and the replacement came 15 ms after the run ended. Timing only:
 # the trajectory is N's. In a settings file: torchx refuses a flag given twice (--fault).
-SLOW = "[ft]\nfaults = [" + ", ".join(f'"slow:replica={r},factor=24"' for r in range(3)) + "]\n"
+# stale_s 5: the restarted replica rejoins on a loaded machine (three tests at a time), and its
+# main thread's first steps there must not read as a stall; a kill is seen at once either way.
+SLOW = ("[ft]\nstale_s = 5.0\nfaults = [" +
+        ", ".join(f'"slow:replica={r},factor=24"' for r in range(3)) + "]\n")
 
 
 def _wait_for(what: str, cond: Callable[[], bool], timeout_s: float,
