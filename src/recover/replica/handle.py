@@ -157,12 +157,13 @@ class Replica:
         exit code it was ending with (`invariant.exit_code`), before the interpreter's teardown.
         Why: destroying such a group there aborts the process ("terminate called without an
         active exception", exit -6), even one with every step applied; the app's worker ends
-        with os._exit for the same reason. Skipped with it: the atexit handlers registered
-        before this replica was made."""
+        with os._exit for the same reason. A multi-rank replica (a `mesh`) ends so too: its own
+        gloo group, torn down by the interpreter, can abort a rank whose steps all applied.
+        Skipped with it: the atexit handlers registered before this replica was made."""
         self.leave()
         from recover.collectives import reaper
 
-        if self._connection.troubled or reaper.held():
+        if self._connection.troubled or reaper.held() or self.mesh is not None:
             logging.shutdown()
             for f in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):
